@@ -1,0 +1,103 @@
+"""Attention layers: DeepSeek MLA (q/kv LoRA, decoupled rope key) and Qwen3 GQA (q/k norm).
+
+Heads are split over the attention-TP group; with fewer KV heads than ranks, KV heads are replicated
+(rank r holds KV head ``r // (attn_tp / kv_heads)``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.batch import ForwardBatch
+from model.config import ModelConfig
+from model.kernels import attention
+from model.layers import RMSNorm
+from model.rope import Rotary
+from parallelism.comm import Comm
+from parallelism.layout import divide
+from parallelism.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention. The KV context stores the normed latent ``[T, kv_lora]`` and the
+    roped key ``[T, rope_dim]`` once per token; per-head K/V are expanded from them with ``kv_b_proj``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, comm: Comm, rotary: Rotary, dtype=torch.float32):
+        super().__init__()
+        m = cfg.mla
+        self.layer, self.mla, self.rotary = layer, m, rotary
+        self.heads = divide(cfg.num_heads, comm.size, "attention heads over attn_tp")
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        if m.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, cfg.num_heads * m.qk_head_dim, comm, dtype=dtype)
+        else:
+            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps, dtype)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, cfg.num_heads * m.qk_head_dim, comm, dtype=dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.kv_lora_rank + m.qk_rope_head_dim, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps, dtype)
+        self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                              comm, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * m.v_head_dim, h, comm, dtype=dtype)
+        self.scale = m.qk_head_dim ** -0.5 * rotary.softmax_scale_multiplier()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        m, t = self.mla, x.shape[0]
+        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.heads, m.qk_head_dim)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, self.rotary.apply(q_pe, cos, sin)], dim=-1)  # [T, h, dn+dr]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, L]
+        k_pe = self.rotary.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
+        outs, start = [], 0
+        for i, (lat, kpe) in enumerate(batch.kv.store_and_gather(self.layer, (latent, k_pe))):
+            n = batch.query_lens[i]
+            kv = self.kv_b_proj(lat).view(lat.shape[0], self.heads, m.qk_nope_head_dim + m.v_head_dim)
+            k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, kpe[:, None, :].expand(-1, self.heads, -1)], dim=-1)
+            outs.append(attention(q[start:start + n], k, v, self.scale, batch.kv.mask(i)))
+            start += n
+        o = torch.cat(outs) if outs else q.new_zeros(0, self.heads, m.v_head_dim)
+        return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, comm: Comm, rotary: Rotary, dtype=torch.float32):
+        super().__init__()
+        self.layer, self.rotary, self.head_dim = layer, rotary, cfg.head_dim
+        self.heads = divide(cfg.num_heads, comm.size, "attention heads over attn_tp")
+        if cfg.num_kv_heads >= comm.size:
+            kv_shard, kv_shards = comm.rank, comm.size
+        else:  # replicate: several ranks hold the same KV head
+            kv_shard, kv_shards = comm.rank // divide(comm.size, cfg.num_kv_heads, "attn_tp over KV heads"), \
+                cfg.num_kv_heads
+        self.kv_heads = cfg.num_kv_heads // kv_shards
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, comm, dtype=dtype)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, comm, shard=kv_shard, num_shards=kv_shards,
+                                           dtype=dtype)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, comm, shard=kv_shard, num_shards=kv_shards,
+                                           dtype=dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, comm, dtype=dtype)
+        self.scale = d ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q = self.rotary.apply(self.q_norm(self.q_proj(x).view(t, self.heads, d)), cos, sin)
+        k = self.rotary.apply(self.k_norm(self.k_proj(x).view(t, self.kv_heads, d)), cos, sin)
+        v = self.v_proj(x).view(t, self.kv_heads, d)
+        groups = self.heads // self.kv_heads
+        outs, start = [], 0
+        for i, (ks, vs) in enumerate(batch.kv.store_and_gather(self.layer, (k, v))):
+            n = batch.query_lens[i]
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+            outs.append(attention(q[start:start + n], ks, vs, self.scale, batch.kv.mask(i)))
+            start += n
+        o = torch.cat(outs) if outs else q.new_zeros(0, self.heads, d)
+        return self.o_proj(o.reshape(t, self.heads * d))

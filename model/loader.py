@@ -1,0 +1,91 @@
+"""Shard-on-load for HF safetensors checkpoints (one file, or shards with ``model.safetensors.index.json``).
+
+Each rank asks the model for the tensors it needs (``CausalLM.checkpoint_plan``) and reads only its
+slices through ``safe_open(...).get_slice``. A missing or misshapen tensor, or a quantized dtype, is a
+:class:`CheckpointError` naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model.config import load_config
+from model.transformer import CausalLM
+from parallelism.comm import ParallelGroups
+
+QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "I32", "F4"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message names the tensor and the file."""
+
+
+class SliceSource:
+    """TensorSource over a safetensors slice: ``narrow`` reads only the requested rows."""
+
+    def __init__(self, slice_, name: str, file: str):
+        self._slice = slice_
+        self.shape = tuple(slice_.get_shape())
+        self.name, self.file = name, file
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * dim + [slice(start, start + length)]
+        return self._slice[tuple(index)]
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def weight_map(ckpt_dir: Path) -> dict[str, str]:
+    """Tensor name → file name inside ``ckpt_dir``."""
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {ckpt_dir}")
+    names: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            names.update(dict.fromkeys(f.keys(), file.name))
+    return names
+
+
+def load_weights(model: CausalLM, ckpt_dir: str | Path) -> int:
+    """Fills ``model`` from ``ckpt_dir``; returns the number of tensors read (this rank's plan)."""
+    ckpt_dir = Path(ckpt_dir)
+    names = weight_map(ckpt_dir)
+    plan = list(model.checkpoint_plan())
+    by_file: dict[str, list] = {}
+    for name, ct in plan:
+        if name not in names:
+            raise CheckpointError(f"missing tensor {name!r} in checkpoint {ckpt_dir} "
+                                  f"(files: {sorted(set(names.values()))})")
+        by_file.setdefault(names[name], []).append((name, ct))
+    for file, entries in by_file.items():
+        path = ckpt_dir / file
+        if not path.exists():
+            raise CheckpointError(f"index names {file!r}, which is missing from {ckpt_dir}")
+        with safe_open(str(path), "pt") as f:
+            for name, ct in entries:
+                sl = f.get_slice(name)
+                if sl.get_dtype() in QUANTIZED_DTYPES:
+                    raise CheckpointError(f"tensor {name!r} in {path} has quantized dtype {sl.get_dtype()}; "
+                                          "quantized checkpoints are not supported yet")
+                shape = tuple(sl.get_shape())
+                if shape != ct.full_shape:
+                    raise CheckpointError(f"tensor {name!r} in {path} has shape {list(shape)}, "
+                                          f"expected {list(ct.full_shape)}")
+                ct.load(SliceSource(sl, name, str(path)))
+    return len(plan)
+
+
+def load_model(ckpt_dir: str | Path, groups: ParallelGroups, dtype=torch.float32) -> CausalLM:
+    """Config + sharded weights of ``ckpt_dir`` for this rank."""
+    model = CausalLM(load_config(ckpt_dir), groups, dtype)
+    load_weights(model, ckpt_dir)
+    return model.eval()

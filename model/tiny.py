@@ -1,0 +1,73 @@
+"""Tiny random checkpoints written by HF transformers' ``save_pretrained`` (tests, demo, presets).
+
+The configs exercise what the parity tests must cover: group-limited routing with
+``topk_group < n_group``, non-negative non-zero correction biases, YaRN with mscale, a vocab not
+divisible by 8, dense first layers, shared experts, fewer KV heads than 8 ranks (Qwen3-MoE).
+Weights use a wide init (std 0.2) so logits differ clearly between tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+PRESETS = ("tiny_deepseek", "tiny_qwen3_moe")
+
+
+def _deepseek_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    kw = dict(
+        vocab_size=203, hidden_size=64, intermediate_size=128, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        max_position_embeddings=512, initializer_range=0.2, eos_token_id=1, bos_token_id=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "beta_fast": 32, "beta_slow": 1},
+    )
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def _qwen3_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=203, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, initializer_range=0.2,
+        eos_token_id=1, bos_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def write_tiny(preset: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Writes preset ``preset`` (see PRESETS) to ``out_dir`` with HF ``save_pretrained``; returns the dir."""
+    try:
+        from transformers import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
+    except ImportError as err:
+        raise RuntimeError("writing tiny checkpoints needs transformers (pip install -e '.[test]')") from err
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny preset {preset!r}; known: {PRESETS}")
+    torch.manual_seed(seed)
+    if preset == "tiny_deepseek":
+        model = DeepseekV3ForCausalLM(_deepseek_config(**overrides))
+        with torch.no_grad():
+            for layer in model.model.layers[model.config.first_k_dense_replace:]:
+                layer.mlp.gate.e_score_correction_bias.uniform_(0.0, 0.2)  # non-negative: HF masks with 0.0
+    else:
+        model = Qwen3MoeForCausalLM(_qwen3_config(**overrides))
+    out_dir = Path(out_dir)
+    model.eval().save_pretrained(out_dir)
+    return out_dir
+
+
+def load_hf(ckpt_dir: str | Path):
+    """The HF transformers reference model for a checkpoint dir (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()

@@ -1,0 +1,86 @@
+"""The decoder stack shared by DeepSeek-V3/Kimi and Qwen3-MoE; module names mirror HF checkpoint names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from model.attention import GQAAttention, MLAAttention
+from model.batch import ForwardBatch
+from model.config import ModelConfig
+from model.layers import GatedMLP, RMSNorm
+from model.moe import MoE
+from model.rope import Rotary
+from parallelism.comm import ParallelGroups
+from parallelism.dispatch import make_dispatcher
+from parallelism.layout import ExpertPlacement
+from parallelism.linear import CheckpointTensor, ParallelLMHead, ShardedModule, VocabParallelEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, groups: ParallelGroups, rotary: Rotary,
+                 placement: ExpertPlacement, dtype):
+        super().__init__()
+        attn_cls = MLAAttention if cfg.mla is not None else GQAAttention
+        self.self_attn = attn_cls(cfg, layer, groups.attn_tp, rotary, dtype)
+        if cfg.moe_layers[layer]:
+            self.mlp = MoE(cfg, groups, placement, make_dispatcher(groups, placement), dtype)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, groups.attn_tp, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype):
+        super().__init__()
+        self.rotary = Rotary(cfg.rope)
+        placement = ExpertPlacement(cfg.moe.num_experts, groups.layout.moe_ep, groups.layout.moe_tp,
+                                    groups.layout.placement)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, groups, self.rotary, placement, dtype)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    """``forward(batch)`` → final hidden states ``[T, H]``; ``logits(hidden)`` → ``[T, vocab]`` on
+    attention-TP rank 0 (None on the other ranks of the group)."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype=torch.float32):
+        super().__init__()
+        groups.layout.validate_model(cfg.num_heads, cfg.num_kv_heads, cfg.moe.num_experts, cfg.vocab_size)
+        self.cfg, self.groups = cfg, groups
+        self.model = Backbone(cfg, groups, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        m = self.model
+        x = m.embed_tokens(batch.input_ids)
+        cos, sin = m.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in m.layers:
+            x = layer(x, batch, cos, sin)
+        return m.norm(x)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def checkpoint_plan(self) -> Iterator[tuple[str, CheckpointTensor]]:
+        """Every checkpoint tensor this rank needs, by full HF name."""
+        for path, module in self.named_modules():
+            if not isinstance(module, ShardedModule):
+                continue
+            prefix = path.rsplit(".", 1)[0] if getattr(module, "names_relative_to_parent", False) else path
+            for ct in module.checkpoint_tensors():
+                name = f"{prefix}.{ct.suffix}"
+                if path == "lm_head" and self.cfg.tie_word_embeddings:
+                    name = "model.embed_tokens.weight"
+                yield name, ct

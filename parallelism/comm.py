@@ -1,0 +1,201 @@
+"""The one module that calls ``torch.distributed``.
+
+Every collective goes through a :class:`Comm` bound to one process group; each call is counted in a
+shared :class:`CommCounter` by (group kind, op): calls and bytes. ``bytes`` is the size of the tensor
+this rank contributes (all-reduce: the tensor; all-gather: the local part; all-to-all: the send
+buffer; reduce-scatter: the full input), so per-token figures compare layouts on equal terms.
+A group of size 1 does nothing and counts nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parallelism.layout import Layout
+
+
+@dataclass
+class CommCounter:
+    """Calls and bytes per ``(group_kind, op)``."""
+
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, group: str, op: str, nbytes: int) -> None:
+        self.calls[(group, op)] += 1
+        self.bytes[(group, op)] += nbytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{"group/op": {"calls": n, "bytes": b}}``, JSON-ready."""
+        return {
+            f"{g}/{op}": {"calls": self.calls[(g, op)], "bytes": self.bytes[(g, op)]}
+            for (g, op) in sorted(self.calls)
+        }
+
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """Collectives over one process group, counted. ``size == 1`` is a no-op path."""
+
+    def __init__(self, kind: str, group: dist.ProcessGroup | None, ranks: list[int], counter: CommCounter):
+        self.kind = kind
+        self.group = group
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.rank = ranks.index(dist.get_rank()) if self.size > 1 else 0
+        self.counter = counter
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group in place; returns ``x``."""
+        if self.size == 1:
+            return x
+        self.counter.record(self.kind, "all_reduce", _nbytes(x))
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, ...]`` per rank → ``[size*n, ...]`` in group-rank order (equal ``n`` on every rank)."""
+        if self.size == 1:
+            return x
+        self.counter.record(self.kind, "all_gather", _nbytes(x))
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``[size*n, ...]`` → the sum over ranks of this rank's ``[n, ...]`` chunk."""
+        if self.size == 1:
+            return x
+        self.counter.record(self.kind, "reduce_scatter", _nbytes(x))
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+    def gather(self, x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+        """``[n, ...]`` per rank → ``[size*n, ...]`` on group rank ``dst``; None on the others."""
+        if self.size == 1:
+            return x
+        self.counter.record(self.kind, "gather", _nbytes(x))
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
+        dist.gather(x, parts, dst=self.ranks[dst], group=self.group)
+        return torch.cat(parts) if parts is not None else None
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows ``x[sum(send_counts[:r]) : ...]`` go to group rank r; returns ``[sum(recv_counts), ...]``."""
+        if self.size == 1:
+            return x
+        self.counter.record(self.kind, "all_to_all", _nbytes(x))
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group)
+        return out
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """Each rank's ``[size]`` int64 row counts → the counts every rank sends to this one."""
+        if self.size == 1:
+            return send_counts
+        self.counter.record(self.kind, "all_to_all", _nbytes(send_counts))
+        out = torch.empty_like(send_counts)
+        dist.all_to_all_single(out, send_counts.contiguous(), group=self.group)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast ``x`` in place from group rank ``src``."""
+        if self.size == 1:
+            return x
+        self.counter.record(self.kind, "broadcast", _nbytes(x))
+        dist.broadcast(x, self.ranks[src], group=self.group)
+        return x
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """Broadcast a picklable object (control plane: step plans, not activations)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, self.ranks[src], group=self.group)
+        return box[0]
+
+    def gather_objects(self, obj: object, dst: int = 0) -> list[object] | None:
+        """Picklable objects of every rank, in group order, on ``dst``; None elsewhere."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=self.ranks[dst], group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups of one rank, built once from a Layout and passed down to every layer."""
+
+    layout: Layout
+    rank: int
+    counter: CommCounter
+    world: Comm
+    attn_tp: Comm
+    attn_dp: Comm
+    moe_tp: Comm
+    moe_ep: Comm
+
+    @property
+    def coords(self):
+        return self.layout.coords(self.rank)
+
+
+def build_groups(layout: Layout, counter: CommCounter | None = None) -> ParallelGroups:
+    """Creates every process group of ``layout`` (collective: all ranks must call it)."""
+    counter = counter or CommCounter()
+    if layout.world_size == 1:
+        rank = 0
+        comms = {kind: Comm(kind, None, [0], counter) for kind in ("world", "attn_tp", "attn_dp", "moe_tp", "moe_ep")}
+        return ParallelGroups(layout=layout, rank=rank, counter=counter, **comms)
+    rank = dist.get_rank()
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"layout world_size {layout.world_size} != launched world {dist.get_world_size()}")
+    comms = {}
+    for kind, rank_lists in layout.groups().items():
+        for ranks in rank_lists:
+            group = dist.group.WORLD if kind == "world" else dist.new_group(ranks)
+            if rank in ranks:
+                comms[kind] = Comm(kind, group, ranks, counter)
+    return ParallelGroups(layout=layout, rank=rank, counter=counter, **comms)
+
+
+def init_distributed(rank: int, world_size: int, master_port: int, backend: str | None = None,
+                     timeout_s: float = 300.0) -> None:
+    """Initialises the default process group on loopback (gloo on CPU, NCCL on GPUs)."""
+    if world_size == 1 or dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(master_port)
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,179 @@
+"""MoE token dispatchers: move routed tokens to the ranks holding their experts and back.
+
+One interface, backends chosen in one registry (:func:`make_dispatcher`):
+
+- ``allreduce``: tokens replicated on every rank (TP attention). Each rank runs its local experts (or
+  expert shards) on all tokens; one all-reduce over the world sums routed + shared partials.
+  Per MoE layer: 1 all_reduce.
+- ``alltoall``: tokens partitioned (DP attention). Each token goes once to every rank holding at least
+  one of its experts (expert-TP shards are "virtual experts": every shard's rank gets the token);
+  uneven counts. Per MoE layer: 3 all_to_all in dispatch (counts, rows, routing) + 1 in combine.
+- ``allgather``: tokens partitioned; all-gather (padded to the largest rank), local compute,
+  reduce-scatter. Fixed shapes. Per MoE layer: 1 all_gather of counts + 2 all_gather (rows, routing)
+  + 1 reduce_scatter.
+- ``deepep``: DeepEP kernels; needs the ``deep_ep`` package and NVLink GPUs.
+
+Expert-side contract: :class:`ExpertInput` rows with, per routing choice, the local expert slot
+(``-1`` when that expert is not on this rank) and its weight. Experts return the *weighted* sum over
+their valid slots per row, ``[N, H]``; combine only moves and sums rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallelism.comm import ParallelGroups
+from parallelism.layout import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class ExpertInput:
+    """Rows for the local experts."""
+
+    hidden: torch.Tensor   # [N, H]
+    slots: torch.Tensor    # [N, k] int64 local expert slot, -1 = not on this rank
+    weights: torch.Tensor  # [N, k] float32 routing weights
+
+
+@dataclass(frozen=True)
+class AllToAllMeta:
+    """What combine needs to send expert outputs back to their owners."""
+
+    num_tokens: int
+    token_index: torch.Tensor  # [S] int64: local token of each sent row, grouped by destination
+    send_counts: list[int]
+    recv_counts: list[int]
+
+
+@dataclass(frozen=True)
+class AllGatherMeta:
+    num_tokens: int
+    padded: int  # rows per rank after padding
+
+
+class Dispatcher:
+    """Base class. ``dispatch`` → local experts → ``combine``."""
+
+    name = "base"
+    needs_partitioned_tokens = False
+    graph_safe = False
+    needs_nvlink = False
+
+    def __init__(self, groups: ParallelGroups, placement: ExpertPlacement):
+        self.groups = groups
+        self.world = groups.world
+        rank = groups.rank
+        e = placement.num_experts
+        local_slot = torch.full((e,), -1, dtype=torch.int64)
+        holders = torch.zeros(e, groups.layout.world_size, dtype=torch.bool)  # [E, W]
+        for expert in range(e):
+            ranks = placement.ranks_of(expert)
+            holders[expert, ranks] = True
+            if rank in ranks:
+                local_slot[expert] = placement.local_slot_of(expert)
+        self.local_slot = local_slot  # [E]
+        self.holders = holders
+        slot_of = torch.tensor([placement.local_slot_of(x) for x in range(e)])[:, None]  # [E, 1]
+        self.slot_at_rank = torch.where(holders, slot_of, -1)  # [E, W]: expert's slot on rank r, or -1
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` → (ExpertInput, meta)."""
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, meta, shared: torch.Tensor | None) -> torch.Tensor:
+        """Expert outputs ``[N, H]`` (+ this rank's shared-expert partial ``[T, H]``) → MoE output ``[T, H]``."""
+        raise NotImplementedError
+
+
+class AllReduceDispatcher(Dispatcher):
+    name = "allreduce"
+    graph_safe = True
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        return ExpertInput(x, self.local_slot[topk_ids], topk_weights.float()), x.shape[0]
+
+    def combine(self, y, meta, shared):
+        out = y if shared is None else y + shared
+        return self.world.all_reduce(out)
+
+
+class AllToAllDispatcher(Dispatcher):
+    name = "alltoall"
+    needs_partitioned_tokens = True
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        t, k = topk_ids.shape
+        dest = self.holders[topk_ids].any(dim=1)  # [T, W]: token t needs rank r
+        dest_rank, token_index = dest.t().nonzero(as_tuple=True)  # grouped by destination rank
+        send_counts_t = torch.bincount(dest_rank, minlength=self.world.size)
+        recv_counts_t = self.world.exchange_counts(send_counts_t)
+        send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
+        slots = self.slot_at_rank[topk_ids[token_index], dest_rank[:, None]]  # [S, k] slot at the destination
+        routing = torch.cat([slots.float(), topk_weights[token_index].float()], dim=1)  # [S, 2k]
+        hidden = self.world.all_to_all(x[token_index], send_counts, recv_counts)
+        routing = self.world.all_to_all(routing, send_counts, recv_counts)
+        meta = AllToAllMeta(t, token_index, send_counts, recv_counts)
+        return ExpertInput(hidden, routing[:, :k].long(), routing[:, k:]), meta
+
+    def combine(self, y, meta, shared):
+        back = self.world.all_to_all(y, meta.recv_counts, meta.send_counts)  # [S, H]
+        out = torch.zeros(meta.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        out.index_add_(0, meta.token_index, back)
+        return out if shared is None else out + shared
+
+
+class AllGatherDispatcher(Dispatcher):
+    name = "allgather"
+    needs_partitioned_tokens = True
+    graph_safe = True
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        t = x.shape[0]
+        counts = self.world.all_gather(torch.tensor([t], dtype=torch.int64))
+        padded = int(counts.max())
+        pad = padded - t
+        x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)
+        routing = torch.nn.functional.pad(routing, (0, 0, 0, pad), value=0.0)
+        routing[t:, : topk_ids.shape[1]] = -1  # padding rows route nowhere
+        hidden = self.world.all_gather(x_pad)
+        routing = self.world.all_gather(routing)
+        k = topk_ids.shape[1]
+        ids = routing[:, :k].long()
+        slots = torch.where(ids >= 0, self.local_slot[ids.clamp(min=0)], -1)
+        return ExpertInput(hidden, slots, routing[:, k:]), AllGatherMeta(t, padded)
+
+    def combine(self, y, meta, shared):
+        out = self.world.reduce_scatter(y)[: meta.num_tokens]
+        return out if shared is None else out + shared
+
+
+class DeepEPUnavailable(RuntimeError):
+    pass
+
+
+def _deepep_factory(groups: ParallelGroups, placement: ExpertPlacement) -> Dispatcher:
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError as err:
+        raise DeepEPUnavailable(
+            "dispatcher 'deepep' needs the deep_ep package built from source (github deepseek-ai/DeepEP; "
+            "the PyPI 'deep-ep' upload is not usable) and NVLink-connected GPUs; not available here: "
+            "use parallel.dispatcher=alltoall (the torch.distributed fallback)"
+        ) from err
+    raise DeepEPUnavailable("deep_ep imported, but the DeepEP dispatcher path is not built yet: use 'alltoall'")
+
+
+_REGISTRY = {
+    "allreduce": AllReduceDispatcher,
+    "alltoall": AllToAllDispatcher,
+    "allgather": AllGatherDispatcher,
+    "deepep": _deepep_factory,
+}
+
+
+def make_dispatcher(groups: ParallelGroups, placement: ExpertPlacement) -> Dispatcher:
+    """The one place a dispatcher backend is chosen: ``layout.resolved_dispatcher``."""
+    return _REGISTRY[groups.layout.resolved_dispatcher](groups, placement)

@@ -1,0 +1,166 @@
+"""The layout algebra: parallel degrees as one frozen, validated dataclass with pure rank math.
+
+Rank order (written down once, Megatron/SGLang convention):
+- attention: ``rank = dp_rank * attn_tp + tp_rank`` (attention-TP innermost);
+- experts:   ``rank = ep_rank * moe_tp + etp_rank`` (expert-TP innermost),
+so ranks that share an attention shard or an expert sit next to each other (the fastest links).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DISPATCHERS = ("auto", "allreduce", "alltoall", "allgather", "deepep")
+PLACEMENTS = ("linear", "round_robin")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message names the violated constraint."""
+
+
+def divide(numerator: int, denominator: int, what: str = "value") -> int:
+    """``numerator / denominator`` that refuses to round: raises LayoutError naming ``what``."""
+    if denominator <= 0 or numerator % denominator != 0:
+        raise LayoutError(f"{what}: {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits in each grid."""
+
+    rank: int
+    attn_tp_rank: int
+    attn_dp_rank: int
+    moe_tp_rank: int
+    moe_ep_rank: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees of one job. ``attn_tp*attn_dp == moe_tp*moe_ep == world_size``."""
+
+    world_size: int = 1
+    attn_tp: int = 1
+    attn_dp: int = 1
+    moe_tp: int = 1
+    moe_ep: int = 1
+    dispatcher: str = "auto"
+    placement: str = "linear"
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "attn_tp", "attn_dp", "moe_tp", "moe_ep"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.attn_tp * self.attn_dp != self.world_size:
+            raise LayoutError(
+                f"attn_tp*attn_dp must equal world_size: {self.attn_tp}*{self.attn_dp} != {self.world_size}"
+            )
+        if self.moe_tp * self.moe_ep != self.world_size:
+            raise LayoutError(
+                f"moe_tp*moe_ep must equal world_size: {self.moe_tp}*{self.moe_ep} != {self.world_size}"
+            )
+        if self.dispatcher not in DISPATCHERS:
+            raise LayoutError(f"parallel.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
+        if self.placement not in PLACEMENTS:
+            raise LayoutError(f"parallel.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.dispatcher == "allreduce" and self.attn_dp > 1:
+            raise LayoutError(
+                "dispatcher 'allreduce' needs tokens replicated on every rank (attn_dp == 1), "
+                f"got attn_dp={self.attn_dp}; use 'alltoall' or 'allgather'"
+            )
+        if self.dispatcher in ("alltoall", "allgather", "deepep") and self.attn_tp > 1:
+            raise LayoutError(
+                f"dispatcher {self.dispatcher!r} needs tokens partitioned over ranks (attn_tp == 1), "
+                f"got attn_tp={self.attn_tp}; use 'allreduce'"
+            )
+        if self.attn_tp > 1 and self.attn_dp > 1:
+            raise LayoutError(
+                f"mixed attention (attn_tp={self.attn_tp} x attn_dp={self.attn_dp}) has no MoE dispatcher yet: "
+                "use attn_tp == world_size (allreduce) or attn_dp == world_size (alltoall/allgather)"
+            )
+
+    @property
+    def resolved_dispatcher(self) -> str:
+        """The dispatcher backend ``auto`` stands for: allreduce with TP attention, alltoall with DP."""
+        if self.dispatcher != "auto":
+            return self.dispatcher
+        return "allreduce" if self.attn_dp == 1 else "alltoall"
+
+    def coords(self, rank: int) -> RankCoords:
+        """Grid coordinates of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside world of size {self.world_size}")
+        return RankCoords(
+            rank=rank,
+            attn_tp_rank=rank % self.attn_tp,
+            attn_dp_rank=rank // self.attn_tp,
+            moe_tp_rank=rank % self.moe_tp,
+            moe_ep_rank=rank // self.moe_tp,
+        )
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Rank lists of every process group, by kind. Each kind partitions the world."""
+        w = self.world_size
+        return {
+            "world": [list(range(w))],
+            "attn_tp": [list(range(d * self.attn_tp, (d + 1) * self.attn_tp)) for d in range(self.attn_dp)],
+            "attn_dp": [list(range(t, w, self.attn_tp)) for t in range(self.attn_tp)],
+            "moe_tp": [list(range(e * self.moe_tp, (e + 1) * self.moe_tp)) for e in range(self.moe_ep)],
+            "moe_ep": [list(range(t, w, self.moe_tp)) for t in range(self.moe_tp)],
+        }
+
+    def validate_model(self, num_heads: int, num_kv_heads: int, num_experts: int, vocab_size: int) -> None:
+        """Checks the layout against a model's dimensions; raises LayoutError naming what does not divide."""
+        divide(num_heads, self.attn_tp, f"attention heads ({num_heads}) over attn_tp={self.attn_tp}")
+        if num_kv_heads < self.attn_tp:
+            divide(self.attn_tp, num_kv_heads, f"attn_tp={self.attn_tp} over KV heads ({num_kv_heads}) for replication")
+        else:
+            divide(num_kv_heads, self.attn_tp, f"KV heads ({num_kv_heads}) over attn_tp={self.attn_tp}")
+        if num_experts:
+            divide(num_experts, self.moe_ep, f"routed experts ({num_experts}) over moe_ep={self.moe_ep}")
+        if vocab_size < 1:
+            raise LayoutError(f"vocab_size must be >= 1, got {vocab_size}")
+
+    def describe(self) -> str:
+        """Short human name, e.g. ``attn tp8 | moe ep8 (allreduce)``."""
+        attn = f"tp{self.attn_tp}" if self.attn_dp == 1 else f"dp{self.attn_dp}"
+        if self.attn_tp > 1 and self.attn_dp > 1:
+            attn = f"tp{self.attn_tp}xdp{self.attn_dp}"
+        moe = "x".join(p for p in (f"tp{self.moe_tp}" * (self.moe_tp > 1), f"ep{self.moe_ep}" * (self.moe_ep > 1)) if p)
+        return f"attn {attn} | moe {moe or 'tp1'} ({self.resolved_dispatcher})"
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which ranks hold which routed experts. Pure math over a Layout and an expert count.
+
+    ``linear``: expert e on EP rank ``e // experts_per_rank``, local slot ``e % experts_per_rank``.
+    ``round_robin``: EP rank ``e % moe_ep``, local slot ``e // moe_ep``.
+    Each expert's intermediate dim is split over the ``moe_tp`` ranks of its EP rank.
+    """
+
+    num_experts: int
+    moe_ep: int
+    moe_tp: int
+    kind: str = "linear"
+
+    @property
+    def experts_per_rank(self) -> int:
+        return divide(self.num_experts, self.moe_ep, f"routed experts over moe_ep={self.moe_ep}")
+
+    def ep_rank_of(self, expert: int) -> int:
+        return expert // self.experts_per_rank if self.kind == "linear" else expert % self.moe_ep
+
+    def local_slot_of(self, expert: int) -> int:
+        return expert % self.experts_per_rank if self.kind == "linear" else expert // self.moe_ep
+
+    def local_experts(self, ep_rank: int) -> list[int]:
+        """Global ids of the experts held by ``ep_rank``, in local-slot order."""
+        experts = [e for e in range(self.num_experts) if self.ep_rank_of(e) == ep_rank]
+        return sorted(experts, key=self.local_slot_of)
+
+    def ranks_of(self, expert: int) -> list[int]:
+        """World ranks holding a shard of ``expert`` (``moe_tp`` of them)."""
+        base = self.ep_rank_of(expert) * self.moe_tp
+        return [base + s for s in range(self.moe_tp)]
