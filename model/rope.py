@@ -41,7 +41,8 @@ class Rotary:
             if cfg.attention_factor is not None:
                 self.attention_factor = float(cfg.attention_factor)
             elif cfg.mscale and cfg.mscale_all_dim:
-                self.attention_factor = yarn_mscale(cfg.factor, cfg.mscale) / yarn_mscale(cfg.factor, cfg.mscale_all_dim)
+                ratio = yarn_mscale(cfg.factor, cfg.mscale) / yarn_mscale(cfg.factor, cfg.mscale_all_dim)
+                self.attention_factor = ratio
             else:
                 self.attention_factor = yarn_mscale(cfg.factor)
         else:

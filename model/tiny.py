@@ -66,6 +66,27 @@ def write_tiny(preset: str, out_dir: str | Path, seed: int = 0, **overrides) -> 
     return out_dir
 
 
+def preset_dir(preset: str, cache_root: str | Path | None = None) -> Path:
+    """The directory of a built-in preset, written on first use (atomically) under the cache root
+    (``$SWITCHYARD_CACHE`` or ``~/.cache/switchyard``)."""
+    import os
+    import tempfile
+
+    root = Path(cache_root or os.environ.get("SWITCHYARD_CACHE", Path.home() / ".cache" / "switchyard"))
+    target = root / preset
+    if not (target / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{preset}-"))
+        write_tiny(preset, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def load_hf(ckpt_dir: str | Path):
     """The HF transformers reference model for a checkpoint dir (fp32, eval)."""
     from transformers import AutoModelForCausalLM

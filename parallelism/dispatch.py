@@ -177,3 +177,27 @@ _REGISTRY = {
 def make_dispatcher(groups: ParallelGroups, placement: ExpertPlacement) -> Dispatcher:
     """The one place a dispatcher backend is chosen: ``layout.resolved_dispatcher``."""
     return _REGISTRY[groups.layout.resolved_dispatcher](groups, placement)
+
+
+def expected_forward_calls(layout, num_layers: int, num_moe_layers: int, logits: bool = True) -> dict[str, int]:
+    """Collective calls of one forward per rank, by ``"group/op"`` — the formula the tests check.
+
+    TP attention (allreduce): ``attn_tp/all_reduce = 1 (embedding) + L (o_proj) + L_dense (down_proj)``,
+    ``world/all_reduce = L_moe`` (routed + shared experts share it), ``attn_tp/gather = 1`` (LM head).
+    DP attention: no attention or dense collectives; alltoall ``world/all_to_all = 4 L_moe``;
+    allgather ``world/all_gather = 3 L_moe`` and ``world/reduce_scatter = L_moe``.
+    """
+    if layout.world_size == 1:
+        return {}
+    dense = num_layers - num_moe_layers
+    kind = layout.resolved_dispatcher
+    if kind == "allreduce":
+        calls = {"attn_tp/all_reduce": 1 + num_layers + dense, "world/all_reduce": num_moe_layers}
+        if logits:
+            calls["attn_tp/gather"] = 1
+        return calls
+    if kind == "alltoall":
+        return {"world/all_to_all": 4 * num_moe_layers}
+    if kind == "allgather":
+        return {"world/all_gather": 3 * num_moe_layers, "world/reduce_scatter": num_moe_layers}
+    raise ValueError(f"no call formula for dispatcher {kind!r}")

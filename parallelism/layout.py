@@ -127,8 +127,9 @@ class Layout:
         attn = f"tp{self.attn_tp}" if self.attn_dp == 1 else f"dp{self.attn_dp}"
         if self.attn_tp > 1 and self.attn_dp > 1:
             attn = f"tp{self.attn_tp}xdp{self.attn_dp}"
-        moe = "x".join(p for p in (f"tp{self.moe_tp}" * (self.moe_tp > 1), f"ep{self.moe_ep}" * (self.moe_ep > 1)) if p)
-        return f"attn {attn} | moe {moe or 'tp1'} ({self.resolved_dispatcher})"
+        parts = [f"tp{self.moe_tp}"] * (self.moe_tp > 1) + [f"ep{self.moe_ep}"] * (self.moe_ep > 1)
+        placement = "" if self.placement == "linear" else f", {self.placement}"
+        return f"attn {attn}, moe {'x'.join(parts) or 'tp1'} ({self.resolved_dispatcher}{placement})"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,213 @@
+"""Token sampling as pure tensor functions: no host sync, no generator state.
+
+Randomness is a counter-based hash of ``(seed, step, token_id)`` (splitmix64 in wrapping int64 torch ops), so a
+seeded request draws the same tokens whatever else is in its batch and in whatever order the batch is formed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_LOGPROBS = 20
+TOP_K_OFF = torch.iinfo(torch.int64).max  # any value >= V disables top-k
+
+
+def _int64(c: int) -> int:
+    """Two's-complement int64 value of a 64-bit pattern."""
+    c &= (1 << 64) - 1
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+GAMMA = _int64(0x9E3779B97F4A7C15)
+_M1 = _int64(0xBF58476D1CE4E5B9)
+_M2 = _int64(0x94D049BB133111EB)
+
+
+class SamplingError(ValueError):
+    """A SamplingParams field is out of range; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. ``temperature == 0`` is greedy; ``top_k`` -1 or 0, ``top_p`` 1 and ``min_p``
+    0 are off. ``logprobs`` is how many top log-probs to return per token (0 = none)."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        stop_ok = isinstance(self.stop_token_ids, tuple) and all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        )
+        checks = (
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0 and finite"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= -1, ">= -1"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"),
+            ("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+            ("stop_token_ids", stop_ok, "a tuple of non-negative ints"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors for B requests, built on the host once per step by :meth:`build`.
+
+    ``temperature, top_p, min_p [B]`` float32; ``top_k, seed, step [B]`` int64 (top_k ``TOP_K_OFF`` = off, step =
+    index of the output token being drawn). ``ban_rows, ban_ids [N]`` int64 are (row, token) pairs whose logit is
+    set to -inf (EOS/stop ids of rows still short of ``min_tokens``). ``num_logprobs`` is the batch's largest
+    ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work.
+    """
+
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+    min_p: Tensor
+    seed: Tensor
+    step: Tensor
+    ban_rows: Tensor
+    ban_ids: Tensor
+    num_logprobs: int
+    needs_sort: bool
+    all_greedy: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+        eos_ids: tuple[int, ...],
+        generated_counts: list[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """``seeds[i]`` is row i's effective seed (``params[i].seed``, or one the engine drew for an unseeded
+        request); ``generated_counts[i]`` the tokens it has produced so far. Banned ids must be < vocab size.
+        While ``generated_count < min_tokens`` stop ids are banned, and EOS ids too unless ``ignore_eos``."""
+        if not len(seeds) == len(steps) == len(generated_counts) == len(params):
+            raise ValueError(
+                f"params, seeds, steps, generated_counts must have equal lengths, got "
+                f"{len(params)}, {len(seeds)}, {len(steps)}, {len(generated_counts)}"
+            )
+        ban_rows, ban_ids = [], []
+        for row, (p, count) in enumerate(zip(params, generated_counts, strict=True)):
+            if count < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                ban_rows += [row] * len(banned)
+                ban_ids += sorted(banned)
+
+        def f32(xs):
+            return torch.tensor(xs, dtype=torch.float32, device=device)
+
+        def i64(xs):
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        sampled = [p for p in params if p.temperature > 0]
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_k=i64([p.top_k if p.top_k > 0 else TOP_K_OFF for p in params]),
+            top_p=f32([p.top_p for p in params]),
+            min_p=f32([p.min_p for p in params]),
+            seed=i64([_int64(s) for s in seeds]),
+            step=i64(steps),
+            ban_rows=i64(ban_rows),
+            ban_ids=i64(ban_ids),
+            num_logprobs=max((p.logprobs for p in params), default=0),
+            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+            all_greedy=not sampled,
+        )
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """``tokens [B]`` int64; ``logprobs [B]`` float32 of each chosen token under the unmodified
+    ``log_softmax(logits)``; ``top_ids [B, n]`` int64 and ``top_logprobs [B, n]`` float32 (descending) with n the
+    batch's largest requested ``logprobs`` (0 gives empty ``[B, 0]`` tensors)."""
+
+    tokens: Tensor
+    logprobs: Tensor
+    top_ids: Tensor
+    top_logprobs: Tensor
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: Tensor) -> Tensor:
+    """splitmix64 finaliser on int64 tensors; multiplication wraps mod 2**64, so results are bit-exact with the
+    unsigned reference reinterpreted as signed."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def gumbel_noise(seed: Tensor, step: Tensor, vocab_size: int) -> Tensor:
+    """Gumbel(0, 1) noise ``[B, V]`` float32, a pure function of ``(seed[b], step[b], token id)``.
+
+    Row key = ``mix64(mix64(seed) + step * GAMMA)``; token t gets the (t+1)-th splitmix64 output from that key.
+    The top 23 bits make ``u = (2b + 1) / 2**24``, exact in float32 and strictly inside (0, 1)."""
+    key = mix64(mix64(seed) + step * GAMMA)  # [B]
+    ids = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seed.device)
+    bits = mix64(key[:, None] + ids * GAMMA)  # [B, V]
+    u = (_shr(bits, 41) * 2 + 1).float() * 2.0**-24
+    return -(-u.log()).log()
+
+
+def filter_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:
+    """Temperature-scaled ``[B, V]`` logits with tokens removed by top-k, then top-p, then min-p set to -inf.
+
+    top-p keeps the smallest highest-probability prefix of the top-k-renormalised distribution whose mass
+    reaches ``top_p`` (the top token always survives); min-p drops tokens with ``prob < min_p * max_prob``.
+    """
+    if sb.needs_sort:
+        sorted_l, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        pos = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_l = sorted_l.masked_fill(pos >= sb.top_k[:, None], -math.inf)
+        probs = sorted_l.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        top_p = sb.top_p[:, None]
+        # top_p == 1 is skipped outright: float cumsum can reach 1 early and would drop tail tokens
+        sorted_l = sorted_l.masked_fill((mass_before >= top_p) & (top_p < 1), -math.inf)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_l)
+    # prob_i < min_p * prob_max  <=>  logit_i < logit_max + log(min_p); min_p == 0 gives -inf (keep all)
+    cutoff = logits.amax(dim=-1, keepdim=True) + sb.min_p.log()[:, None]
+    return logits.masked_fill(logits < cutoff, -math.inf)
+
+
+def sample(logits: Tensor, sb: SamplingBatch) -> SampleOutput:
+    """Draw one token per row of ``logits [B, V]`` float32 under ``sb``, without host synchronisation.
+
+    Rows with temperature 0 take the argmax (ties → lowest id). Others take the Gumbel-max of
+    :func:`filter_logits` over ``logits / temperature`` with :func:`gumbel_noise`, i.e. an exact draw from the
+    filtered softmax. Banned ids (min_tokens) are masked for both. Returned log-probs ignore all of that.
+    """
+    raw = logits.log_softmax(dim=-1)  # [B, V]
+    banned = logits.index_put((sb.ban_rows, sb.ban_ids), torch.tensor(-math.inf, device=logits.device))
+    tokens = banned.argmax(dim=-1)  # [B]
+    if not sb.all_greedy:
+        is_sampled = sb.temperature > 0
+        temp = torch.where(is_sampled, sb.temperature, 1.0)
+        filtered = filter_logits(banned / temp[:, None], sb)
+        drawn = (filtered + gumbel_noise(sb.seed, sb.step, logits.shape[-1])).argmax(dim=-1)
+        tokens = torch.where(is_sampled, drawn, tokens)
+    top_logprobs, top_ids = raw.topk(sb.num_logprobs, dim=-1)  # [B, n]
+    return SampleOutput(tokens, raw.gather(1, tokens[:, None]).squeeze(1), top_ids, top_logprobs)

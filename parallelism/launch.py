@@ -1,0 +1,46 @@
+"""Start the ranks of a job: under torchrun use its environment, otherwise spawn them on this machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from parallelism.comm import init_distributed, shutdown_distributed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(1)
+    init_distributed(rank, world_size, port)
+    try:
+        fn(rank, *args)
+    finally:
+        shutdown_distributed()
+
+
+def launch(world_size: int, fn: Callable, *args, master_port: int = 0) -> None:
+    """Runs ``fn(rank, *args)`` on every rank. A rank that raises fails the whole job (the others are
+    terminated), so a dead rank never leaves the job hanging."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise RuntimeError(f"torchrun WORLD_SIZE={os.environ['WORLD_SIZE']} but the layout needs {world_size}")
+        _rank_main(int(os.environ["RANK"]), world_size, int(os.environ.get("MASTER_PORT", 29500)), fn, args)
+        return
+    if world_size == 1:
+        fn(0, *args)
+        return
+    port = master_port or free_port()
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    mp.start_processes(_rank_main, args=(world_size, port, fn, args), nprocs=world_size, start_method=method)

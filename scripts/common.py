@@ -1,0 +1,34 @@
+"""Helpers shared by the entry points: hydra config → typed objects, model directory, logging."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model.tiny import preset_dir  # noqa: E402
+from parallelism.layout import Layout  # noqa: E402
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def layout_from(cfg: DictConfig) -> Layout:
+    return Layout(**OmegaConf.to_container(cfg.parallel, resolve=True))
+
+
+def model_dir(cfg: DictConfig) -> str:
+    """``model.path`` if given, else the built-in preset's directory (written on first use)."""
+    if cfg.model.get("path"):
+        return str(cfg.model.path)
+    if not cfg.model.get("preset"):
+        raise SystemExit("model.path=DIR is required for model=hf")
+    return str(preset_dir(cfg.model.preset))
+
+
+def setup_logging(rank: int = 0) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s r{rank} %(levelname)s %(name)s: %(message)s")

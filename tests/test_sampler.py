@@ -1,0 +1,267 @@
+"""Sampler: validation, greedy, filters, seeded batch invariance, and distribution checks.
+
+Token choices and filtered logits are compared bit-exactly; log-probs only to float tolerance. The sampler is
+deterministic given (seed, step), so the chi-square tests are fixed draws, not flaky ones.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from engine.sampler import (
+    GAMMA,
+    SamplingBatch,
+    SamplingError,
+    SamplingParams,
+    filter_logits,
+    gumbel_noise,
+    mix64,
+    sample,
+)
+
+EOS = (7,)
+
+
+def batch(params, seeds=None, steps=None, counts=None, eos=EOS) -> SamplingBatch:
+    n = len(params)
+    seeds = seeds if seeds is not None else [p.seed if p.seed is not None else 0 for p in params]
+    return SamplingBatch.build(params, seeds, steps or [0] * n, eos, counts or [0] * n)
+
+
+def splitmix64_ref(state: int, n: int) -> list[int]:
+    """Vigna's splitmix64 on unsigned Python ints, outputs reinterpreted as int64."""
+    mask, out = (1 << 64) - 1, []
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out.append(z - (1 << 64) if z >= 1 << 63 else z)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1234567, -1, -(2**63), 2**63 - 1])
+def test_mix64_is_bit_exact_splitmix64(seed):
+    got = mix64(torch.tensor(seed) + torch.arange(1, 6) * GAMMA).tolist()
+    assert got == splitmix64_ref(seed % 2**64, 5)
+    if seed == 1234567:  # published test vector
+        assert got[:2] == [6457827717110365317, 3203168211198807973]
+
+
+def test_gumbel_noise_is_in_range_and_keyed():
+    g = gumbel_noise(torch.tensor([3, 3, 4]), torch.tensor([0, 1, 0]), 1000)
+    assert torch.isfinite(g).all()
+    assert not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
+    # Gumbel(0, 1): mean = Euler–Mascheroni constant, var = pi^2 / 6
+    assert abs(g.mean().item() - 0.5772) < 0.05 and abs(g.var().item() - math.pi**2 / 6) < 0.15
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", float("nan")),
+        ("top_k", -2),
+        ("min_p", -0.1),
+        ("min_p", 1.1),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # > default max_tokens=16
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("stop_token_ids", (1, -2)),
+        ("stop_token_ids", [1, 2]),
+    ],
+)
+def test_validation_names_the_field(field, value):
+    with pytest.raises(SamplingError, match=rf"^{field} must be .*, got {re.escape(repr(value))}$"):
+        SamplingParams(**{field: value})
+    assert issubclass(SamplingError, ValueError)
+
+
+def test_validation_message_example():
+    with pytest.raises(SamplingError) as e:
+        SamplingParams(temperature=float("nan"))
+    assert str(e.value) == "temperature must be >= 0 and finite, got nan"
+
+
+def test_boundary_values_are_accepted():
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, max_tokens=1, min_tokens=1, logprobs=20)
+    SamplingParams(top_k=0, min_p=0.0, top_p=1e-9, logprobs=0, stop_token_ids=(0, 5))
+
+
+def test_greedy_is_argmax_even_beside_sampled_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[1, [3, 9]] = 10.0  # tie → lowest id
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)] + [SamplingParams(top_k=5)] * 4
+    out = sample(logits, batch(params, seeds=list(range(6))))
+    assert out.tokens[:2].tolist() == [logits[0].argmax().item(), 3]
+    all_greedy = sample(logits, batch([SamplingParams(temperature=0.0)] * 6))
+    assert torch.equal(all_greedy.tokens, logits.argmax(-1))
+
+
+def test_seeded_row_is_batch_and_order_invariant():
+    torch.manual_seed(1)
+    V = 300
+    target = torch.randn(V) * 0.5  # flat enough that the draw is far from argmax-determined
+    tp = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    for step in (0, 5, 31):
+        alone = sample(target[None], batch([tp], seeds=[42], steps=[step])).tokens.item()
+        others = [
+            SamplingParams(temperature=0.0),
+            SamplingParams(top_k=3, seed=1),
+            SamplingParams(temperature=2.0, min_p=0.1),
+            SamplingParams(top_p=0.5),
+            SamplingParams(temperature=0.5, top_k=50, logprobs=4),
+            SamplingParams(),
+            SamplingParams(seed=42),
+        ]
+        rows = [torch.randn(V) for _ in others]
+        for where in (0, 3, 7):
+            params = others[:where] + [tp] + others[where:]
+            logits = torch.stack(rows[:where] + [target] + rows[where:])
+            seeds = [100 + i for i in range(8)]
+            seeds[where] = 42
+            steps = [step if i == where else 1000 + i for i in range(8)]
+            assert sample(logits, batch(params, seeds=seeds, steps=steps)).tokens[where].item() == alone
+
+
+def test_different_seeds_give_different_sequences():
+    logits = torch.zeros(50, 1000)  # flat: every draw is pure noise
+    p = SamplingParams()
+
+    def seq(seed):
+        return sample(logits, batch([p] * 50, seeds=[seed] * 50, steps=list(range(50)))).tokens
+
+    a, b = seq(1), seq(2)
+    assert torch.equal(a, seq(1))
+    assert (a != b).sum() >= 45
+    assert a.unique().numel() >= 45  # steps vary the noise within one request
+
+
+def test_top_k_1_is_greedy():
+    torch.manual_seed(2)
+    logits = torch.randn(16, 100)
+    out = sample(logits, batch([SamplingParams(top_k=1)] * 16, seeds=list(range(16))))
+    assert torch.equal(out.tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("p", [SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0), SamplingParams(top_p=0.01)])
+def test_tight_filters_keep_only_the_top_token(p):
+    torch.manual_seed(3)
+    logits = torch.randn(16, 100)
+    out = sample(logits, batch([p] * 16, seeds=list(range(16)), steps=list(range(16))))
+    assert torch.equal(out.tokens, logits.argmax(-1))
+
+
+def kept(logits_row, p: SamplingParams) -> list[int]:
+    return torch.isfinite(filter_logits(logits_row[None], batch([p]))[0]).nonzero().flatten().tolist()
+
+
+def test_filters_hand_worked():
+    logits = torch.tensor([0.3, 0.5, 0.05, 0.15]).log()  # sorted ids: 1, 0, 3, 2
+    assert kept(logits, SamplingParams(top_p=0.4)) == [1]
+    assert kept(logits, SamplingParams(top_p=0.7)) == [0, 1]
+    assert kept(logits, SamplingParams(top_p=0.85)) == [0, 1, 3]
+    assert kept(logits, SamplingParams(top_p=1.0)) == [0, 1, 2, 3]
+    assert kept(logits, SamplingParams(top_k=3)) == [0, 1, 3]
+    # top-p runs on the top-k renormalised mass: {0.5, 0.3} → {0.625, 0.375}
+    assert kept(logits, SamplingParams(top_k=2, top_p=0.6)) == [1]
+    assert kept(logits, SamplingParams(top_k=2, top_p=0.7)) == [0, 1]
+    assert kept(logits, SamplingParams(min_p=0.5)) == [0, 1]  # 0.3 >= 0.25, 0.15 < 0.25
+    assert kept(logits, SamplingParams(min_p=0.25)) == [0, 1, 3]
+
+
+def test_vectorised_filters_match_row_by_row():
+    torch.manual_seed(4)
+    params = [
+        SamplingParams(),
+        SamplingParams(top_k=10),
+        SamplingParams(top_p=0.6),
+        SamplingParams(min_p=0.2),
+        SamplingParams(top_k=20, top_p=0.9, min_p=0.05),
+        SamplingParams(top_k=500),  # > V: off
+    ]
+    logits = torch.randn(len(params), 200) * 2
+    together = filter_logits(logits, batch(params))
+    for i, p in enumerate(params):
+        assert torch.equal(together[i], filter_logits(logits[i : i + 1], batch([p]))[0])
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(4, 10)
+    logits[:, 7] = 20.0  # EOS dominates
+    logits[:, 3] = 19.0  # then a stop id
+    logits[:, 5] = 18.0
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
+    q = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,), ignore_eos=True)
+    s = SamplingParams(min_tokens=2, stop_token_ids=(3,), top_k=2)  # sampled row: only {5, ...} survive top-2
+    out = sample(logits, batch([p, p, q, s], seeds=[0, 0, 0, 9], counts=[0, 2, 1, 1]))
+    assert out.tokens.tolist() == [5, 7, 7, out.tokens[3].item()]
+    assert out.tokens[3].item() not in (3, 7)
+    # log-probs still come from the unmodified logits
+    assert torch.allclose(out.logprobs[0], logits[0].log_softmax(-1)[5])
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = probs.numel() - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2).item()
+
+
+@pytest.mark.parametrize(
+    "p, seed",
+    [
+        (SamplingParams(), 0),
+        (SamplingParams(), 12345),
+        (SamplingParams(temperature=0.7), 7),
+        (SamplingParams(top_k=3), 3),
+        (SamplingParams(temperature=1.5, top_p=0.8), 11),
+    ],
+)
+def test_sampling_matches_filtered_softmax(p, seed):
+    n = 4000
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.2])
+    out = sample(logits.expand(n, -1), batch([p] * n, seeds=[seed] * n, steps=list(range(n))))
+    target = filter_logits(logits[None] / p.temperature, batch([p]))[0].softmax(-1).double()
+    support = target > 0
+    counts = torch.bincount(out.tokens, minlength=5).double()
+    assert counts[~support].sum() == 0
+    assert chi_square_p(counts[support], target[support]) > 1e-3
+
+
+def test_chi_square_catches_a_wrong_distribution():
+    counts = torch.tensor([1000.0, 1000, 1000, 1000])
+    assert chi_square_p(counts, torch.tensor([0.3, 0.25, 0.25, 0.2], dtype=torch.float64)) < 1e-3
+
+
+def test_logprobs_of_chosen_and_top_n():
+    torch.manual_seed(5)
+    logits = torch.randn(5, 64) * 3
+    params = [SamplingParams(logprobs=2), SamplingParams(logprobs=5, temperature=0.0)] + [SamplingParams()] * 3
+    out = sample(logits, batch(params, seeds=list(range(5))))
+    ref = logits.log_softmax(-1)
+    assert torch.allclose(out.logprobs, ref.gather(1, out.tokens[:, None]).squeeze(1), atol=1e-6)
+    assert out.top_ids.shape == out.top_logprobs.shape == (5, 5)
+    assert out.top_ids.dtype == torch.int64 and out.top_logprobs.dtype == torch.float32
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+    assert torch.allclose(out.top_logprobs, ref.gather(1, out.top_ids), atol=1e-6)
+    assert torch.equal(out.top_ids[:, 0], logits.argmax(-1))
+    none = sample(logits, batch([SamplingParams()] * 5))
+    assert none.top_ids.shape == none.top_logprobs.shape == (5, 0)
+
+
+def test_build_rejects_ragged_inputs():
+    with pytest.raises(ValueError, match="equal lengths"):
+        SamplingBatch.build([SamplingParams()] * 2, [0], [0, 0], EOS, [0, 0])
