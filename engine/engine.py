@@ -1,0 +1,104 @@
+"""The engine on rank 0 and the worker loop on the other ranks.
+
+Rank 0 holds the scheduler. Each step it broadcasts the plan (a small picklable object) to every
+rank, runs its own share, and gathers the sampled tokens from the rank that holds each DP group's
+logits. Every rank enters every step, so all MoE collectives are matched; a rank that dies makes the
+collectives fail (gloo/NCCL timeout) instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from engine.runner import ModelRunner
+from engine.sampler import SamplingParams
+from engine.scheduler import RequestOutput, SampledToken, Scheduler, SchedulerConfig, StepPlan
+from model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    step_kinds: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
+
+    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0):
+        self.model, self.groups = model, model.groups
+        self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids)
+        self.stats = EngineStats()
+        self._rng = random.Random(seed)
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self.scheduler.add(request_id, prompt, params, seed)
+
+    def abort(self, request_id: str) -> RequestOutput:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.num_tokens == 0:
+            return []
+        t0 = time.perf_counter()
+        sampled = self._execute(plan)
+        dt = time.perf_counter() - t0
+        outputs = self.scheduler.update(plan, sampled)
+        self._account(plan, dt)
+        return outputs
+
+    def _execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+        world = self.groups.world
+        world.broadcast_object(plan)
+        mine = self.runner.execute(plan.work[self.groups.coords.attn_dp_rank])
+        merged: dict[str, SampledToken] = {}
+        for part in world.gather_objects(mine) or [mine]:
+            if part:
+                merged.update(part)
+        return merged
+
+    def _account(self, plan: StepPlan, dt: float) -> None:
+        s = self.stats
+        s.steps += 1
+        items = [w for per_rank in plan.work for w in per_rank]
+        prefill = sum(len(w.token_ids) for w in items if not w.decode)
+        decode = sum(len(w.token_ids) for w in items if w.decode)
+        kind = "prefill" if prefill and not decode else "decode" if decode and not prefill else "mixed"
+        s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
+        s.prefill_tokens += prefill
+        s.decode_tokens += decode
+        if kind == "decode":
+            s.decode_s += dt
+        else:
+            s.prefill_s += dt
+
+    def shutdown(self) -> None:
+        self.groups.world.broadcast_object(SHUTDOWN)
+
+
+def worker_loop(runner: ModelRunner) -> None:
+    """Non-zero ranks: execute broadcast plans until shutdown."""
+    groups = runner.model.groups
+    while True:
+        plan = groups.world.broadcast_object(None)
+        if plan == SHUTDOWN:
+            return
+        mine = runner.execute(plan.work[groups.coords.attn_dp_rank])
+        groups.world.gather_objects(mine)

@@ -1,0 +1,113 @@
+"""Paged KV cache: fixed-size blocks, per-sequence block tables, exact block accounting.
+
+Per layer the cache holds one flat tensor per KV entry kind, ``[num_blocks * block_size, *entry_shape]``:
+MLA stores the normed latent ``[kv_lora]`` and the roped key ``[rope_dim]`` once per token (replicated
+over attention-TP ranks); GQA stores K and V ``[local_kv_heads, head_dim]``. Token ``p`` of a sequence
+lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.transformer import CausalLM
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Per-token entry shapes of every layer, for one rank."""
+
+    entry_shapes: tuple[tuple[int, ...], ...]
+    num_layers: int
+    dtype: torch.dtype = torch.float32
+
+    @staticmethod
+    def for_model(model: CausalLM) -> KVSpec:
+        cfg = model.cfg
+        dtype = model.model.norm.weight.dtype
+        if cfg.mla is not None:
+            shapes = ((cfg.mla.kv_lora_rank,), (cfg.mla.qk_rope_head_dim,))
+        else:
+            kv_heads = model.model.layers[0].self_attn.kv_heads
+            shapes = ((kv_heads, cfg.head_dim), (kv_heads, cfg.head_dim))
+        return KVSpec(shapes, cfg.num_layers, dtype)
+
+    def bytes_per_token(self) -> int:
+        per_layer = sum(int(torch.tensor(s).prod()) for s in self.entry_shapes)
+        return per_layer * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
+
+
+class BlockAllocator:
+    """Free-list of block ids. Pure bookkeeping (rank 0 keeps one per attention-DP rank)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class PagedKVCache:
+    """The cache tensors of one rank."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        slots = num_blocks * block_size
+        self.layers = [tuple(torch.zeros(slots, *shape, dtype=spec.dtype, device=device)
+                             for shape in spec.entry_shapes) for _ in range(spec.num_layers)]
+
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot ids of token positions ``[start, end)`` of a sequence, ``[end - start]`` int64."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass
+class SeqSlots:
+    """One sequence in a step: its block table, tokens already cached, and tokens fed now."""
+
+    block_table: list[int]
+    start: int
+    query_len: int
+    mask: torch.Tensor | None = None  # [query_len, start + query_len] bool, None = causal
+
+
+class PagedKV:
+    """KVContext over a PagedKVCache for one forward: writes this step's entries, reads each sequence's
+    cached prefix + new entries."""
+
+    def __init__(self, cache: PagedKVCache, seqs: list[SeqSlots]):
+        self.cache, self.seqs = cache, seqs
+        self.write = (torch.cat([cache.slots(s.block_table, s.start, s.start + s.query_len) for s in seqs])
+                      if seqs else torch.zeros(0, dtype=torch.int64))
+        self.read = [cache.slots(s.block_table, 0, s.start + s.query_len) for s in seqs]
+
+    def store_and_gather(self, layer, entries):
+        stores = self.cache.layers[layer]
+        for store, new in zip(stores, entries, strict=True):
+            store.index_copy_(0, self.write, new.to(store.dtype))
+        return [tuple(store.index_select(0, r) for store in stores) for r in self.read]
+
+    def mask(self, seq):
+        return self.seqs[seq].mask

@@ -1,0 +1,117 @@
+"""Batch generation through the engine — a contract:
+
+    python scripts/generate.py model.path=DIR parallel=NAME generate.input=IN.json generate.output=OUT.json \
+        generate.max_tokens=N generate.ignore_eos=true sampling.temperature=0
+
+IN.json: a list of token-id lists or strings (strings use the checkpoint's tokenizer). All requests are
+submitted together and batched by the scheduler. OUT.json: ``{"outputs": [{"token_ids", "text",
+"finish_reason"}], "stats": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import hydra
+from common import CONF_DIR, layout_from, model_dir, setup_logging
+from omegaconf import DictConfig, OmegaConf
+
+from engine.engine import Engine, worker_loop
+from engine.runner import ModelRunner
+from engine.sampler import SamplingParams
+from engine.scheduler import SchedulerConfig
+from model.config import load_config
+from model.loader import load_model
+from model.tokenizer import load_tokenizer
+from parallelism.comm import build_groups
+from parallelism.launch import launch
+
+log = logging.getLogger("generate")
+
+
+def scheduler_config(cfg: DictConfig) -> SchedulerConfig:
+    e = OmegaConf.to_container(cfg.engine, resolve=True)
+    e.pop("seed", None)
+    return SchedulerConfig(**e)
+
+
+def sampling_params(cfg: DictConfig) -> SamplingParams:
+    s, g = cfg.sampling, cfg.generate
+    return SamplingParams(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
+                          min_p=float(s.min_p), seed=s.seed, max_tokens=int(g.max_tokens),
+                          min_tokens=int(g.min_tokens), ignore_eos=bool(g.ignore_eos))
+
+
+def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
+    """Submits every prompt, steps until all finish; returns token ids and finish reasons in order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, dict] = {}
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_tokens
+            if out.finished:
+                done[out.request_id] = {"token_ids": tokens[out.request_id], "finish_reason": out.finish_reason}
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: int, output: str) -> None:
+    setup_logging(rank)
+    model = load_model(ckpt, build_groups(layout))
+    if rank != 0:
+        worker_loop(ModelRunner(model, sched_cfg.num_blocks, sched_cfg.block_size))
+        return
+    engine = Engine(model, sched_cfg, seed)
+    model.groups.counter.reset()
+    outputs = generate_all(engine, prompts, params)
+    engine.shutdown()
+    tok = load_tokenizer(ckpt)
+    for o in outputs:
+        o["text"] = tok.decode(o["token_ids"]) if tok else ""
+    s = engine.stats
+    stats = {
+        "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
+        "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
+        "steps": s.steps, "step_kinds": s.step_kinds,
+        "kv_blocks_in_use": engine.scheduler.blocks_in_use(),
+        "comm": model.groups.counter.snapshot(),
+        "layout": layout.describe(),
+    }
+    Path(output).write_text(json.dumps({"outputs": outputs, "stats": stats}, indent=1))
+    log.info("wrote %d outputs to %s (%.1f decode tok/s)", len(outputs), output, stats["decode_tokens_per_s"])
+
+
+def read_prompts(path: str, ckpt: str) -> list[list[int]]:
+    items = json.loads(Path(path).read_text())
+    if not isinstance(items, list) or not items:
+        raise SystemExit(f"{path}: expected a non-empty JSON list of prompts")
+    tok = None
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            tok = tok or load_tokenizer(ckpt)
+            if tok is None:
+                raise SystemExit(f"{path}: prompt {i} is a string but {ckpt} has no tokenizer.json")
+            item = tok.encode(item)
+        if not isinstance(item, list) or not all(isinstance(t, int) for t in item):
+            raise SystemExit(f"{path}: prompt {i} must be a string or a list of token ids")
+        prompts.append(item)
+    return prompts
+
+
+@hydra.main(config_path=CONF_DIR, config_name="generate", version_base=None)
+def main(cfg: DictConfig) -> None:
+    setup_logging()
+    layout, ckpt = layout_from(cfg), model_dir(cfg)
+    load_config(ckpt)
+    prompts = read_prompts(cfg.generate.input, ckpt)
+    params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
+    launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
+           cfg.generate.output, master_port=cfg.master_port)
+
+
+if __name__ == "__main__":
+    main()
