@@ -76,11 +76,10 @@ class PagedKVCache:
         self.layers = [tuple(torch.zeros(slots, *shape, dtype=spec.dtype, device=device)
                              for shape in spec.entry_shapes) for _ in range(spec.num_layers)]
 
-    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Slot ids of token positions ``[start, end)`` of a sequence, ``[end - start]`` int64."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.int64)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Slot ids of token positions ``[start, end)`` of a sequence (host ints: cheap for step planning)."""
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 @dataclass
@@ -99,15 +98,32 @@ class PagedKV:
 
     def __init__(self, cache: PagedKVCache, seqs: list[SeqSlots]):
         self.cache, self.seqs = cache, seqs
-        self.write = (torch.cat([cache.slots(s.block_table, s.start, s.start + s.query_len) for s in seqs])
-                      if seqs else torch.zeros(0, dtype=torch.int64))
-        self.read = [cache.slots(s.block_table, 0, s.start + s.query_len) for s in seqs]
+        self.decode_only = bool(seqs) and all(s.query_len == 1 and s.mask is None for s in seqs)
+        reads = [cache.slots(s.block_table, 0, s.start + s.query_len) for s in seqs]
+        self.write = torch.tensor([slot for s, r in zip(seqs, reads, strict=True) for slot in r[s.start:]],
+                                  dtype=torch.int64)
+        if self.decode_only:  # one padded gather for the whole batch
+            longest = max(len(r) for r in reads)
+            self.read_padded = torch.tensor([r + [0] * (longest - len(r)) for r in reads], dtype=torch.int64)
+            self.valid = torch.tensor([[True] * len(r) + [False] * (longest - len(r)) for r in reads])
+        else:
+            self.read = [torch.tensor(r, dtype=torch.int64) for r in reads]
 
-    def store_and_gather(self, layer, entries):
+    def _store(self, layer, entries):
         stores = self.cache.layers[layer]
         for store, new in zip(stores, entries, strict=True):
             store.index_copy_(0, self.write, new.to(store.dtype))
+        return stores
+
+    def store_and_gather(self, layer, entries):
+        stores = self._store(layer, entries)
         return [tuple(store.index_select(0, r) for store in stores) for r in self.read]
+
+    def store_and_gather_padded(self, layer, entries):
+        stores = self._store(layer, entries)
+        b, m = self.read_padded.shape
+        flat = self.read_padded.reshape(-1)
+        return tuple(s.index_select(0, flat).view(b, m, *s.shape[1:]) for s in stores), self.valid
 
     def mask(self, seq):
         return self.seqs[seq].mask

@@ -18,8 +18,7 @@ class ModelRunner:
 
     def build_batch(self, work: list[SeqWork]) -> ForwardBatch:
         ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.int64)
-        pos = torch.cat([torch.arange(w.start, w.start + len(w.token_ids)) for w in work]) if work else \
-            torch.zeros(0, dtype=torch.int64)
+        pos = torch.tensor([p for w in work for p in range(w.start, w.start + len(w.token_ids))], dtype=torch.int64)
         seqs = [SeqSlots(w.block_table, w.start, len(w.token_ids)) for w in work]
         return ForwardBatch(ids, pos, [len(w.token_ids) for w in work], PagedKV(self.cache, seqs))
 

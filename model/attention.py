@@ -51,6 +51,9 @@ class MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, L]
         k_pe = self.rotary.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
+        if batch.kv.decode_only:
+            o = self._decode_absorbed(q, batch.kv.store_and_gather_padded(self.layer, (latent, k_pe)))
+            return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
         outs, start = [], 0
         for i, (lat, kpe) in enumerate(batch.kv.store_and_gather(self.layer, (latent, k_pe))):
             n = batch.query_lens[i]
@@ -61,6 +64,21 @@ class MLAAttention(nn.Module):
             start += n
         o = torch.cat(outs) if outs else q.new_zeros(0, self.heads, m.v_head_dim)
         return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
+
+    def _decode_absorbed(self, q: torch.Tensor, cached) -> torch.Tensor:
+        """One query per sequence against the cached latents, without expanding per-head K/V:
+        ``q_nope`` is absorbed into latent space by ``W_uk`` and the output leaves it through ``W_uv``.
+        q ``[B, h, dn+dr]``; returns ``[B, h, dv]``."""
+        m = self.mla
+        (latent, k_pe), valid = cached  # [B, M, L], [B, M, dr], [B, M]
+        w = self.kv_b_proj.weight.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [h, dn, L], [h, dv, L]
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
+        scores = torch.baddbmm(torch.bmm(q_pe, k_pe.transpose(1, 2)), q_lat, latent.transpose(1, 2))  # [B, h, M]
+        scores = (scores * self.scale).masked_fill(~valid[:, None, :], float("-inf"))
+        out_lat = torch.bmm(torch.softmax(scores.float(), dim=-1).to(q.dtype), latent)  # [B, h, L]
+        return torch.einsum("bhl,hvl->bhv", out_lat, w_uv)
 
 
 class GQAAttention(nn.Module):
@@ -93,6 +111,13 @@ class GQAAttention(nn.Module):
         k = self.rotary.apply(self.k_norm(self.k_proj(x).view(t, self.kv_heads, d)), cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, d)
         groups = self.heads // self.kv_heads
+        if batch.kv.decode_only:
+            (ks, vs), valid = batch.kv.store_and_gather_padded(self.layer, (k, v))  # [B, M, kvh, d]
+            qg = q.view(t, self.kv_heads, groups, d)
+            scores = torch.einsum("bkgd,bmkd->bkgm", qg, ks) * self.scale
+            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+            o = torch.einsum("bkgm,bmkd->bkgd", torch.softmax(scores.float(), dim=-1).to(q.dtype), vs)
+            return self.o_proj(o.reshape(t, self.heads * d))
         outs, start = [], 0
         for i, (ks, vs) in enumerate(batch.kv.store_and_gather(self.layer, (k, v))):
             n = batch.query_lens[i]

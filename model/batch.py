@@ -16,7 +16,14 @@ class KVContext(Protocol):
     for plain causal attention.
     """
 
+    decode_only: bool  # every sequence feeds one token with causal attention: the padded path applies
+
     def store_and_gather(self, layer: int, entries: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]: ...
+
+    def store_and_gather_padded(self, layer: int, entries: tuple[torch.Tensor, ...]
+                                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Decode only: each entry kind as ``[B, M, ...]`` (M = longest context), and ``valid [B, M]`` bool."""
+        ...
 
     def mask(self, seq: int) -> torch.Tensor | None: ...
 
@@ -26,6 +33,7 @@ class NoCache:
     """Every sequence is complete in this batch (one causal forward, e.g. ``scripts/logits.py``)."""
 
     query_lens: list[int]
+    decode_only: bool = False
 
     def store_and_gather(self, layer, entries):
         parts = [e.split(self.query_lens) for e in entries]

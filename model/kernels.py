@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [..., D]`` normalised in fp32, scaled by ``weight [D]`` (HF semantics: cast back, then scale)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -38,7 +38,8 @@ def hf_decode(hf, prompts: torch.Tensor, new_tokens: int, repeats: int) -> float
     """Best-of-``repeats`` decode tokens/s of HF generate (greedy, fixed length)."""
     def run(n):
         t0 = time.perf_counter()
-        hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False)
         return time.perf_counter() - t0
     best = min(run(new_tokens) - run(1) for _ in range(repeats))
     return prompts.shape[0] * (new_tokens - 1) / best
@@ -84,8 +85,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for batch in (1, 8):
         prompts = torch.randint(2, hf.config.vocab_size, (batch, args.prompt_len), generator=gen)
-        ref = hf.generate(prompts, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                          do_sample=False)[:, args.prompt_len:].tolist()
+        ref = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
+                          min_new_tokens=args.new_tokens, do_sample=False)[:, args.prompt_len:].tolist()
         hf_tps = hf_decode(hf, prompts, args.new_tokens, args.repeats)
         ours, tokens = engine_decode(model, prompts, args.new_tokens, args.repeats)
         print(f"| {batch} | {hf_tps:.0f} | {ours:.0f} | {ours / hf_tps:.2f}x | {tokens == ref} |")
