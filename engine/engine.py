@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestOutput, SampledToken, Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import RequestOutput, Scheduler, SchedulerConfig, StepPlan, StepResult
 from model.transformer import CausalLM
+from spec_decode.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,24 @@ class EngineStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     step_kinds: dict[str, int] = field(default_factory=dict)
+    spec_request_steps: int = 0  # (request, target forward) pairs that verified a tree
+    spec_tokens: int = 0  # tokens those committed, bonus included
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: committed tokens per target forward per request (bonus included); 0 without speculation."""
+        return self.spec_tokens / self.spec_request_steps if self.spec_request_steps else 0.0
 
 
 class Engine:
     """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
 
-    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0):
+    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, spec: SpecConfig | None = None):
         self.model, self.groups = model, model.groups
-        self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids)
+        self.spec = spec or SpecConfig()
+        self.runner = make_runner(model, cfg, self.spec)
+        self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
+                                   spec_scratch=self.spec.num_nodes if self.spec.enabled else 0)
         self.stats = EngineStats()
         self._rng = random.Random(seed)
 
@@ -61,25 +71,28 @@ class Engine:
         sampled = self._execute(plan)
         dt = time.perf_counter() - t0
         outputs = self.scheduler.update(plan, sampled)
-        self._account(plan, dt)
+        self._account(plan, dt, sampled)
         return outputs
 
-    def _execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+    def _execute(self, plan: StepPlan) -> dict[str, StepResult]:
         world = self.groups.world
         world.broadcast_object(plan)
-        mine = self.runner.execute(plan.work[self.groups.coords.attn_dp_rank])
-        merged: dict[str, SampledToken] = {}
+        mine = self.runner.execute(plan.work[self.groups.coords.attn_dp_rank], plan.finished)
+        merged: dict[str, StepResult] = {}
         for part in world.gather_objects(mine) or [mine]:
             if part:
                 merged.update(part)
         return merged
 
-    def _account(self, plan: StepPlan, dt: float) -> None:
+    def _account(self, plan: StepPlan, dt: float, results: dict[str, StepResult]) -> None:
         s = self.stats
         s.steps += 1
         items = [w for per_rank in plan.work for w in per_rank]
         prefill = sum(len(w.token_ids) for w in items if not w.decode)
-        decode = sum(len(w.token_ids) for w in items if w.decode)
+        decode = sum(len(results[w.request_id].tokens) for w in items if w.decode)
+        spec = [w for w in items if w.spec]
+        s.spec_request_steps += len(spec)
+        s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
         kind = "prefill" if prefill and not decode else "decode" if decode and not prefill else "mixed"
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
         s.prefill_tokens += prefill
@@ -93,6 +106,18 @@ class Engine:
         self.groups.world.broadcast_object(SHUTDOWN)
 
 
+def make_runner(model: CausalLM, cfg: SchedulerConfig, spec: SpecConfig | None = None) -> ModelRunner:
+    """The rank's ModelRunner, with a Speculator (drafter loaded on every rank) when spec decoding is on."""
+    if spec is None or not spec.enabled:
+        return ModelRunner(model, cfg.num_blocks, cfg.block_size)
+    from spec_decode.dflash import DFlashDrafter
+    from spec_decode.speculator import Speculator
+
+    drafter = DFlashDrafter.load(spec.drafter_path)
+    return ModelRunner(model, cfg.num_blocks, cfg.block_size,
+                       speculator_factory=lambda m, cache: Speculator(m, drafter, spec, cache))
+
+
 def worker_loop(runner: ModelRunner) -> None:
     """Non-zero ranks: execute broadcast plans until shutdown."""
     groups = runner.model.groups
@@ -100,5 +125,5 @@ def worker_loop(runner: ModelRunner) -> None:
         plan = groups.world.broadcast_object(None)
         if plan == SHUTDOWN:
             return
-        mine = runner.execute(plan.work[groups.coords.attn_dp_rank])
+        mine = runner.execute(plan.work[groups.coords.attn_dp_rank], plan.finished)
         groups.world.gather_objects(mine)

@@ -73,12 +73,14 @@ class SeqWork:
     seed: int
     num_generated: int
     decode: bool  # feeds a generated token (not part of the prompt)
+    spec: bool = False  # draft + verify a tree rooted at token_ids[0] instead of a plain decode
 
 
 @dataclass(frozen=True)
 class StepPlan:
     step_id: int
     work: list[list[SeqWork]]  # per attention-DP rank
+    finished: tuple[str, ...] = ()  # requests that ended since the last plan (ranks drop their state)
 
     @property
     def num_tokens(self) -> int:
@@ -86,10 +88,12 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class SampledToken:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
+class StepResult:
+    """What one step produced for one request: one token, or (speculative) the accepted drafts + bonus."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,13 @@ class RequestOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 spec_scratch: int = 0):
+        """``spec_scratch`` > 0 turns speculative decoding on: decodes become draft + verify steps and each
+        request reserves that many extra KV slots for its tree."""
         self.cfg, self.dp_size, self.vocab_size, self.eos = cfg, dp_size, vocab_size, set(eos_token_ids)
+        self.spec_scratch = spec_scratch
+        self._finished: list[str] = []
         self.allocators = [BlockAllocator(cfg.num_blocks) for _ in range(dp_size)]
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_size)]
         self.running: list[list[Request]] = [[] for _ in range(dp_size)]
@@ -115,7 +124,8 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
-        return math.ceil(min(prompt_len + max_tokens, self.cfg.max_model_len) / self.cfg.block_size)
+        tokens = min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_scratch
+        return math.ceil(tokens / self.cfg.block_size)
 
     def validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Raises RequestError naming the field when the request can never run."""
@@ -167,31 +177,42 @@ class Scheduler:
                     continue
                 budget -= n
                 done = req.num_computed + n == len(req.tokens)
+                decode = req.num_computed >= len(req.prompt)
                 items.append(SeqWork(req.request_id, req.tokens[req.num_computed:req.num_computed + n],
                                      req.num_computed, req.blocks, done, req.params, req.seed, len(req.output),
-                                     req.num_computed >= len(req.prompt)))
+                                     decode, spec=decode and self.spec_scratch > 0))
             work.append(items)
-        return StepPlan(next(self._steps), work)
+        finished, self._finished = tuple(self._finished), []
+        return StepPlan(next(self._steps), work, finished)
 
-    def update(self, plan: StepPlan, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
-        """Applies a finished step: advances computed tokens, appends samples, finishes requests."""
+    def update(self, plan: StepPlan, results: dict[str, StepResult]) -> list[RequestOutput]:
+        """Applies a finished step: advances computed tokens, appends tokens (stopping at the first stop
+        or length limit), finishes requests. A speculative step commits its accepted drafts too: their KV
+        is already compacted in place, so ``num_computed`` covers the bonus-rooted path."""
         outputs = []
         for w in (w for per_rank in plan.work for w in per_rank):
             req = self.requests.get(w.request_id)
             if req is None:  # aborted while the step ran
                 continue
-            req.num_computed = w.start + len(w.token_ids)
             if not w.sample:
+                req.num_computed = w.start + len(w.token_ids)
                 continue
-            s = sampled[w.request_id]
-            req.output.append(s.token)
-            req.logprobs.append(s.logprob)
-            req.top_logprobs.append(s.top)
-            reason = self._finish_reason(req, s.token)
+            r = results[w.request_id]
+            # spec: the root + accepted drafts are in the KV (len(tokens) - 1 drafts + bonus came back)
+            req.num_computed = w.start + (len(r.tokens) if w.spec else len(w.token_ids))
+            new, reason = 0, None
+            for token in r.tokens:
+                req.output.append(token)
+                new += 1
+                reason = self._finish_reason(req, token)
+                if reason:
+                    break
+            req.logprobs += r.logprobs[:new]
+            req.top_logprobs += r.top[:new]
             if reason:
                 self._finish(req, reason)
-            outputs.append(RequestOutput(req.request_id, [s.token], reason is not None, reason, len(req.prompt),
-                                         len(req.output), [s.logprob], [s.top]))
+            outputs.append(RequestOutput(req.request_id, r.tokens[:new], reason is not None, reason,
+                                         len(req.prompt), len(req.output), r.logprobs[:new], r.top[:new]))
         return outputs
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -212,6 +233,7 @@ class Scheduler:
         self.allocators[dp].release(req.blocks)
         req.blocks = []
         del self.requests[req.request_id]
+        self._finished.append(req.request_id)
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput:
         """Ends a request now (client cancel, deadline, error) and frees its blocks."""

@@ -61,17 +61,32 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, capture: tuple[int, ...] = ()):
+        """Final hidden states ``[T, H]``; with ``capture`` (layer ids) also the concatenated outputs of
+        those layers ``[T, len(capture)*H]`` (HF ``hidden_states[i + 1]``; the DFlash drafter's input)."""
         m = self.model
         x = m.embed_tokens(batch.input_ids)
         cos, sin = m.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in m.layers:
+        captured = []
+        for i, layer in enumerate(m.layers):
             x = layer(x, batch, cos, sin)
-        return m.norm(x)
+            if i in capture:
+                captured.append(x)
+        hidden = m.norm(x)
+        return (hidden, torch.cat(captured, dim=-1)) if capture else hidden
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def logits_everywhere(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits on every attention-TP rank (speculative steps: every rank walks the tree)."""
+        return self.lm_head.forward_all(hidden)
+
+    @torch.no_grad()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
 
     def checkpoint_plan(self) -> Iterator[tuple[str, CheckpointTensor]]:
         """Every checkpoint tensor this rank needs, by full HF name."""

@@ -220,3 +220,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if gathered is None:
             return None
         return gathered[: self.vocab_size].t()
+
+    def forward_all(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, vocab] on every rank
+        local = F.linear(x, self.weight)
+        if self.comm.size == 1:
+            return local[:, : self.vocab_size]
+        return self.comm.all_gather(local.t().contiguous())[: self.vocab_size].t()

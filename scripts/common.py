@@ -13,7 +13,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model.tiny import preset_dir  # noqa: E402
 from parallelism.layout import Layout  # noqa: E402
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = str(REPO / "conf")
+
+
+def repo_path(path: str | None) -> str | None:
+    """Relative paths in configs (e.g. the built-in model zoo) are relative to the repository root."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p if p.is_absolute() or p.exists() else REPO / p)
 
 
 def layout_from(cfg: DictConfig) -> Layout:
@@ -23,10 +32,18 @@ def layout_from(cfg: DictConfig) -> Layout:
 def model_dir(cfg: DictConfig) -> str:
     """``model.path`` if given, else the built-in preset's directory (written on first use)."""
     if cfg.model.get("path"):
-        return str(cfg.model.path)
+        return repo_path(str(cfg.model.path))
     if not cfg.model.get("preset"):
         raise SystemExit("model.path=DIR is required for model=hf")
     return str(preset_dir(cfg.model.preset))
+
+
+def spec_config(cfg: DictConfig):
+    from spec_decode.config import SpecConfig
+
+    s = OmegaConf.to_container(cfg.spec_decode, resolve=True) if "spec_decode" in cfg else {}
+    s["drafter_path"] = repo_path(s.get("drafter_path"))
+    return SpecConfig(**s)
 
 
 def setup_logging(rank: int = 0) -> None:

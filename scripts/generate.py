@@ -15,11 +15,10 @@ import logging
 from pathlib import Path
 
 import hydra
-from common import CONF_DIR, layout_from, model_dir, setup_logging
+from common import CONF_DIR, layout_from, model_dir, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
-from engine.engine import Engine, worker_loop
-from engine.runner import ModelRunner
+from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
@@ -58,13 +57,13 @@ def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParam
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: int, output: str) -> None:
+def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: int, output: str, spec) -> None:
     setup_logging(rank)
     model = load_model(ckpt, build_groups(layout))
     if rank != 0:
-        worker_loop(ModelRunner(model, sched_cfg.num_blocks, sched_cfg.block_size))
+        worker_loop(make_runner(model, sched_cfg, spec))
         return
-    engine = Engine(model, sched_cfg, seed)
+    engine = Engine(model, sched_cfg, seed, spec)
     model.groups.counter.reset()
     outputs = generate_all(engine, prompts, params)
     engine.shutdown()
@@ -79,6 +78,10 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         "kv_blocks_in_use": engine.scheduler.blocks_in_use(),
         "comm": model.groups.counter.snapshot(),
         "layout": layout.describe(),
+        "spec_decode": spec.method,
+        "acceptance_length": s.acceptance_length,
+        "draft_s_per_step": engine.runner.timing["draft_s"] / max(s.steps, 1),
+        "verify_s_per_step": engine.runner.timing["verify_s"] / max(s.steps, 1),
     }
     Path(output).write_text(json.dumps({"outputs": outputs, "stats": stats}, indent=1))
     log.info("wrote %d outputs to %s (%.1f decode tok/s)", len(outputs), output, stats["decode_tokens_per_s"])
@@ -110,7 +113,7 @@ def main(cfg: DictConfig) -> None:
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, master_port=cfg.master_port)
+           cfg.generate.output, spec_config(cfg), master_port=cfg.master_port)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""Speculative decoding settings (hydra group ``spec_decode/``: none, dflash, ddtree)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("none", "dflash", "ddtree")
+
+
+class SpecConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """``dflash``: chain of the drafter's argmax at each of ``block_size - 1`` depths. ``ddtree``: the
+    ``budget`` most probable prefixes over those depths. ``drafter_path``: a z-lab-layout DFlash checkpoint."""
+
+    method: str = "none"
+    budget: int = 16
+    block_size: int = 16
+    drafter_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpecConfigError(f"spec_decode.method must be one of {METHODS}, got {self.method!r}")
+        if self.block_size < 2:
+            raise SpecConfigError(f"spec_decode.block_size must be >= 2, got {self.block_size}")
+        if self.budget < 1:
+            raise SpecConfigError(f"spec_decode.budget must be >= 1, got {self.budget}")
+        if self.enabled and not self.drafter_path:
+            raise SpecConfigError(f"spec_decode={self.method} needs spec_decode.drafter_path (a DFlash checkpoint)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def depth(self) -> int:
+        return self.block_size - 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree size including the root."""
+        return 1 + (self.depth if self.method == "dflash" else self.budget)

@@ -1,0 +1,195 @@
+"""The DFlash drafter: a small Qwen3-style stack fed by the target's hidden states (block diffusion drafting).
+
+Weight and config names follow z-lab DFlash checkpoints (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.
+{q,k,v,o}_proj / q_norm / k_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``, ``norm``; ``dflash_config:
+{target_layer_ids, mask_token_id, block_size}``). No embedding or LM head of its own: the target's are used.
+
+One draft round for a request whose committed tokens end at position ``p - 1`` and whose next token
+(the bonus) is ``b``: the block ``[b, MASK × (B-1)]`` at positions ``p .. p+B-1`` attends (non-causally)
+to itself and to the context — the target's hidden states at ``target_layer_ids`` of positions ``< p``,
+concatenated → ``fc`` → ``hidden_norm``, then each layer's k/v projections. Block rows ``1..B-1`` give the
+draft distributions of positions ``p+1 .. p+B-1``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from model.config import RopeConfig
+from model.rope import Rotary
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    num_target_layers: int = 0
+
+    @staticmethod
+    def from_hf(raw: dict) -> DFlashConfig:
+        d = raw.get("dflash_config", {})
+        rope = raw.get("rope_parameters") or {}
+        return DFlashConfig(
+            hidden_size=raw["hidden_size"], num_layers=raw["num_hidden_layers"],
+            num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"],
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+            intermediate_size=raw["intermediate_size"], target_layer_ids=tuple(d["target_layer_ids"]),
+            mask_token_id=int(d["mask_token_id"]), block_size=int(d.get("block_size", raw.get("block_size", 16))),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            num_target_layers=raw.get("num_target_layers", 0),
+        )
+
+    def to_hf(self) -> dict:
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}, "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers, "is_causal": False, "attention_bias": False,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                              "block_size": self.block_size},
+        }
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        h, d = c.hidden_size, c.head_dim
+        self.c = c
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(d))
+        self.k_norm = nn.Parameter(torch.ones(d))
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
+        """``x [N, H]`` → roped K ``[N, kvh, d]`` and V ``[N, kvh, d]``."""
+        c = self.c
+        k = rms(self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_norm_eps)
+        return rotary.apply(k, cos, sin), self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+
+    def forward(self, x, cos, sin, rotary, ctx_k, ctx_v, mask):
+        """Block rows ``x [N, H]`` against context K/V ``[S, kvh, d]`` and themselves; ``mask [N, S+N]``."""
+        c = self.c
+        hx = rms(x, self.input_layernorm, c.rms_norm_eps)
+        q = rotary.apply(rms(self.q_proj(hx).view(-1, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps),
+                         cos, sin)
+        bk, bv = self.kv(hx, cos, sin, rotary)
+        k, v = torch.cat([ctx_k, bk]), torch.cat([ctx_v, bv])
+        rep = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", q, k) * c.head_dim ** -0.5
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        x = x + self.o_proj(torch.einsum("hnm,mhd->nhd", probs, v).reshape(x.shape[0], -1))
+        hx = rms(x, self.post_attention_layernorm, c.rms_norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(hx)) * self.up_proj(hx))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable drafter (plain ``nn.Linear`` weights, fp32)."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.c = c
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.rotary = Rotary(RopeConfig(dim=c.head_dim, theta=c.rope_theta))
+
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Target features ``[S, k*H]`` at ``positions [S]`` → per layer (K, V) ``[S, kvh, d]`` (cacheable)."""
+        ctx = rms(self.fc(feats), self.hidden_norm, self.c.rms_norm_eps)
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        return [layer.kv(ctx, cos, sin, self.rotary) for layer in self.layers]
+
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_kv, ctx_visible: torch.Tensor
+                ) -> torch.Tensor:
+        """J blocks at once: ``block_emb [J, B, H]`` (the target's embeddings of ``[bonus, MASK...]``),
+        ``block_pos [J, B]``, shared context K/V (``context_kv``) of S rows, ``ctx_visible [J, S]`` bool
+        (which context rows block j sees). Returns normed hidden states ``[J, B, H]``; rows 1..B-1 feed the
+        target's LM head. Attention is non-causal inside a block; blocks do not see each other."""
+        j, b, h = block_emb.shape
+        own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool)] * j)  # [J*B, J*B]
+        mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)
+        cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), block_emb.dtype)
+        x = block_emb.reshape(j * b, h)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, cos, sin, self.rotary, ck, cv, mask)
+        return rms(x, self.norm, self.c.rms_norm_eps).view(j, b, h)
+
+    # ---- z-lab checkpoint layout -----------------------------------------------------------------
+    _RENAMES = {"input_layernorm": "input_layernorm.weight", "post_attention_layernorm":
+                "post_attention_layernorm.weight", "q_norm": "self_attn.q_norm.weight",
+                "k_norm": "self_attn.k_norm.weight", "q_proj.weight": "self_attn.q_proj.weight",
+                "k_proj.weight": "self_attn.k_proj.weight", "v_proj.weight": "self_attn.v_proj.weight",
+                "o_proj.weight": "self_attn.o_proj.weight", "gate_proj.weight": "mlp.gate_proj.weight",
+                "up_proj.weight": "mlp.up_proj.weight", "down_proj.weight": "mlp.down_proj.weight"}
+
+    def _hf_name(self, name: str) -> str:
+        if name in ("hidden_norm", "norm"):
+            return f"{name}.weight"
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            return f"layers.{i}.{self._RENAMES[rest]}"
+        return name
+
+    def save(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {self._hf_name(n): p.detach().contiguous() for n, p in self.named_parameters()}
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(self.c.to_hf(), indent=2))
+
+    @staticmethod
+    def load(ckpt_dir: str | Path) -> DFlashDrafter:
+        """Loads a z-lab-layout DFlash checkpoint; a missing or misshapen tensor names the tensor and file."""
+        ckpt = Path(ckpt_dir)
+        drafter = DFlashDrafter(DFlashConfig.from_hf(json.loads((ckpt / "config.json").read_text())))
+        tensors = load_file(ckpt / "model.safetensors")
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                key = drafter._hf_name(name)
+                if key not in tensors:
+                    raise ValueError(f"drafter tensor {key!r} missing from {ckpt / 'model.safetensors'}")
+                if tuple(tensors[key].shape) != tuple(p.shape):
+                    raise ValueError(f"drafter tensor {key!r} in {ckpt} has shape {list(tensors[key].shape)}, "
+                                     f"expected {list(p.shape)}")
+                p.copy_(tensors[key])
+        return drafter.eval().requires_grad_(False)
+
+
+def default_target_layer_ids(num_target_layers: int, k: int) -> tuple[int, ...]:
+    """DFlash's default: ``k`` layers spread evenly from layer 1 to ``N - 3`` (or as close as N allows)."""
+    lo, hi = min(1, num_target_layers - 1), max(min(1, num_target_layers - 1), num_target_layers - 3)
+    if k == 1:
+        return (lo,)
+    return tuple(sorted({round(lo + i * (hi - lo) / (k - 1)) for i in range(k)}))

@@ -1,0 +1,106 @@
+"""Speculative steps on one rank: draft (DFlash chain or DDTree), verify inputs, walk, KV compaction.
+
+Every rank of an attention-DP group runs the same speculative steps on the same inputs, so each
+computes the same tree and the same accepted path and compacts its own KV shard; no extra
+collective is needed beyond the drafter's embedding lookup and LM head (attention-TP group).
+
+Lossless by construction: the pick at each tree node is the target's own choice at that node —
+argmax at T=0, and at T>0 a sample from the counter-based sampler with ``step = num_generated + depth``,
+which is the very draw plain decoding makes for that output index (so the same seed gives the same
+tokens with or without speculation, up to floating-point ties).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache import PagedKVCache, SeqSlots
+from engine.sampler import SamplingBatch, sample
+from engine.scheduler import SeqWork, StepResult
+from model.transformer import CausalLM
+from spec_decode.config import SpecConfig
+from spec_decode.dflash import DFlashDrafter
+from spec_decode.tree import DraftTree, ancestor_mask, build_chain, build_tree, walk
+
+
+class Speculator:
+    def __init__(self, model: CausalLM, drafter: DFlashDrafter, cfg: SpecConfig, cache: PagedKVCache):
+        if drafter.c.hidden_size != model.cfg.hidden_size:
+            raise ValueError(f"drafter hidden_size {drafter.c.hidden_size} != target {model.cfg.hidden_size}")
+        if not 0 <= drafter.c.mask_token_id < model.cfg.vocab_size:
+            raise ValueError(f"drafter mask_token_id {drafter.c.mask_token_id} outside the target vocab")
+        self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
+        self.capture = tuple(drafter.c.target_layer_ids)
+        self.ctx_kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    # ---- drafter context ---------------------------------------------------------------------------
+    def drop(self, request_ids) -> None:
+        for rid in request_ids:
+            self.ctx_kv.pop(rid, None)
+
+    @torch.no_grad()
+    def add_context(self, rid: str, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        """Appends the drafter K/V of target features ``[n, k*H]`` at ``positions [n]``."""
+        new = self.drafter.context_kv(feats.float(), positions)
+        old = self.ctx_kv.get(rid)
+        self.ctx_kv[rid] = new if old is None else [(torch.cat([ok, nk]), torch.cat([ov, nv]))
+                                                     for (ok, ov), (nk, nv) in zip(old, new, strict=True)]
+
+    # ---- draft -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, w: SeqWork) -> DraftTree:
+        """Drafter forward on ``[bonus, MASK × depth]`` → DFlash chain or DDTree rooted at the bonus."""
+        c, d = self.drafter.c, self.cfg.depth
+        ids = torch.tensor([w.token_ids[0]] + [c.mask_token_id] * d, dtype=torch.int64)
+        emb = self.model.embed(ids).float()[None]  # [1, B, H]
+        pos = torch.arange(w.start, w.start + d + 1)[None]
+        kv = self.ctx_kv[w.request_id]
+        visible = torch.ones(1, kv[0][0].shape[0], dtype=torch.bool)
+        hidden = self.drafter(emb, pos, kv, visible)[0, 1:]  # [D, H]
+        logq = self.model.logits_everywhere(hidden.to(emb.dtype)).float().log_softmax(dim=-1)  # [D, V]
+        if self.cfg.method == "dflash":
+            return build_chain(logq, w.token_ids[0])
+        return build_tree(logq, w.token_ids[0], self.cfg.budget)
+
+    def verify_slots(self, w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int], SeqSlots]:
+        """Tree tokens, their positions (start + depth) and KV slots (start + node index) with the
+        ancestor-only mask over the paged context."""
+        n = tree.size
+        mask = torch.ones(n, w.start + n, dtype=torch.bool)
+        mask[:, w.start:] = ancestor_mask(tree.parents, self.cfg.depth)
+        positions = (w.start + tree.depth).tolist()
+        return tree.tokens.tolist(), positions, SeqSlots(w.block_table, w.start, n, mask)
+
+    # ---- verify ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def accept(self, w: SeqWork, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor) -> StepResult:
+        """``logits [N, V]`` and target features ``[N, k*H]`` at the tree nodes → committed tokens.
+
+        Walks the tree, compacts the accepted path's KV to positions ``start .. start+k`` and feeds the
+        path's features to the drafter context. Returns the k accepted drafts + the bonus."""
+        depth = tree.depth.tolist()
+        sb = SamplingBatch.build([w.params] * tree.size, [w.seed] * tree.size, [w.num_generated + x for x in depth],
+                                 self.model.cfg.eos_token_ids, [w.num_generated + x for x in depth])
+        out = sample(logits.float(), sb)
+        accepted = walk(tree, out.tokens, self.cfg.depth)
+        path = accepted.nonzero().flatten()  # increasing node ids = increasing depth
+        self._compact(w, path)
+        self.add_context(w.request_id, feats[path], w.start + torch.arange(path.shape[0]))
+        last = int(path[-1])
+        tokens = tree.tokens[path[1:]].tolist() + [int(out.tokens[last])]
+        lps = out.logprobs[path].tolist()
+        n = w.params.logprobs
+        tops = [list(zip(i[:n], v[:n], strict=True)) for i, v in zip(out.top_ids[path].tolist(),
+                                                                       out.top_logprobs[path].tolist(), strict=True)]
+        return StepResult(tokens, lps, tops)
+
+    def _compact(self, w: SeqWork, path: torch.Tensor) -> None:
+        """Moves the KV of accepted node ``path[j]`` (slot of position start+path[j]) to position start+j."""
+        k = path.shape[0]
+        if bool((path == torch.arange(k)).all()):
+            return
+        slots = torch.tensor(self.cache.slots(w.block_table, w.start, w.start + int(path[-1]) + 1))
+        src, dst = slots[path], slots[:k]
+        for stores in self.cache.layers:
+            for store in stores:
+                store.index_copy_(0, dst, store.index_select(0, src))

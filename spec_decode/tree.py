@@ -1,0 +1,142 @@
+"""DDTree: the B most probable draft prefixes under a factorised distribution, as a flattened tree.
+
+Score of a prefix ``(t_1..t_d)`` = ``Σ_i log q_i(t_i)`` where ``q_i`` is the drafter's distribution at
+depth i. Only the top ``K = min(B, V)`` tokens per depth can appear. Two builders select the same node
+set (up to exact score ties): :func:`build_tree_heap` (best-first heap, the reference) and
+:func:`build_tree` (fixed-shape tensor ops, no host synchronisation: a per-depth beam of width B then a
+global top-B over all depths — exact because a child never scores above its parent).
+
+A :class:`DraftTree` is flattened with the root (the bonus token) at index 0, parents before
+children, ordered by depth then score; position of node i = start + depth[i].
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """``tokens, parents, depth [N+1]`` int64 (root at 0, ``parents[0] = -1``); ``valid [N+1]`` bool
+    (False for padding when fewer than B nodes exist)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) -> DraftTree:
+    """``logq [D, V]`` per-depth draft log-probs → the ``budget`` best prefixes (plus the root).
+
+    Fixed shapes throughout: D beam steps of ``[B, K]`` candidates, then one top-B over ``[D*B]``.
+    """
+    d_max, vocab = logq.shape
+    k = min(budget, vocab)
+    top_lp, top_tok = logq.topk(k, dim=-1)  # [D, K] sorted descending
+    neg = torch.tensor(float("-inf"), dtype=logq.dtype)
+    beam_score = torch.full((budget,), float("-inf"), dtype=logq.dtype)
+    beam_score[0] = 0.0  # the root
+    scores, parents, tokens = [], [], []
+    for d in range(d_max):
+        cand = beam_score[:, None] + top_lp[d][None, :]  # [B, K]
+        best, idx = cand.reshape(-1).topk(min(budget, cand.numel()))
+        best = torch.cat([best, neg.expand(budget - best.shape[0])]) if best.shape[0] < budget else best
+        idx = torch.nn.functional.pad(idx, (0, budget - idx.shape[0]))
+        scores.append(best)
+        parents.append(idx // k)  # beam slot at depth d-1 (root slot 0 at depth 0)
+        tokens.append(top_tok[d][idx % k])
+        beam_score = best
+    scores_t = torch.stack(scores)  # [D, B]
+    chosen = scores_t.reshape(-1).topk(budget).indices  # flat ids d*B + j
+    chosen = chosen.sort().values  # depth-major, then beam order (= score order within a depth)
+    n = budget + 1
+    node_of = torch.full((d_max * budget,), -1, dtype=torch.int64)
+    node_of[chosen] = torch.arange(1, n)
+    d_of = chosen // budget
+    parent_flat = (d_of - 1) * budget + torch.stack(parents).reshape(-1)[chosen]
+    parent_node = torch.where(d_of == 0, 0, node_of[parent_flat.clamp(min=0)])
+    valid = torch.cat([torch.ones(1, dtype=torch.bool), torch.isfinite(scores_t.reshape(-1)[chosen])])
+    root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)
+    return DraftTree(
+        tokens=torch.cat([root, torch.stack(tokens).reshape(-1)[chosen]]),
+        parents=torch.cat([torch.tensor([-1]), parent_node]),
+        depth=torch.cat([torch.zeros(1, dtype=torch.int64), d_of + 1]),
+        valid=valid,
+    )
+
+
+def build_chain(logq: torch.Tensor, root_token: int | torch.Tensor) -> DraftTree:
+    """DFlash's chain: the argmax at every depth (a tree with one node per depth)."""
+    d_max = logq.shape[0]
+    root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)
+    return DraftTree(tokens=torch.cat([root, logq.argmax(dim=-1)]), parents=torch.arange(-1, d_max),
+                     depth=torch.arange(d_max + 1), valid=torch.ones(d_max + 1, dtype=torch.bool))
+
+
+def build_tree_heap(logq: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    """Reference best-first selection: the set of selected prefixes (token tuples), root excluded.
+
+    Seed (depth 1, rank 0); each pop adds a node and pushes its next sibling (rank+1) and its first
+    child (depth+1, rank 0)."""
+    d_max, vocab = logq.shape
+    k = min(budget, vocab)
+    top_lp, top_tok = logq.topk(k, dim=-1)
+    lp, tok = top_lp.tolist(), top_tok.tolist()
+    heap = [(-lp[0][0], 0, 0, ())]  # (-score, depth index, rank, parent path)
+    selected: set[tuple[int, ...]] = set()
+    while heap and len(selected) < budget:
+        neg_score, d, r, parent = heapq.heappop(heap)
+        path = (*parent, tok[d][r])
+        selected.add(path)
+        if r + 1 < k:
+            heapq.heappush(heap, (neg_score + lp[d][r] - lp[d][r + 1], d, r + 1, parent))
+        if d + 1 < d_max:
+            heapq.heappush(heap, (neg_score - lp[d + 1][0], d + 1, 0, path))
+    return selected
+
+
+def tree_paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """The token paths of a DraftTree's valid non-root nodes (for comparing with the heap)."""
+    toks, par, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    paths = []
+    for i in range(len(toks)):
+        path, j = [], i
+        while j > 0:
+            path.append(toks[j])
+            j = par[j]
+        paths.append(tuple(reversed(path)))
+    return {p for i, p in enumerate(paths) if i > 0 and valid[i]}
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``parents [N]`` → ``[N, N]`` bool: row i is True at i and every ancestor of i (fixed D steps)."""
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool)
+    rows = torch.arange(n)
+    cur = parents.clone()
+    for _ in range(max_depth):
+        has = cur >= 0
+        mask[rows[has], cur[has]] = True
+        cur = torch.where(has, parents[cur.clamp(min=0)], -1)
+    return mask
+
+
+def walk(tree: DraftTree, picks: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Accepted nodes: from the root, follow the child whose token equals the target's pick at its parent.
+
+    ``picks [N]`` = the target's token at each node (argmax at T=0, a sample at T>0). Returns ``[N]``
+    bool; the accepted nodes form one root path (siblings carry distinct tokens)."""
+    match = (tree.tokens == picks[tree.parents.clamp(min=0)]) & tree.valid
+    accepted = torch.zeros_like(match)
+    accepted[0] = True
+    for _ in range(max_depth):
+        accepted = accepted | (match & accepted[tree.parents.clamp(min=0)] & (tree.parents >= 0))
+    return accepted
