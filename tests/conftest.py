@@ -15,3 +15,16 @@ def tiny_ckpts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ckpt")
     return {p: str(write_tiny(p, root / p)) for p in ("tiny_deepseek", "tiny_qwen3_moe")}
+
+
+@pytest.fixture(scope="session")
+def random_drafter(tmp_path_factory, tiny_ckpts):
+    """An untrained DFlash drafter for the tiny DeepSeek checkpoint: losslessness must not depend on quality."""
+    from spec_decode.dflash import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+                       target_layer_ids=(0, 2), mask_token_id=202, block_size=5)
+    out = tmp_path_factory.mktemp("drafter")
+    DFlashDrafter(cfg).save(out)
+    return str(out)

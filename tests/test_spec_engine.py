@@ -1,0 +1,62 @@
+"""Speculative decoding in the engine is lossless under single, tp8 and dp8_ep8: DFlash and DDTree give
+plain decoding's tokens at T=0, and — thanks to the counter-based sampler — the same seeded tokens at T=1."""
+
+import pytest
+from layouts import layout
+from rankpool import RankPool
+from test_engine import run_requests
+
+from engine.engine import Engine, make_runner, worker_loop
+from engine.sampler import SamplingParams
+from engine.scheduler import SchedulerConfig
+from model.loader import load_model
+from parallelism.comm import build_groups
+from spec_decode.config import SpecConfig
+
+PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
+CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(8)
+    yield p
+    p.close()
+
+
+def _job(ctx, lay, path, specs, params):
+    if lay.world_size == 1 and ctx.rank != 0:
+        return None
+    model = load_model(path, ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
+    results = []
+    for spec in specs:
+        if ctx.rank != 0:
+            worker_loop(make_runner(model, CFG, spec))
+            continue
+        engine = Engine(model, CFG, spec=spec)
+        res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(PROMPTS)])
+        results.append((res, engine.stats.acceptance_length, engine.scheduler.blocks_in_use()))
+        engine.shutdown()
+    return results
+
+
+def specs(drafter):
+    return [SpecConfig(), SpecConfig("dflash", block_size=5, drafter_path=drafter),
+            SpecConfig("ddtree", budget=12, block_size=5, drafter_path=drafter)]
+
+
+@pytest.mark.parametrize("preset", ["single", "tp8", "dp8_ep8"])
+def test_greedy_speculation_equals_plain(pool, tiny_ckpts, random_drafter, preset):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    (plain, _, b0), (chain, tau_chain, b1), (tree, tau_tree, b2) = pool.run(
+        _job, layout(preset), tiny_ckpts["tiny_deepseek"], specs(random_drafter), params)[0]
+    assert chain == plain and tree == plain
+    assert tau_chain >= 1.0 and tau_tree >= 1.0
+    assert b0 == b1 == b2 == 0
+
+
+def test_seeded_sampling_speculation_equals_plain(pool, tiny_ckpts, random_drafter):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
+    (plain, _, _), (chain, _, _), (tree, _, _) = pool.run(
+        _job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], specs(random_drafter), params)[0]
+    assert chain == plain and tree == plain

@@ -1,0 +1,135 @@
+"""DDTree selection, masks, the walk, and losslessness at T=1 (a chi-square test that can fail)."""
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import SamplingBatch, SamplingParams, sample
+from spec_decode.tree import DraftTree, ancestor_mask, build_chain, build_tree, build_tree_heap, tree_paths, walk
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512])
+def test_vectorised_builder_selects_the_heaps_nodes(budget):
+    gen = torch.Generator().manual_seed(budget)
+    for vocab, depth in ((600, 7), (7, 4)):
+        logq = (torch.randn(depth, vocab, generator=gen) * 3).log_softmax(dim=-1)
+        tree = build_tree(logq, root_token=11, budget=budget)
+        assert tree_paths(tree) == build_tree_heap(logq, budget)
+        assert tree.size == budget + 1 and int(tree.tokens[0]) == 11
+        assert bool((tree.parents[1:] < torch.arange(1, tree.size)).all()), "parents must precede children"
+        assert bool((tree.depth[1:] == tree.depth[tree.parents[1:]] + 1).all())
+
+
+def test_budget_larger_than_all_prefixes_marks_padding_invalid():
+    logq = torch.tensor([[0.7, 0.3], [0.6, 0.4]]).log()
+    tree = build_tree(logq, 0, budget=8)  # only 2 + 4 prefixes exist
+    assert int(tree.valid.sum()) == 1 + 6
+    assert tree_paths(tree) == build_tree_heap(logq, 8)
+
+
+def test_ancestor_mask_and_walk_hand_worked():
+    # root 0; children 1 (tok 5), 2 (tok 6); 3 (tok 7) under 1; 4 (tok 8) under 3; 5 (tok 9) under 2
+    tree = DraftTree(tokens=torch.tensor([4, 5, 6, 7, 8, 9]), parents=torch.tensor([-1, 0, 0, 1, 3, 2]),
+                     depth=torch.tensor([0, 1, 1, 2, 3, 2]), valid=torch.ones(6, dtype=torch.bool))
+    mask = ancestor_mask(tree.parents, 3)
+    assert mask[4].tolist() == [True, True, False, True, True, False]
+    assert mask[5].tolist() == [True, False, True, False, False, True]
+    picks = torch.tensor([5, 7, 9, 1, 0, 0])  # root→5 ✓, node1→7 ✓, node3→1 ✗ (node 4 has 8)
+    assert walk(tree, picks, 3).nonzero().flatten().tolist() == [0, 1, 3]
+    picks = torch.tensor([6, 7, 9, 8, 0, 0])  # root→6 picks the other branch, then node2→9
+    assert walk(tree, picks, 3).nonzero().flatten().tolist() == [0, 2, 5]
+
+
+def test_chain_is_the_argmax_path():
+    logq = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]).log()
+    chain = build_chain(logq, 3)
+    assert chain.tokens.tolist() == [3, 1, 0, 1] and chain.parents.tolist() == [-1, 0, 1, 2]
+
+
+# ---- losslessness at T=1 --------------------------------------------------------------------------
+V, DEPTH, BUDGET, SAMPLES = 4, 3, 6, 4000
+
+
+def target_logits(path: tuple[int, ...]) -> torch.Tensor:
+    """A fixed synthetic target: next-token logits as a deterministic function of the prefix."""
+    gen = torch.Generator().manual_seed(hash(path) % (2 ** 31))
+    return torch.randn(V, generator=gen) * 1.5
+
+
+def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(tree.size):
+        path, j = [], i
+        while j > 0:
+            path.append(toks[j])
+            j = par[j]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def first_two_tokens(accept_rule) -> torch.Tensor:
+    """Commits (x1, x2) for SAMPLES seeds: speculative rounds over a DDTree with the given acceptance rule."""
+    logq = (torch.randn(DEPTH, V, generator=torch.Generator().manual_seed(7)) * 2).log_softmax(-1)
+    counts = torch.zeros(V, V)
+    for seed in range(SAMPLES):
+        committed: list[int] = []
+        while len(committed) < 2:
+            tree = build_tree(logq, root_token=0, budget=BUDGET)
+            paths = [tuple(committed) + p for p in node_paths(tree)]
+            logits = torch.stack([target_logits(p) for p in paths])
+            committed += accept_rule(tree, logits, seed, len(committed))
+        counts[committed[0], committed[1]] += 1
+    return counts
+
+
+def sample_and_walk(tree, logits, seed, generated):
+    """The engine's rule: the pick at each node is the target's sample for that output index."""
+    steps = [generated + int(d) for d in tree.depth]
+    params = SamplingParams(temperature=1.0)
+    sb = SamplingBatch.build([params] * tree.size, [seed] * tree.size, steps, (), steps)
+    picks = sample(logits, sb).tokens
+    path = walk(tree, picks, DEPTH).nonzero().flatten()
+    return tree.tokens[path[1:]].tolist() + [int(picks[path[-1]])]
+
+
+def greedy_biased_accept(tree, logits, seed, generated):
+    """A deliberately biased rule: accept a drafted child whenever the target gives it probability >= 0.3."""
+    probs = logits.softmax(-1)
+    path, node = [], 0
+    while True:
+        children = [c for c in range(tree.size) if int(tree.parents[c]) == node]
+        good = [c for c in children if probs[node, tree.tokens[c]] >= 0.3]
+        if not good:
+            break
+        node = good[0]
+        path.append(int(tree.tokens[node]))
+    return path + sample_and_walk(DraftTree(tree.tokens[:1], tree.parents[:1], tree.depth[:1], tree.valid[:1]),
+                                  logits[node:node + 1], seed + 10 ** 6, generated + len(path))
+
+
+def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    keep = expected >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def exact_first_two() -> torch.Tensor:
+    p1 = target_logits(()).softmax(-1)
+    return torch.stack([p1[a] * target_logits((a,)).softmax(-1) for a in range(V)]) * SAMPLES
+
+
+def test_ddtree_sample_and_walk_matches_target_distribution():
+    p = chi_square_p_value(first_two_tokens(sample_and_walk), exact_first_two())
+    assert p > 1e-3, f"DDTree T=1 output distribution differs from the target's (chi-square p={p:.2e})"
+
+
+def test_biased_acceptance_rule_is_detected():
+    p = chi_square_p_value(first_two_tokens(greedy_biased_accept), exact_first_two())
+    assert p < 1e-3, f"the chi-square test failed to detect a biased acceptance rule (p={p:.3f})"
+    assert not math.isnan(p)
