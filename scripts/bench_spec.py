@@ -1,0 +1,81 @@
+"""Speculative decoding benchmark on held-out prompts, measured side by side in one run:
+τ (committed tokens per target forward, bonus included) and decode tokens/s for ``none``, ``dflash`` and
+``ddtree`` at several budgets, single rank, greedy.
+
+    python scripts/bench_spec.py [--target DIR] [--drafter DIR] [--prompts N] [--new-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.engine import Engine  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
+from engine.scheduler import SchedulerConfig  # noqa: E402
+from model.loader import load_model  # noqa: E402
+from parallelism.comm import build_groups  # noqa: E402
+from parallelism.layout import Layout  # noqa: E402
+from spec_decode.config import SpecConfig  # noqa: E402
+
+ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
+
+
+def run(model, prompts, spec: SpecConfig, new_tokens: int) -> dict:
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
+                          num_blocks=512)
+    engine = Engine(model, cfg, spec=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outputs, t0 = {}, time.perf_counter()
+    for i, p in enumerate(prompts):  # batch 1: one request at a time
+        engine.add_request(str(i), p, params)
+        while engine.has_work():
+            for o in engine.step():
+                outputs.setdefault(o.request_id, []).extend(o.new_tokens)
+    s = engine.stats
+    return {"method": spec.method, "budget": spec.budget if spec.method == "ddtree" else None,
+            "tau": s.acceptance_length if spec.enabled else 1.0,
+            "decode_tok_s": s.decode_tokens / s.decode_s, "wall_s": time.perf_counter() - t0,
+            "draft_ms_per_step": 1e3 * engine.runner.timing["draft_s"] / s.steps,
+            "verify_ms_per_step": 1e3 * engine.runner.timing["verify_s"] / s.steps,
+            "tokens": [outputs[str(i)] for i in range(len(prompts))]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=str(ZOO / "target"))
+    ap.add_argument("--drafter", default=str(ZOO / "drafter"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--budgets", default="16,32,64,128,256")
+    ap.add_argument("--output", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    prompts = [p["token_ids"] for p in json.loads((Path(args.target).parent / "eval_prompts.json").read_text())]
+    prompts = prompts[: args.prompts]
+    model = load_model(args.target, build_groups(Layout()))
+    specs = [SpecConfig(), SpecConfig("dflash", drafter_path=args.drafter)]
+    specs += [SpecConfig("ddtree", budget=int(b), drafter_path=args.drafter) for b in args.budgets.split(",")]
+    rows = [run(model, prompts, s, args.new_tokens) for s in specs]
+    base, chain = rows[0], rows[1]
+    print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, 1 thread\n")
+    print("| method | budget | τ | τ / τ(dflash) | decode tok/s | × none | draft ms/step | verify ms/step | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tau'] / chain['tau']:.2f} | "
+              f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f} | "
+              f"{r['draft_ms_per_step']:.1f} | {r['verify_ms_per_step']:.1f} | {r['tokens'] == base['tokens']} |")
+    if args.output:
+        Path(args.output).write_text(json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+                                                indent=1))
+
+
+if __name__ == "__main__":
+    main()
