@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from engine.graphs import GraphCoverage, eager_reason
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerConfig, StepPlan, StepResult
@@ -51,7 +52,13 @@ class Engine:
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
                                    spec_scratch=self.spec.num_nodes if self.spec.enabled else 0)
         self.stats = EngineStats()
+        self.graphs = GraphCoverage()
+        self._eager_reason = eager_reason(self._dispatcher_graph_safe())
         self._rng = random.Random(seed)
+
+    def _dispatcher_graph_safe(self) -> bool:
+        moe = [layer.mlp for layer in self.model.model.layers if hasattr(layer.mlp, "dispatcher")]
+        return all(m.dispatcher.graph_safe for m in moe)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -95,6 +102,7 @@ class Engine:
         s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
         kind = "prefill" if prefill and not decode else "decode" if decode and not prefill else "mixed"
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
+        self.graphs.record("verify" if spec and kind == "decode" else kind, replayed=False, reason=self._eager_reason)
         s.prefill_tokens += prefill
         s.decode_tokens += decode
         if kind == "decode":
