@@ -63,6 +63,34 @@ def engine_decode(model, prompts: torch.Tensor, new_tokens: int, repeats: int) -
     return best, tokens
 
 
+def cold_gemv_bandwidth(mib: int = 128) -> float:
+    """Bytes/s of fp32 GEMVs over many distinct 256 KiB weights (cold caches): this box's decode roofline."""
+    ws = [torch.randn(256, 256) for _ in range(mib * 4)]
+    v = torch.randn(1, 256)
+    t0 = time.perf_counter()
+    for w in ws:
+        torch.nn.functional.linear(v, w)
+    return len(ws) * 256 * 256 * 4 / (time.perf_counter() - t0)
+
+
+def weight_bytes_per_step(hf, batch: int) -> float:
+    """fp32 weight bytes a decode step must read: everything but the embedding table and the routed
+    experts, plus the expected number of distinct routed experts hit by ``batch`` tokens per MoE layer."""
+    c = hf.config
+    total = expert = 0
+    for name, p in hf.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        if ".experts." in name:
+            expert += p.numel()
+        else:
+            total += p.numel()
+    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    per_expert = expert / (moe_layers * c.n_routed_experts)
+    hit = c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch)
+    return 4 * (total + moe_layers * hit * per_expert)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=None)
@@ -80,8 +108,10 @@ def main() -> None:
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"checkpoint {ckpt}: {n_params / 1e6:.1f}M parameters, {hf.config.num_hidden_layers} layers, "
           f"{torch.get_num_threads()} thread(s)")
-    print("| batch | HF decode tok/s | engine decode tok/s | ratio | same greedy tokens |")
-    print("|---|---|---|---|---|")
+    bw = cold_gemv_bandwidth()
+    print(f"cold fp32 GEMV bandwidth on this box: {bw / 1e9:.1f} GB/s")
+    print("| batch | HF decode tok/s | engine decode tok/s | ratio | same greedy tokens | weight-read floor tok/s |")
+    print("|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for batch in (1, 8):
         prompts = torch.randint(2, hf.config.vocab_size, (batch, args.prompt_len), generator=gen)
@@ -89,7 +119,8 @@ def main() -> None:
                           min_new_tokens=args.new_tokens, do_sample=False)[:, args.prompt_len:].tolist()
         hf_tps = hf_decode(hf, prompts, args.new_tokens, args.repeats)
         ours, tokens = engine_decode(model, prompts, args.new_tokens, args.repeats)
-        print(f"| {batch} | {hf_tps:.0f} | {ours:.0f} | {ours / hf_tps:.2f}x | {tokens == ref} |")
+        floor = batch * bw / weight_bytes_per_step(hf, batch)
+        print(f"| {batch} | {hf_tps:.0f} | {ours:.0f} | {ours / hf_tps:.2f}x | {tokens == ref} | {floor:.0f} |")
 
 
 if __name__ == "__main__":
