@@ -1,0 +1,101 @@
+"""Choose, once per device, between the Triton kernels and their torch references.
+
+:func:`select_kernels` returns a :class:`KernelSet`: one callable per op, with the reference's call
+signature, and ``reasons[op]`` saying which implementation was chosen and why. Triton is chosen on a CUDA
+device of compute capability ≥ 8.0 when ``triton`` imports; anything else gets the references. The Triton
+modules are imported only then, so this module loads (and the references run) where triton is absent.
+
+Ops and their references (signatures in :mod:`model.triton.reference` and :mod:`model.kernels`):
+
+============================  ===============================================================
+``rms_norm``                  ``(x, weight, eps)`` → :func:`model.kernels.rms_norm`
+``add_rms_norm``              ``(x, residual, weight, eps)`` → ``(normed, new_residual)``
+``moe_experts``               ``(inp: ExpertInput, w_gate_up, w_down)`` → ``LocalExperts.forward``
+``paged_decode_gqa``          ``(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)``
+``paged_decode_mla``          ``(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale)``
+``tree_verify_gqa``           ``paged_decode_gqa``'s arguments with ``q [B, N, H, D]``, + ``tree_mask=`` or ``parents=``
+``tree_verify_mla``           ``paged_decode_mla``'s arguments with a node dim, + ``tree_mask=`` or ``parents=``
+============================  ===============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model import kernels
+from model.triton import reference
+
+OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
+       "tree_verify_mla")
+BACKENDS = ("auto", "triton", "torch")
+MIN_CAPABILITY = (8, 0)  # bf16 tl.dot
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One implementation per op (see the module docstring for signatures) and why each was chosen."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    moe_experts: Callable
+    paged_decode_gqa: Callable
+    paged_decode_mla: Callable
+    tree_verify_gqa: Callable
+    tree_verify_mla: Callable
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+def triton_unavailable(device: torch.device | str) -> str | None:
+    """Why the Triton kernels cannot run on ``device``, or None when they can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"no CUDA device ({device.type})"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton does not import ({exc})"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return f"compute capability {capability[0]}.{capability[1]} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    return None
+
+
+def _reference_set(reason: str) -> KernelSet:
+    r = reference
+    return KernelSet(kernels.rms_norm, r.add_rms_norm, r.local_experts, r.paged_decode_gqa, r.paged_decode_mla,
+                     r.tree_verify_gqa, r.tree_verify_mla, reasons=dict.fromkeys(OPS, f"torch reference: {reason}"))
+
+
+def _triton_set(device: torch.device) -> KernelSet:
+    import triton
+
+    from model.triton import attention, moe, norm
+
+    name = torch.cuda.get_device_name(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    reason = f"triton {triton.__version__}: {name} (sm_{major}{minor})"
+    return KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
+                     attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
+                     reasons=dict.fromkeys(OPS, reason))
+
+
+def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:
+    """The kernels for ``device``. ``backend``: ``auto`` (Triton where :func:`triton_unavailable` is None,
+    else the references), ``torch`` (the references), ``triton`` (raises, naming the reason and the
+    fallback, where Triton cannot run)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return _reference_set("requested (backend='torch')")
+    why_not = triton_unavailable(device)
+    if why_not is None:
+        return _triton_set(torch.device(device))
+    if backend == "triton":
+        raise RuntimeError(f"Triton kernels requested but unavailable: {why_not}; use backend='auto' or 'torch' "
+                           "for the torch references")
+    return _reference_set(why_not)

@@ -1,0 +1,131 @@
+"""Ahead-of-time compile of every kernel, at production shapes, for a GPU architecture — no GPU needed.
+
+The interpreter (``TRITON_INTERPRET=1``) checks what the kernels compute; it does not check that they
+compile: ``tl.dot`` shape rules, dtype agreement, loop-carried types and shared-memory budgets only show up
+in the real compiler. Triton ships its NVIDIA toolchain (LLVM, ptxas), so ``triton.compile`` with an explicit
+``GPUTarget`` lowers each kernel to a cubin on a CPU box. Launch-time behaviour (registers actually
+allocated, speed) still needs a GPU: ``scripts/gpu_check.py``.
+
+    python -m model.triton.aot --arch 90 100 [--core]   # one JSON line per compiled configuration
+
+Run it in a process without ``TRITON_INTERPRET`` (under the interpreter ``triton.jit`` returns
+interpreted functions, which do not compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from model.triton import attention, moe, norm
+
+SHARED_LIMIT = 232448  # bytes of shared memory one block may opt into on sm_90 and sm_100
+FLOAT_ARGS = ("scale", "eps")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One kernel configuration: pointer dtypes by argument name (default ``bf16``), constexprs, warps.
+    ``core``: part of the smallest set that reaches every code path (what the tests compile)."""
+
+    name: str
+    kernel: object
+    constexprs: dict
+    pointers: dict = field(default_factory=dict)
+    num_warps: int = 4
+    core: bool = False
+
+
+def _attention_pointers(num_splits: int) -> dict:
+    out = "fp32" if num_splits > 1 else "bf16"
+    return dict(o_ptr=out, lse_ptr="fp32", bt_ptr="i32", lens_ptr="i32", mask_ptr="i8")
+
+
+def _attention_specs() -> list[Spec]:
+    """Qwen3-235B at TP8 (8 query heads on 1 replicated KV head, D = 128) and DeepSeek-V3 at TP8 (16 heads,
+    latent 512, rope 64): decode with and without splits, tree verify at budget 64."""
+    specs = []
+    for n, splits, tree, kind in ((1, 1, False, "decode"), (1, 8, False, "decode split8"), (64, 1, True, "tree64")):
+        core = splits > 1 or tree
+        gqa = dict(attention.gqa_meta(n, 8, 128, tree), NUM_SPLITS=splits)
+        mla = dict(attention.mla_meta(n, 16, 512, 64, tree), NUM_SPLITS=splits)
+        specs.append(Spec(f"gqa {kind}", attention._gqa_kernel, gqa, _attention_pointers(splits), core=core))
+        specs.append(Spec(f"mla {kind}", attention._mla_kernel, mla, _attention_pointers(splits), core=core))
+    return specs
+
+
+def _moe_specs() -> list[Spec]:
+    """DeepSeek-V3 experts (H = 7168, I = 2048) with the decode and the prefill tiles."""
+    specs = []
+    for kind, pairs in (("decode", 64 * 8), ("prefill", 4096 * 8)):
+        t = moe.default_tiles(pairs, 7168, 2048)
+        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+        ids = dict(sorted_ptr="i32", expert_ptr="i32", num_post_ptr="i32")
+        core = kind == "decode"
+        specs.append(Spec(f"moe gate_up {kind}", moe._gate_up_kernel, tiles, ids, t.num_warps, core))
+        specs.append(Spec(f"moe down {kind}", moe._down_kernel, tiles,
+                          dict(ids, out_ptr="fp32", weight_ptr="fp32"), t.num_warps, core))
+    return specs
+
+
+def _norm_specs() -> list[Spec]:
+    block = triton.next_power_of_2(7168)
+    return [Spec(f"rms_norm residual={res}", norm._rms_norm_kernel, dict(BLOCK_D=block, HAS_RESIDUAL=res),
+                 num_warps=16, core=res) for res in (False, True)]
+
+
+def specs() -> list[Spec]:
+    return _attention_specs() + _moe_specs() + _norm_specs()
+
+
+def _signature(spec: Spec) -> dict:
+    """Argument types by name: constexprs, pointers (``*dtype``), ``fp32`` for scale/eps, ``i32`` otherwise."""
+    sig = {}
+    for name in spec.kernel.arg_names:
+        if name in spec.constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + spec.pointers.get(name, "bf16")
+        else:
+            sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    return sig
+
+
+def compile_spec(spec: Spec, arch: int) -> dict:
+    """Compile one configuration for ``sm_{arch}``; never raises: failures come back as ``error``."""
+    start = time.perf_counter()
+    row = dict(kernel=spec.name, arch=f"sm_{arch}", constexprs=spec.constexprs, num_warps=spec.num_warps)
+    try:
+        src = ASTSource(spec.kernel, _signature(spec), spec.constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=spec.num_warps))
+    except Exception as exc:  # noqa: BLE001 - a compiler error is the result being reported
+        return dict(row, ok=False, error=f"{type(exc).__name__}: {exc}"[:2000],
+                    seconds=round(time.perf_counter() - start, 2))
+    shared = compiled.metadata.shared
+    return dict(row, ok=shared <= SHARED_LIMIT, shared_bytes=shared, seconds=round(time.perf_counter() - start, 2),
+                error=None if shared <= SHARED_LIMIT else f"needs {shared} B of shared memory > {SHARED_LIMIT}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="SM versions, e.g. 90 (H100/H200) 100")
+    parser.add_argument("--core", action="store_true", help="only the configurations that reach every code path")
+    args = parser.parse_args()
+    if triton.knobs.runtime.interpret:
+        raise SystemExit("model.triton.aot: unset TRITON_INTERPRET (interpreted kernels do not compile)")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    for arch in args.arch:
+        for spec in specs():
+            if spec.core or not args.core:
+                print(json.dumps(compile_spec(spec, arch)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Fused MoE over the locally held experts: a grouped GEMM over tokens sorted by expert, block-aligned.
+
+:func:`moe_align_block_size` (torch, no host synchronisation) sorts the ``(row, choice)`` pairs whose slot is
+local by expert and pads each expert's run to a multiple of ``block_m``, so every BLOCK_M block of the
+sorted order belongs to one expert. Two kernels then walk those blocks:
+
+1. gate_up GEMM with SiLU·mul in the epilogue → intermediate ``[P, I]`` in the sorted order;
+2. down GEMM with the routing weight applied in the epilogue, atomically added (fp32) into the output row.
+
+The intermediate stays in sorted order, so no gather or scatter happens between the GEMMs. The number of
+blocks is bounded from shapes alone (padding blocks exit at once), which keeps the launch graph-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from parallelism.dispatch import ExpertInput
+
+
+def moe_align_block_size(slots: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``slots [N, k]`` int (local expert slot, −1 = not local) → the block-aligned sorted order.
+
+    Returns ``sorted_token_ids [P]`` int32: flat pair ids ``row * k + choice`` grouped by expert (stable
+    within an expert), each expert's run padded to a multiple of ``block_m`` with the sentinel ``N * k``;
+    ``expert_ids [P // block_m]`` int32, the expert of each block (−1 past the end);
+    ``num_tokens_post_padded [1]`` int32, the padded length actually used. ``P = round_up(N*k +
+    min(E, N*k) * (block_m - 1), block_m)`` depends on shapes only.
+    """
+    flat = slots.reshape(-1)
+    pairs, dev = flat.numel(), slots.device
+    key = torch.where(flat >= 0, flat, num_experts).long()  # not-local pairs sort last
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    size = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    order = torch.argsort(key, stable=True)
+    expert = key[order]
+    local = expert < num_experts
+    e = expert.clamp(max=num_experts - 1)
+    rank_in_expert = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[e]
+    dest = torch.where(local, ends[e] - padded[e] + rank_in_expert, size)  # not-local pairs: a dropped slot
+    sorted_ids = torch.full((size + 1,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.int())
+    block_expert = torch.searchsorted(ends, torch.arange(0, size, block_m, device=dev), right=True)
+    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).int()
+    return sorted_ids[:size], expert_ids, ends[-1:].int()
+
+
+@triton.jit
+def _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M: tl.constexpr):
+    """One BLOCK_M block of the sorted order: its sorted positions, pair ids, validity, token rows, expert."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    ok = pair < num_pairs
+    return rows, pair, ok, pair // top_k, tl.load(expert_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k, hidden, inter,
+                    stride_x, stride_we, stride_wn, stride_h,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid ``(P // BLOCK_M, cdiv(I, BLOCK_N))``: ``h[row] = silu(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)``
+    for the block's rows; ``w [E, 2I, H]`` (gate rows then up rows, last dim contiguous)."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows, pair, ok, tok, e = _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    w_gate = w_ptr + e * stride_we + n[None, :] * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < hidden
+        a = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + kk[None, :], mask=ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        gate += tl.dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0))
+        up += tl.dot(a, tl.load(w_gate + inter * stride_wn + kk[:, None], mask=w_mask, other=0.0))
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k,
+                 hidden, inter, stride_h, stride_we, stride_wn, stride_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid ``(P // BLOCK_M, cdiv(H, BLOCK_N))``: ``out[tok] += weight[pair] * (h[row] @ Wd[e].T)``;
+    ``w [E, H, I]`` (last dim contiguous), ``out [N, H]`` fp32, ``weight [N*k]`` fp32."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows, pair, ok, tok, e = _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < inter
+        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :], mask=ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        acc += tl.dot(a, w)
+    acc *= tl.load(weight_ptr + pair, mask=ok, other=0.0)[:, None]
+    tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc,
+                  mask=ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    """Tile sizes of both GEMMs (every dim ≥ 16 for ``tl.dot``)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+def default_tiles(num_pairs: int, hidden: int, inter: int) -> MoETiles:
+    """Small M blocks when few pairs per expert (decode), 64-row blocks for prefill; N/K capped by the dims."""
+    cap = lambda dim, most: max(16, min(most, triton.next_power_of_2(dim)))
+    block_m = 16 if num_pairs <= 1024 else 64
+    return MoETiles(block_m, cap(min(hidden, inter), 64), cap(min(hidden, inter), 64), 4 if block_m == 16 else 8)
+
+
+def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              tiles: MoETiles | None = None) -> torch.Tensor:
+    """Weighted sum over each row's local experts, like ``LocalExperts.forward``.
+
+    ``inp.hidden [N, H]``, ``inp.slots [N, k]`` int (−1 = not local), ``inp.weights [N, k]`` fp32;
+    ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]`` in hidden's dtype. Returns ``[N, H]`` in hidden's dtype
+    (accumulated in fp32). Reference: :func:`model.triton.reference.local_experts`.
+    """
+    x = inp.hidden.contiguous()
+    (n, hidden), (experts, two_inter, _) = x.shape, w_gate_up.shape
+    inter, pairs = two_inter // 2, inp.slots.numel()
+    if pairs == 0 or experts == 0:
+        return torch.zeros_like(x)
+    t = tiles or default_tiles(pairs, hidden, inter)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(inp.slots, experts, t.block_m)
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    out = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
+    blocks, top_k = expert_ids.numel(), inp.slots.shape[1]
+    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, t.block_n))](
+        x, w_gate_up, h, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), **tile)
+    weights = inp.weights.reshape(-1).float().contiguous()
+    _down_kernel[(blocks, triton.cdiv(hidden, t.block_n))](
+        h, w_down, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), **tile)
+    return out.to(x.dtype)

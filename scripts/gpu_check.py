@@ -1,0 +1,394 @@
+"""One call on one GPU (≤ 8 minutes): are the kernels right, fast, and where is the floor?
+
+    python scripts/gpu_check.py [--out DIR] [--budget-s 450] [--aot core|full|none]
+
+Sections, each recorded even when another fails (the report is rewritten after every section):
+
+- ``environment`` and ``kernel_select``: versions, the device, which implementation each op gets and why;
+- ``aot_compile`` (CPU only): every kernel compiled for sm_90 and sm_100 without a GPU (``model.triton.aot``);
+- ``correctness``: each Triton kernel against its torch reference on fresh random inputs — on a GPU in bf16 at
+  model-like sizes, on CPU in fp32 and fp16 under ``TRITON_INTERPRET=1`` at tiny sizes (pass rule:
+  :func:`model.triton.cases.compare`);
+- ``moe_timing`` (GPU): fused MoE vs the torch reference (``LocalExperts.forward``), decode and prefill;
+- ``bandwidth`` (GPU): device copy bandwidth of a 4 GiB copy, and the achieved bandwidth of paged decode
+  attention (GQA and MLA) on memory-bound sizes as a fraction of it;
+- ``power``: NVML power during the timed sections when ``pynvml`` (nvidia-ml-py) imports;
+- ``cuda_graphs``: ``engine.cuda_graphs.gpu_check(device, budget_s) -> dict`` when that module exists, else
+  "not built".
+
+Writes ``gpu_report.json`` and ``gpu_report.md`` to ``--out``, else ``$OUT``, else ``./gpu_report``. On a box
+without CUDA the GPU sections say that they were skipped and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from model import kernels  # noqa: E402
+from model.kernel_select import select_kernels  # noqa: E402
+from model.triton import attention, cases, moe, norm, reference  # noqa: E402
+from parallelism.dispatch import ExpertInput  # noqa: E402
+
+log = logging.getLogger("gpu_check")
+NO_GPU = "skipped: no CUDA device on this machine (torch.cuda.is_available() is False)"
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+class Report:
+    """Sections in order; written to JSON and Markdown after each one, so a timeout leaves a partial report."""
+
+    def __init__(self, out: Path, budget_s: float):
+        self.out, self.deadline, self.sections, self.seconds = out, time.monotonic() + budget_s, {}, {}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, name: str, fn, *args) -> None:
+        """Record ``fn(*args)`` as section ``name``; an exception becomes the section's ``error``."""
+        start = time.monotonic()
+        log.info("section %s (%.0f s of budget left)", name, self.left_s())
+        try:
+            value = fn(*args) if self.left_s() > 0 else "skipped: --budget-s spent"
+        except Exception:  # noqa: BLE001 - one broken section must not lose the others
+            value = {"error": traceback.format_exc(limit=8)}
+        self.sections[name] = value
+        self.seconds[name] = round(time.monotonic() - start, 1)
+        self.write()
+
+    def write(self) -> None:
+        everything = {**self.sections, "section_seconds": self.seconds}
+        (self.out / "gpu_report.json").write_text(json.dumps(everything, indent=2, default=str))
+        (self.out / "gpu_report.md").write_text(markdown(everything))
+
+
+def markdown(sections: dict) -> str:
+    lines = ["# gpu_check report", ""]
+    for name, value in sections.items():
+        lines += [f"## {name}", "", *_md_value(value), ""]
+    return "\n".join(lines)
+
+
+def _md_value(value) -> list[str]:
+    """A list of dicts → a table; a dict → a bullet list (nested values below their key); else one cell."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        keys = list(dict.fromkeys(k for row in value for k in row))
+        rows = [" | ".join(_cell(row.get(k, "")) for k in keys) for row in value]
+        return [" | ".join(keys), " | ".join("---" for _ in keys), *rows]
+    if not isinstance(value, dict):
+        return [_cell(value)]
+    lines = []
+    for k, v in value.items():
+        lines += [f"- **{k}**:", "", *_md_value(v), ""] if isinstance(v, list | dict) and v else \
+            [f"- **{k}**: {_cell(v)}"]
+    return lines
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return f"```\n{text}\n```" if "\n" in text else text.replace("|", "\\|")
+
+
+# ------------------------------------------------------------------------------------------ environment
+
+
+def environment() -> dict:
+    import triton
+
+    info = dict(torch=torch.__version__, triton=triton.__version__, cuda_available=CUDA,
+                triton_interpret=os.environ.get("TRITON_INTERPRET", ""), git=_git_head())
+    if CUDA:
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return info
+
+
+def _git_head() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def kernel_selection() -> dict:
+    return select_kernels("cuda" if CUDA else "cpu").reasons
+
+
+def aot_compile(mode: str) -> list[dict] | str:
+    """``python -m model.triton.aot`` for sm_90 and sm_100 in a process without the interpreter switch."""
+    if CUDA:
+        return "skipped on a GPU: the kernels compile for this device at their first launch in correctness"
+    if mode == "none":
+        return "skipped: --aot none"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "model.triton.aot", "--arch", "90", "100", *(["--core"] if mode == "core" else [])]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode:
+        rows.append(dict(kernel="model.triton.aot", ok=False, error=done.stderr[-2000:]))
+    return [{k: r.get(k) for k in ("kernel", "arch", "ok", "shared_bytes", "seconds", "error")} for r in rows]
+
+
+# ------------------------------------------------------------------------------------------ correctness
+
+
+@dataclass(frozen=True)
+class Check:
+    """A kernel, its reference, and ``case(generator, dtype, device)`` → the keyword arguments of both."""
+
+    name: str
+    kernel: Callable
+    reference: Callable
+    case: Callable
+
+
+def checks(tiny: bool) -> list[Check]:
+    """Tiny shapes for the interpreter; model-like ones on a GPU (Qwen3-30B-A3B attention and experts per EP8
+    rank, DeepSeek-V3 MLA per TP8 rank), where the lengths also make the default key splits kick in."""
+    lens = [1, 7, 70, 150] if tiny else [1, 17, 300, 1000, 2047, 2048, 4000, 96]
+    tree_lens = [5, 9, 75] if tiny else [64, 100, 1500, 3000]
+    gqa = dict(heads=6, kv_heads=2, head_dim=24, block_size=4) if tiny else \
+        dict(heads=32, kv_heads=4, head_dim=128, block_size=16)
+    mla = dict(heads=4, latent=40, rope=8, block_size=4) if tiny else dict(heads=16, latent=512, rope=64, block_size=64)
+    tree = 5 if tiny else 64
+    expert = dict(rows=40, top_k=3, hidden=24, inter=20, local_experts=4) if tiny else \
+        dict(rows=256, top_k=8, hidden=2048, inter=768, local_experts=16)
+    rows, dim = (6, 40) if tiny else (512, 7168)
+    out = [Check("rms_norm", norm.rms_norm, kernels.rms_norm,
+                 lambda g, dt, dev: cases.norm_case(rows, dim, g, False, dt, dev)),
+           Check("add_rms_norm", norm.add_rms_norm, reference.add_rms_norm,
+                 lambda g, dt, dev: cases.norm_case(rows, dim, g, True, dt, dev)),
+           Check("paged_decode_gqa", attention.paged_decode_gqa, reference.paged_decode_gqa,
+                 lambda g, dt, dev: cases.gqa_case(lens, **gqa, gen=g, dtype=dt, device=dev)),
+           Check("paged_decode_mla", attention.paged_decode_mla, reference.paged_decode_mla,
+                 lambda g, dt, dev: cases.mla_case(lens, **mla, gen=g, dtype=dt, device=dev)),
+           Check("tree_verify_gqa", attention.tree_verify_gqa, reference.tree_verify_gqa,
+                 lambda g, dt, dev: cases.gqa_case(tree_lens, **gqa, gen=g, tree=tree, dtype=dt, device=dev)),
+           Check("tree_verify_mla", attention.tree_verify_mla, reference.tree_verify_mla,
+                 lambda g, dt, dev: cases.mla_case(tree_lens, **mla, gen=g, tree=tree, dtype=dt, device=dev))]
+    for routing in ("spread", "one_expert", "none_local"):
+        out.append(Check(f"fused_moe ({routing})", moe.fused_moe, reference.local_experts,
+                         lambda g, dt, dev, r=routing: cases.expert_case(**expert, routing=r, gen=g, dtype=dt,
+                                                                         device=dev)))
+    return out
+
+
+def run_check(check: Check, seed: int, dtype: torch.dtype, device: str) -> dict:
+    """One check on fresh inputs (:func:`model.triton.cases.compare` states the pass rule)."""
+    case = check.case(torch.Generator().manual_seed(seed), dtype, device)
+    first = next(iter(case.values()))
+    shape = (first.hidden if isinstance(first, ExpertInput) else first).shape
+    return dict(kernel=check.name, dtype=str(dtype).removeprefix("torch."), shape="x".join(map(str, shape)),
+                **cases.compare(check.kernel, check.reference, case), seed=seed)
+
+
+def correctness() -> list[dict]:
+    """GPU: bf16. CPU: fp32 and fp16 (the interpreter computes bf16 wrongly: triton-lang/triton#11584)."""
+    dtypes, device = ((torch.bfloat16,), "cuda") if CUDA else ((torch.float32, torch.float16), "cpu")
+    seed = int(time.time()) % 10_000  # fresh inputs every run; the seed is in the report
+    all_checks = [(c, dt) for dt in dtypes for c in checks(tiny=not CUDA)]
+    return [run_check(c, seed + i, dt, device) for i, (c, dt) in enumerate(all_checks)]
+
+
+# --------------------------------------------------------------------------------------------- timings
+
+
+def cuda_time_s(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def moe_timing(power: PowerSampler) -> list[dict] | str:
+    """DeepSeek-V3 experts per EP8 rank (32 local of 256, H 7168, I 2048, top-8), bf16."""
+    if not CUDA:
+        return NO_GPU
+    rows = []
+    for phase, tokens in (("decode", 64), ("prefill", 4096)):
+        case = cases.expert_case(tokens, 8, 7168, 2048, 32, "spread", torch.Generator().manual_seed(0),
+                                 torch.bfloat16, "cuda")
+        with power.phase(f"moe {phase}"):
+            fused = cuda_time_s(lambda c=case: moe.fused_moe(**c))
+            ref = cuda_time_s(lambda c=case: reference.local_experts(**c), iters=5)
+        rows.append(dict(phase=phase, tokens=tokens, fused_ms=fused * 1e3, reference_ms=ref * 1e3,
+                         speedup=ref / fused))
+    return rows
+
+
+def copy_bandwidth() -> float:
+    """Bytes moved (read + write) per second by a 4 GiB device-to-device copy."""
+    src = torch.empty(2**32, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = cuda_time_s(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() / seconds
+
+
+def _decode_inputs(kind: str, batch: int, ctx: int) -> tuple[dict, int]:
+    """Memory-bound decode inputs on the GPU and the bytes the kernel must read (caches + q)."""
+    block_size, gen = 16, torch.Generator().manual_seed(0)
+    tables, lens, slots = cases.paged_tables([ctx] * batch, block_size, gen, "cuda")
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    if kind == "gqa":
+        k, v = (torch.randn(slots, 8, 128, **bf) for _ in range(2))
+        args = dict(q=torch.randn(batch, 64, 128, **bf), k_cache=k, v_cache=v)
+        read = 2 * batch * ctx * 8 * 128 * 2
+    else:
+        args = dict(q_lat=torch.randn(batch, 16, 512, **bf), q_pe=torch.randn(batch, 16, 64, **bf),
+                    latent_cache=torch.randn(slots, 512, **bf), rope_cache=torch.randn(slots, 64, **bf))
+        read = batch * ctx * (512 + 64) * 2
+    return dict(args, block_tables=tables, context_lens=lens, block_size=block_size, scale=0.1), read
+
+
+def bandwidth(power: PowerSampler) -> dict | str:
+    if not CUDA:
+        return NO_GPU
+    with power.phase("copy"):
+        copy_bw = copy_bandwidth()
+    rows = []
+    # every cache is well above the 50-60 MiB L2 of H100/H200, so reads come from HBM
+    for kind, batch, ctx in (("gqa", 64, 4096), ("mla", 64, 4096), ("gqa", 1, 32768), ("mla", 1, 131072)):
+        args, read = _decode_inputs(kind, batch, ctx)
+        fn = attention.paged_decode_gqa if kind == "gqa" else attention.paged_decode_mla
+        with power.phase(f"decode {kind} b{batch}"):
+            seconds = cuda_time_s(lambda f=fn, a=args: f(**a))
+        rows.append(dict(kernel=f"paged_decode_{kind}", batch=batch, context=ctx, mib_read=read / 2**20,
+                         us=seconds * 1e6, gb_s=read / seconds / 1e9, fraction_of_copy=read / seconds / copy_bw))
+        del args
+        torch.cuda.empty_cache()
+    return dict(copy_gb_s=copy_bw / 1e9, decode=rows, note="copy counts read + write bytes; decode counts the "
+                "cache bytes it must read (K and V, or latent + rope key)")
+
+
+# ----------------------------------------------------------------------------------------------- power
+
+
+class PowerSampler:
+    """NVML power of GPU 0 every 50 ms on a thread; ``phase(name)`` marks spans to summarise."""
+
+    def __init__(self):
+        self.samples, self.phases, self.why_not, self._stop = [], [], None, threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+            self.limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3
+        except Exception as exc:  # noqa: BLE001 - ImportError, or NVML present but no driver/GPU
+            self.why_not = f"NVML power not sampled: {type(exc).__name__}: {exc}"
+            return
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append((time.monotonic(), self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3))
+
+    def phase(self, name: str):
+        sampler = self
+
+        class _Span:
+            def __enter__(self):
+                self.start = time.monotonic()
+
+            def __exit__(self, *exc):
+                torch.cuda.synchronize()
+                sampler.phases.append((name, self.start, time.monotonic()))
+        return _Span()
+
+    def summary(self) -> dict | str:
+        self._stop.set()
+        if self.why_not:
+            return self.why_not
+        rows = []
+        for name, start, end in self.phases:
+            watts = [w for t, w in self.samples if start <= t <= end]
+            if watts:
+                rows.append(dict(phase=name, samples=len(watts), mean_w=sum(watts) / len(watts), max_w=max(watts),
+                                 mean_pct_of_limit=100 * sum(watts) / len(watts) / self.limit_w))
+        return dict(limit_w=self.limit_w, phases=rows)
+
+
+# ------------------------------------------------------------------------------------------ cuda graphs
+
+
+def cuda_graphs(budget_s: float) -> dict | str:
+    """Placeholder the CUDA-graph work fills: ``engine.cuda_graphs.gpu_check(device, budget_s) -> dict``."""
+    if importlib.util.find_spec("engine.cuda_graphs") is None:
+        return "not built: engine/cuda_graphs.py does not exist yet"
+    module = importlib.import_module("engine.cuda_graphs")
+    if not hasattr(module, "gpu_check"):
+        return "not built: engine.cuda_graphs has no gpu_check(device, budget_s) function"
+    if not CUDA:
+        return NO_GPU
+    return module.gpu_check(device=torch.device("cuda"), budget_s=budget_s)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_report"), help="report directory (default $OUT)")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="stop starting sections after this")
+    parser.add_argument("--aot", choices=("core", "full", "none"), default="core",
+                        help="ahead-of-time compile set when there is no GPU (default: every code path once)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    report = Report(Path(args.out), args.budget_s)
+    report.sections["gpu_parts"] = "run on " + torch.cuda.get_device_name(0) if CUDA else (
+        "SKIPPED — no CUDA device here, so moe_timing, bandwidth, power and cuda_graphs did not run; correctness "
+        "ran the Triton kernels under TRITON_INTERPRET=1 at tiny fp32 shapes, and aot_compile built them for "
+        "sm_90/sm_100 without a GPU")
+    report.run("environment", environment)
+    report.run("kernel_select", kernel_selection)
+    report.run("aot_compile", aot_compile, args.aot)
+    report.run("correctness", correctness)
+    power = PowerSampler() if CUDA else None
+    report.run("moe_timing", moe_timing, power)
+    report.run("bandwidth", bandwidth, power)
+    report.run("power", power.summary if power else lambda: NO_GPU)
+    report.run("cuda_graphs", cuda_graphs, max(0.0, report.left_s()))
+    failed = [r["kernel"] for r in report.sections["correctness"] if not r.get("ok")] \
+        if isinstance(report.sections["correctness"], list) else ["correctness section failed"]
+    report.sections["verdict"] = "all kernels within tolerance" if not failed else f"FAILED: {failed}"
+    report.write()
+    log.info("%s; report in %s", report.sections["verdict"], args.out)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
