@@ -1,0 +1,296 @@
+"""Cost model against hand-worked cases, the layout presets, validation against published figures, and the
+topology switches (env mapping, NVML link detection on a fake NVML, the CPU fallback)."""
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from layouts import layout
+
+from engine.cost_model import (
+    HARDWARE,
+    KIMI_K2,
+    KIMI_K2_INT4,
+    LAYOUTS,
+    RTX_PRO_6000_PCIE5,
+    Hardware,
+    ModelShape,
+    allreduce_time,
+    busiest_group_active_experts,
+    collective_time,
+    dispatch_time,
+    forward_calls,
+    hardware_table,
+    project,
+    project_matrix,
+    projection_table,
+    remote_ranks_per_token,
+    rescale_calls,
+    step_comm,
+    validate,
+    validation_table,
+)
+from engine.topology import (
+    CPU_FALLBACK,
+    TopologyConfig,
+    TopologyError,
+    apply_env,
+    check_dispatcher,
+    detect_links,
+    nccl_env,
+    plan,
+)
+from model.config import parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+LINK = Hardware(name="test", num_gpus=8, mem_bw=1e12, peak_flops=1e15, mem_capacity=1e11, link="test",
+                bus_bw=100e9, a2a_bw=100e9, alpha_s=10e-6)
+
+
+# ------------------------------------------------------------------------------------ collectives by hand
+def test_allreduce_two_ranks_by_hand():
+    # 2 ranks, 1 MB, 100 GB/s, alpha 10 us: 10 us + 1e6 * 2(2-1)/2 / 1e11 = 10 us + 10 us
+    assert allreduce_time(1e6, 2, 100e9, 10e-6) == pytest.approx(20e-6)
+    assert collective_time("all_reduce", 1e6, 2, LINK) == pytest.approx(20e-6)
+    # 8 ranks: 10 us + 1e6 * 1.75 / 1e11 = 27.5 us; 3 calls moving 3 MB: 3 x 27.5 us
+    assert collective_time("all_reduce", 1e6, 8, LINK) == pytest.approx(27.5e-6)
+    assert collective_time("all_reduce", 3e6, 8, LINK, calls=3) == pytest.approx(82.5e-6)
+    assert collective_time("all_reduce", 1e6, 1, LINK) == 0.0
+
+
+def test_other_collectives_by_hand():
+    # all-gather of 1 MB per rank over 4 ranks: each rank receives 3 MB -> 10 us + 30 us
+    assert collective_time("all_gather", 1e6, 4, LINK) == pytest.approx(40e-6)
+    assert collective_time("gather", 1e6, 4, LINK) == pytest.approx(40e-6)
+    # reduce-scatter of a 4 MB input over 4 ranks: 10 us + 4e6 * 3/4 / 1e11 = 40 us
+    assert collective_time("reduce_scatter", 4e6, 4, LINK) == pytest.approx(40e-6)
+    assert collective_time("broadcast", 1e6, 4, LINK) == pytest.approx(20e-6)
+    with pytest.raises(ValueError, match="no cost formula"):
+        collective_time("send", 1, 2, LINK)
+
+
+def test_dispatch_remote_ranks_by_hand():
+    # p = 8, k = 8: R = 7 * (1 - (7/8)^8) = 4.5947 remote ranks per token
+    r = remote_ranks_per_token(8, 8)
+    assert r == pytest.approx(7 * (1 - (7 / 8) ** 8)) and r == pytest.approx(4.5947, abs=1e-4)
+    assert remote_ranks_per_token(8, 1) == pytest.approx(7 / 8)
+    assert remote_ranks_per_token(2, 1) == pytest.approx(0.5)
+    # 64 tokens of 14336-byte rows: 10 us + 8 tokens/rank * R * 14336 B / 100 GB/s
+    t = dispatch_time(64, 14336, 8, 8, 100e9, 10e-6)
+    assert t == pytest.approx(10e-6 + 8 * r * 14336 / 100e9)
+    # the counter's view: send buffer = 8 tokens x p(1-(1-1/p)^k) rows; (p-1)/p of it is remote
+    send = 8 * 8 * (1 - (7 / 8) ** 8) * 14336
+    assert collective_time("all_to_all", send, 8, LINK) == pytest.approx(t)
+
+
+def test_busiest_expert_group():
+    assert busiest_group_active_experts(8, 1, 1, 8) == pytest.approx(1.0)  # one active expert, one group has it
+    assert busiest_group_active_experts(384, 8, 1, 1) == pytest.approx(8.0)
+    assert busiest_group_active_experts(384, 8, 1, 8) == pytest.approx(2.575, abs=1e-3)  # Monte Carlo: 2.56
+    assert busiest_group_active_experts(384, 8, 10_000, 8) == pytest.approx(48.0)
+    assert busiest_group_active_experts(384, 8, 0, 8) == 0.0
+
+
+# ------------------------------------------------------------------------------------- models and layouts
+def test_layouts_match_conf_presets():
+    for name, lay in LAYOUTS.items():
+        assert layout(name) == lay, name
+
+
+def test_kimi_sizes():
+    assert 1.00e12 < KIMI_K2.total_params() < 1.06e12  # "1T total"
+    assert 31e9 < KIMI_K2.active_params() < 33e9       # "32B activated"
+    assert KIMI_K2.num_moe_layers == 60 and KIMI_K2.mla and KIMI_K2.kv_elems_per_token_layer == 576
+    assert KIMI_K2_INT4.expert_weight_bytes == 0.5625
+
+
+def test_shape_from_config():
+    raw = dict(model_type="kimi_k2", vocab_size=1000, hidden_size=64, intermediate_size=128,
+               moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=8, n_routed_experts=16,
+               n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1, q_lora_rank=32,
+               kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    s = ModelShape.from_config(parse_config(raw), expert_weight_bytes=0.5)
+    assert (s.num_layers, s.num_dense_layers, s.num_experts, s.top_k, s.kv_lora_rank) == (4, 1, 16, 4, 32)
+    assert s.mla and s.expert_weight_bytes == 0.5 and s.weight_bytes == 2.0
+
+
+def test_calls_follow_the_documented_formula():
+    assert forward_calls("tp8", KIMI_K2) == {"attn_tp/all_reduce": 63, "world/all_reduce": 60, "attn_tp/gather": 1}
+    assert forward_calls("dp8_ep8", KIMI_K2) == {"world/all_to_all": 240}
+    tiny = {"attn_tp/all_reduce": 5, "world/all_reduce": 2, "attn_tp/gather": 1, "world/broadcast": 3}
+    assert rescale_calls(tiny, "ep8", measured=(3, 2), target=(61, 60)) == {
+        "attn_tp/all_reduce": 63, "world/all_reduce": 60, "attn_tp/gather": 1, "world/broadcast": 3}
+
+
+def test_step_comm_bytes_for_kimi():
+    c = step_comm("ep8", KIMI_K2, batch=1)
+    assert c["attn_tp/all_reduce"] == {"calls": 63, "bytes": 63 * 7168 * 2}
+    assert c["attn_tp/gather"] == {"calls": 1, "bytes": 163840 // 8 * 2}
+    a2a = step_comm("dp8_ep8", KIMI_K2, batch=8)["world/all_to_all"]
+    hits = 8 * (1 - (7 / 8) ** 8)
+    per_layer = 8 * 8 + hits * (2 * 7168 * 2 + 2 * 8 * 4)  # counts + rows + routing + combine rows, one token
+    assert a2a["calls"] == 240 and a2a["bytes"] == pytest.approx(60 * per_layer)
+
+
+# ---------------------------------------------------------------------------------------------- project
+def test_project_hand_worked_interconnect_on_pcie():
+    p = project("ep8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, batch=1, context=2048)
+    row = 7168 * 2
+    ar = 24e-6 + row * 2 * 7 / 8 / 22e9
+    gather = 24e-6 + 163840 // 8 * 2 * 7 / 22e9
+    assert p.comm_s == pytest.approx(123 * ar + gather)
+    assert p.step_s == pytest.approx(max(p.memory_s, p.compute_s) + p.comm_s)
+    assert p.tok_s == pytest.approx(1 / p.step_s) and p.fits
+
+
+def test_project_properties():
+    tp8 = project("tp8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 1, 2048)
+    ep8 = project("ep8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 1, 2048)
+    assert tp8.comm_s == pytest.approx(ep8.comm_s)  # same collectives with TP attention
+    assert tp8.memory_s < ep8.memory_s              # EP8's busiest rank holds ~2.6 of the 8 active experts
+    full = project("tp8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 1, 2048, overlap="full")
+    assert full.step_s == pytest.approx(max(tp8.memory_s, tp8.comm_s))
+    slow = project("tp8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 1, 2048, host_overhead_s=0.03)
+    assert slow.step_s == pytest.approx(tp8.step_s + 0.03) and slow.bound == "host/launch"
+    spec = project("tp8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 4, 2048, tokens_per_seq=8, tau=3.0)
+    assert spec.tok_s == pytest.approx(12 / spec.step_s) and spec.tok_s_per_user == pytest.approx(3 / spec.step_s)
+    measured = {"attn_tp/all_reduce": 63.0, "world/all_reduce": 60.0, "attn_tp/gather": 1.0}
+    assert project("tp8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 1, 2048, measured).step_s == pytest.approx(tp8.step_s)
+    assert project("tp8", RTX_PRO_6000_PCIE5, KIMI_K2, 1, 2048).memory_s > tp8.memory_s  # bf16 experts
+    huge = replace(KIMI_K2, name="bf16 on 96 GB")
+    assert not project("ep8", RTX_PRO_6000_PCIE5, huge, 1, 2048).fits  # 2 TB of bf16 does not fit in 768 GB
+    with pytest.raises(ValueError, match="overlap"):
+        project("tp8", LINK, KIMI_K2, 1, 1, overlap="some")
+
+
+def test_matrix_and_tables():
+    ps = project_matrix(batches=(1, 64), context=1024)
+    assert len(ps) == len(HARDWARE) * len(LAYOUTS) * 2
+    assert all(p.step_s > 0 and math.isfinite(p.tok_s) for p in ps)
+    table = projection_table(ps)
+    assert table.count("\n") == len(ps) + 1 and "8x B300 NVLink5" in table
+    for hw in HARDWARE.values():
+        t = hardware_table(hw)
+        assert all(r["source"] for r in hw.parameters()), hw.name  # every parameter has a source
+        assert "bus_bw" in t
+
+
+def test_validation_rows_and_docs_in_sync():
+    rows = validate()
+    named = [r for r in rows if r["ratio"] is not None]
+    assert len(named) == 7
+    for r in named:
+        assert r["ratio"] == pytest.approx(r["projected_tok_s"] / r["published_tok_s"])
+        assert r["error_pct"] == pytest.approx(100 * (r["ratio"] - 1))
+    spec = rows[-1]
+    assert spec["tau_needed"] > 0 and spec["tau_for_2_15x"] > 1
+    doc = (REPO / "docs" / "cost_model.md").read_text()
+    assert validation_table(rows) in doc, "docs/cost_model.md's validation table is stale: regenerate it"
+
+
+# --------------------------------------------------------------------------------------------- topology
+def test_nccl_env_mapping():
+    assert nccl_env("auto") == {}
+    assert nccl_env("pcie") == {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "0"}
+    assert nccl_env("nvlink") == {"NCCL_P2P_DISABLE": "0", "NCCL_SHM_DISABLE": "0"}
+    assert "NCCL_P2P_LEVEL" not in nccl_env("pcie")  # a distance cutoff: NVLink pairs would still use P2P
+    with pytest.raises(TopologyError, match="topology.mode must be one of"):
+        nccl_env("infiniband")
+
+
+def test_topology_conf_files():
+    for mode in ("auto", "nvlink", "pcie"):
+        assert TopologyConfig(**yaml.safe_load((REPO / "conf" / "topology" / f"{mode}.yaml").read_text())).mode == mode
+
+
+def test_cpu_fallback():
+    links = detect_links()  # this box: no GPU (or no NVML library)
+    if links["kind"] != "none":
+        pytest.skip("GPUs present")
+    assert links["backend"] == "gloo" and links["reason"].startswith(CPU_FALLBACK)
+    for mode in ("auto", "nvlink", "pcie"):
+        p = plan(mode, links)
+        assert p["effective"] == CPU_FALLBACK and p["env"] == {}
+
+
+class NVMLError(Exception):
+    pass
+
+
+class FakeBox:
+    """NVML of a box with ``n`` GPUs; NVLink P2P between all of them when ``nvlink``."""
+
+    NVML_P2P_CAPS_INDEX_READ, NVML_P2P_CAPS_INDEX_NVLINK, NVML_NVLINK_MAX_LINKS = 0, 2, 18
+
+    def __init__(self, n, nvlink):
+        self.n, self.nvlink = n, nvlink
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return self.n
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H200" if self.nvlink else "NVIDIA RTX PRO 6000"
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if not self.nvlink:
+            raise NVMLError("Not Supported")
+        if link >= 18:
+            raise NVMLError("Invalid Argument")
+        return 1
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return 5
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return 16
+
+    def nvmlDeviceGetP2PStatus(self, a, b, index):
+        if index == self.NVML_P2P_CAPS_INDEX_NVLINK:
+            return 0 if self.nvlink else 5
+        return 0
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return 50 if (a < self.n // 2) != (b < self.n // 2) else 40
+
+
+def test_detect_links_on_fake_boxes():
+    nv = detect_links(FakeBox(4, nvlink=True))
+    assert nv["kind"] == "nvlink" and nv["backend"] == "nccl" and len(nv["pairs"]) == 6
+    assert nv["gpus"][0] == {"index": 0, "name": "NVIDIA H200", "nvlink_active": 18, "pcie_gen": 5, "pcie_width": 16}
+    assert nv["pairs"][0]["p2p_nvlink"] == "ok" and nv["pairs"][-1]["common_ancestor"] == "NODE (same NUMA node)"
+    pcie = detect_links(FakeBox(4, nvlink=False))
+    assert pcie["kind"] == "pcie" and pcie["gpus"][0]["nvlink_active"] == 0
+    assert pcie["pairs"][1] == {"a": 0, "b": 2, "p2p_read": "ok", "p2p_nvlink": "not supported",
+                                "common_ancestor": "SYS (across CPU sockets)"}
+    assert any("nvlink state" in e for e in pcie["errors"])
+    assert detect_links(FakeBox(1, nvlink=False))["kind"] == "single_gpu"
+    broken = SimpleNamespace(nvmlInit=lambda: (_ for _ in ()).throw(NVMLError("Driver Not Loaded")))
+    assert detect_links(broken)["reason"] == f"{CPU_FALLBACK} (NVML unavailable: NVMLError: Driver Not Loaded)"
+
+
+def test_plans_on_fake_boxes():
+    nvl, pcie = detect_links(FakeBox(8, True)), detect_links(FakeBox(8, False))
+    forced = plan("pcie", nvl)
+    assert forced["effective"].startswith("pcie (emulated") and forced["env"]["NCCL_P2P_DISABLE"] == "1"
+    assert plan("auto", nvl)["env"] == {} and plan("auto", pcie)["effective"] == "pcie"
+    assert plan("pcie", pcie)["effective"] == "pcie"
+    with pytest.raises(TopologyError, match="this box has pcie links"):
+        plan("nvlink", pcie)
+    env = {"NCCL_P2P_DISABLE": "0", "PATH": "/bin"}
+    assert apply_env(forced, env) == nccl_env("pcie") and env["NCCL_P2P_DISABLE"] == "1" and env["PATH"] == "/bin"
+    check_dispatcher(plan("nvlink", nvl), "deepep", needs_nvlink=True)
+    check_dispatcher(forced, "alltoall", needs_nvlink=False)
+    with pytest.raises(TopologyError, match="needs NVLink"):
+        check_dispatcher(forced, "deepep", needs_nvlink=True)
