@@ -8,6 +8,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def pool():
+    """8 forked gloo ranks, once per test module."""
+    from rankpool import RankPool
+
+    p = RankPool(8)
+    yield p
+    p.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory):
     """The two tiny HF checkpoints, written once per session."""

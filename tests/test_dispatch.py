@@ -3,7 +3,6 @@
 import pytest
 import torch
 from layouts import layout
-from rankpool import RankPool
 
 from model.batch import ForwardBatch
 from model.loader import load_model
@@ -11,13 +10,6 @@ from parallelism.dispatch import expected_forward_calls, make_dispatcher
 from parallelism.layout import ExpertPlacement, Layout
 
 H, K, E = 6, 3, 16
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(8)
-    yield p
-    p.close()
 
 
 def identity_experts(inp, moe_tp):

@@ -4,7 +4,6 @@ chunked prefill, abort, and KV blocks back to zero after every run."""
 import pytest
 import torch
 from layouts import layout
-from rankpool import RankPool
 
 from engine.engine import Engine, worker_loop
 from engine.runner import ModelRunner
@@ -19,13 +18,6 @@ PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31, 8, 202, 11], [2, 4, 6], [200, 1, 77, 9
 N_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
 SMALL = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=128)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(8)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")

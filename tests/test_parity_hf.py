@@ -6,7 +6,6 @@ Comparisons are close, not bit-exact: sharded GEMMs and all-reduces sum in a dif
 import pytest
 import torch
 from layouts import PRESETS, layout
-from rankpool import RankPool
 
 from model.forward import full_logits
 from model.loader import load_model
@@ -18,13 +17,6 @@ LAYOUTS = [layout(p) for p in PRESETS] + [
     layout("ep8", "placement=round_robin"),
     layout("dp8_ep8", "placement=round_robin"),
 ]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(8)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")

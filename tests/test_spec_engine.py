@@ -3,7 +3,6 @@ plain decoding's tokens at T=0, and — thanks to the counter-based sampler — 
 
 import pytest
 from layouts import layout
-from rankpool import RankPool
 from test_engine import run_requests
 
 from engine.engine import Engine, make_runner, worker_loop
@@ -15,13 +14,6 @@ from spec_decode.config import SpecConfig
 
 PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
 CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(8)
-    yield p
-    p.close()
 
 
 def _job(ctx, lay, path, specs, params):
