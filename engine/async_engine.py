@@ -1,0 +1,305 @@
+"""The rank-0 Engine driven by one thread, for an asyncio server.
+
+Threads (all in the rank-0 process):
+
+- the event loop (the gRPC server) calls :meth:`AsyncEngine.submit`, :meth:`~AsyncEngine.abort` and
+  :meth:`~AsyncEngine.call`; they only enqueue commands and never touch the Engine;
+- the engine thread owns the Engine: between steps it drains the command queue (adds, aborts, calls), then
+  runs one step and hands its outputs to the loop with ``loop.call_soon_threadsafe``, into one asyncio queue
+  per request. While idle it runs a heartbeat (an empty step on every rank) every ``heartbeat_s``, so idle
+  ranks stay inside the collective timeout and a dead rank is noticed without traffic;
+- the watchdog thread declares the engine dead when one step, heartbeat or shutdown runs longer than
+  ``step_timeout_s`` (a gloo/NCCL collective on a dead or stopped peer may hang instead of raising).
+
+Any exception in the engine thread or a watchdog timeout is fatal: every open stream receives an
+:class:`EngineFailure`, pending calls fail with :class:`EngineDead`, and ``on_fatal(reason)`` runs (the server
+exits the process from there). Nothing is retried: a half-done collective leaves the ranks out of step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.engine import Engine
+from engine.sampler import SamplingParams
+from engine.scheduler import RequestError, RequestOutput, StepPlan
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Overloaded(RuntimeError):
+    """Running + waiting requests are at the server's capacity."""
+
+
+class EngineDead(RuntimeError):
+    """The engine failed (or was stopped); no request can run."""
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Put on a request's queue when the engine dies under it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Loads:
+    """A snapshot published by the engine thread after every step and command batch."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 1
+    block_size: int = 1
+    per_dp: tuple[tuple[int, int, int], ...] = ()  # (running, waiting, kv blocks used) per attention-DP rank
+    gen_tokens_per_s: float = 0.0
+    steps: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+class ServingEngine(Engine):
+    """Engine plus an idle heartbeat."""
+
+    def heartbeat(self) -> None:
+        """An empty step on every rank (collective). Keeps idle workers inside the process-group timeout and
+        surfaces a dead rank while idle. Not counted in the comm stats or the step stats."""
+        counter = self.groups.counter
+        calls, nbytes = dict(counter.calls), dict(counter.bytes)
+        self._execute(StepPlan(-1, [[] for _ in range(self.groups.layout.attn_dp)]))
+        counter.reset()
+        counter.calls.update(calls)
+        counter.bytes.update(nbytes)
+
+
+class RequestStream:
+    """One request's outputs, read on the event loop: ``RequestOutput`` items, then maybe an ``EngineFailure``."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self.finished = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: ServingEngine, capacity: int, step_timeout_s: float, heartbeat_s: float,
+                 on_fatal: Callable[[str], None] | None = None, throughput_window_s: float = 10.0):
+        """``capacity``: most requests (running + waiting) in the engine; one more is :class:`Overloaded`."""
+        self.engine, self.capacity = engine, capacity
+        self.step_timeout_s, self.heartbeat_s = step_timeout_s, heartbeat_s
+        self.on_fatal = on_fatal or (lambda reason: None)
+        self.window_s = throughput_window_s
+        self.loads = Loads()
+        self.dead: str | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._pending: set[asyncio.Future] = set()  # loop thread only
+        self._busy: tuple[str, float] | None = None  # (what, since): set by the engine thread
+        self._fatal_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._emitted: deque[tuple[float, int]] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- event-loop side -------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._publish_loads()
+        self._threads = [threading.Thread(target=self._run, name="engine", daemon=True),
+                         threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
+        """Adds a request; raises RequestError/SamplingError (bad input), Overloaded or EngineDead."""
+        if request_id in self._streams:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        try:
+            await self._command("add", request_id, prompt, params)
+        except BaseException:  # bad input, overload, or the caller went away while the add was queued
+            self._streams.pop(request_id, None)
+            stream.finished = True
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request if it is still in the engine (its stream gets a finished "abort" output)."""
+        self._commands.put(("abort", None, request_id))
+
+    def close(self, stream: RequestStream) -> None:
+        """Called when the consumer is done with a stream; aborts the request if it has not finished."""
+        if not stream.finished:
+            stream.finished = True
+            self._streams.pop(stream.request_id, None)
+            self.abort(stream.request_id)
+
+    async def call(self, fn: Callable[[ServingEngine], Any]) -> Any:
+        """Runs ``fn(engine)`` on the engine thread between steps; returns its result."""
+        return await self._command("call", fn)
+
+    async def stop(self) -> None:
+        """Graceful stop: pending commands run, then ``engine.shutdown()`` releases the other ranks."""
+        await self._command("stop")
+        self._stopped.set()
+        self.dead = self.dead or "engine stopped"
+
+    def fail_streams(self, reason: str) -> None:
+        """Ends every open stream with an EngineFailure (loop thread)."""
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(EngineFailure(reason))
+        for fut in list(self._pending):
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))
+
+    def _command(self, kind: str, *args) -> asyncio.Future:
+        if self.dead:
+            raise EngineDead(self.dead)
+        fut = self._loop.create_future()
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        self._commands.put((kind, fut, *args))
+        return fut
+
+    def _settle(self, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _reply(self, fut: asyncio.Future | None, result: Any = None, error: BaseException | None = None) -> None:
+        if fut is not None:
+            self._loop.call_soon_threadsafe(self._settle, fut, result, error)
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            now = time.monotonic()
+            self._emitted.append((now, sum(len(o.new_tokens) for o in outputs)))
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _timed(self, what: str, fn: Callable[[], Any]) -> Any:
+        self._busy = (what, time.monotonic())
+        try:
+            return fn()
+        finally:
+            self._busy = None
+
+    def _run_command(self, cmd: tuple) -> bool:
+        """Runs one command; returns False for stop."""
+        kind, fut, *args = cmd
+        if kind == "stop":
+            self._timed("shutdown", self.engine.shutdown)
+            self._reply(fut)
+            return False
+        if kind == "abort":
+            (request_id,) = args
+            if request_id in self.engine.scheduler.requests:
+                self._emit([self.engine.abort(request_id)])
+            return True
+        if kind == "call":
+            try:
+                self._reply(fut, args[0](self.engine))
+            except Exception as err:  # noqa: BLE001 - a failed read-only call is the caller's error only
+                self._reply(fut, error=err)
+            return True
+        sched = self.engine.scheduler
+        try:
+            if sched.num_running() + sched.num_waiting() >= self.capacity:
+                raise Overloaded(f"server at capacity: {sched.num_running()} running + {sched.num_waiting()} "
+                                 f"waiting (server.max_num_seqs * attn_dp + server.max_queue = {self.capacity})")
+            self.engine.add_request(*args)
+            self._reply(fut)
+        except (ValueError, Overloaded) as err:  # RequestError, SamplingError: the caller's fault, not the engine's
+            self._reply(fut, error=err)
+        return True
+
+    def _run(self) -> None:
+        last_beat = time.monotonic()
+        try:
+            while True:
+                busy = self.engine.has_work()
+                wait = 0.0 if busy else max(0.0, self.heartbeat_s - (time.monotonic() - last_beat))
+                try:
+                    cmds = [self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()]
+                except queue.Empty:
+                    cmds = []
+                while True:
+                    try:
+                        cmds.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in cmds:
+                    if not self._run_command(cmd):
+                        self._publish_loads()
+                        return
+                if self.engine.has_work():
+                    self._emit(self._timed("step", self.engine.step))
+                    last_beat = time.monotonic()
+                elif time.monotonic() - last_beat >= self.heartbeat_s:
+                    self._timed("heartbeat", self.engine.heartbeat)
+                    last_beat = time.monotonic()
+                self._publish_loads()
+        except BaseException as err:  # noqa: BLE001 - any failure here is fatal for the whole job
+            log.exception("engine thread failed")
+            self._fatal(f"engine step failed ({type(err).__name__}: {err}); a rank is probably dead")
+
+    def _publish_loads(self) -> None:
+        sched, cutoff = self.engine.scheduler, time.monotonic() - self.window_s
+        while self._emitted and self._emitted[0][0] < cutoff:
+            self._emitted.popleft()
+        per_dp = tuple((len(r), len(w), a.num_used)
+                       for r, w, a in zip(sched.running, sched.waiting, sched.allocators, strict=True))
+        self.loads = Loads(
+            running=sched.num_running(), waiting=sched.num_waiting(), kv_blocks_used=sched.blocks_in_use(),
+            kv_blocks_total=sum(a.num_blocks for a in sched.allocators), block_size=sched.cfg.block_size,
+            per_dp=per_dp, gen_tokens_per_s=sum(n for _, n in self._emitted) / self.window_s,
+            steps=self.engine.stats.steps)
+
+    # ---- watchdog --------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopped.wait(0.2):
+            busy = self._busy
+            if busy and time.monotonic() - busy[1] > self.step_timeout_s:
+                self._fatal(f"engine {busy[0]} stuck for more than server.step_timeout_s={self.step_timeout_s}s "
+                            "(a rank is dead or hung)")
+                return
+
+    def _fatal(self, reason: str) -> None:
+        with self._fatal_lock:
+            if self.dead:
+                return
+            self.dead = reason
+        self._stopped.set()
+        log.error("engine dead: %s", reason)
+        try:
+            self._loop.call_soon_threadsafe(self.fail_streams, reason)
+        except (AttributeError, RuntimeError):  # no loop yet, or it is closed
+            pass
+        self.on_fatal(reason)

@@ -1,0 +1,125 @@
+"""``vllm.grpc.engine`` messages ↔ engine types: request validation and response building (pure functions).
+
+Proto3 scalars have no presence, so several "unset" values are mapped as the SMG gateway means them:
+``top_p == 0`` → 1.0, ``n == 0`` → 1, ``repetition_penalty == 0`` → off, ``max_tokens`` unset → the room left in
+``max_model_len``, ``temperature`` unset → 1.0. ``top_k`` is ``uint32`` on the wire: its bit pattern is read as
+int32, so a client's -1 (sent as 2**32-1) means "off" like 0, and -2 or lower is rejected naming ``top_k``.
+Range checks on the sampling fields are :class:`engine.sampler.SamplingParams`' own; prompt checks (empty, ids
+out of range, too long) are the scheduler's. Both name the field, and the servicer maps them to
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smg_grpc_proto import vllm_engine_pb2 as pb
+
+from engine.sampler import SamplingParams
+from engine.scheduler import RequestOutput
+
+CONSTRAINTS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
+
+
+class InvalidRequest(ValueError):
+    """A GenerateRequest we cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+
+
+def int32_of_uint32(value: int) -> int:
+    """The int32 a uint32 wire value was cast from (2**32-1 → -1)."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def uint32_of_int32(value: int) -> int:
+    """Inverse of :func:`int32_of_uint32`, for clients that send a negative top_k."""
+    return value + (1 << 32) if value < 0 else value
+
+
+def _reject_unsupported(req: pb.GenerateRequest) -> None:
+    sp = req.sampling_params
+    if req.WhichOneof("input") == "text":
+        raise InvalidRequest("text input is not supported: send tokenized.input_ids")
+    if req.HasField("mm_inputs") or req.HasField("media_refs") or len(req.extra_mm_inputs):
+        raise InvalidRequest("mm_inputs/media_refs: multimodal input is not supported by this text-only model")
+    constraint = sp.WhichOneof("constraint")
+    if constraint:
+        raise InvalidRequest(f"sampling_params.{constraint}: structured output is not supported")
+    if sp.n > 1:
+        raise InvalidRequest(f"n must be 1, got {sp.n}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(sp, name) != 0:
+            raise InvalidRequest(f"{name} is not supported (must be 0), got {getattr(sp, name)}")
+    if sp.repetition_penalty not in (0.0, 1.0):
+        raise InvalidRequest(f"repetition_penalty is not supported (must be 1), got {sp.repetition_penalty}")
+    if len(sp.logit_bias):
+        raise InvalidRequest("logit_bias is not supported")
+    if sp.HasField("prompt_logprobs"):
+        raise InvalidRequest("prompt_logprobs is not supported")
+
+
+def generate_request(req: pb.GenerateRequest, limits: Limits) -> tuple[list[int], SamplingParams]:
+    """Prompt ids and engine SamplingParams of a GenerateRequest; raises InvalidRequest or SamplingError (both
+    ValueError subclasses naming the field)."""
+    _reject_unsupported(req)
+    sp = req.sampling_params
+    prompt = list(req.tokenized.input_ids)
+    if sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens > 0:
+        prompt = prompt[-sp.truncate_prompt_tokens:]
+    if sp.HasField("max_tokens"):
+        max_tokens = sp.max_tokens
+    else:
+        max_tokens = limits.max_model_len - len(prompt)
+        if prompt and max_tokens < 1:
+            raise InvalidRequest(f"prompt length {len(prompt)} leaves no room for max_tokens within "
+                                 f"max_model_len {limits.max_model_len}")
+    bad_stop = [t for t in sp.stop_token_ids if t >= limits.vocab_size]
+    if bad_stop:
+        raise InvalidRequest(f"stop_token_ids must be < vocab_size {limits.vocab_size}, got {bad_stop[:5]}")
+    return prompt, SamplingParams(
+        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+        top_k=int32_of_uint32(sp.top_k),
+        top_p=sp.top_p if sp.top_p != 0 else 1.0,
+        min_p=sp.min_p,
+        seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=max_tokens,
+        min_tokens=sp.min_tokens,
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else 0,
+    )
+
+
+def output_logprobs(logprobs: list[float], tokens: list[int], top: list[list[tuple[int, float]]]) -> pb.OutputLogProbs:
+    return pb.OutputLogProbs(
+        token_logprobs=logprobs, token_ids=tokens,
+        top_logprobs=[pb.TopLogProbs(values=[lp for _, lp in t], token_ids=[i for i, _ in t]) for t in top],
+    )
+
+
+def chunk(outs: list[RequestOutput], want_logprobs: bool) -> pb.GenerateResponse:
+    """One stream chunk carrying the new tokens of ``outs`` (consecutive outputs of one request)."""
+    tokens = [t for o in outs for t in o.new_tokens]
+    msg = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=outs[-1].num_prompt_tokens,
+                                 completion_tokens=len(tokens), index=0)
+    if want_logprobs:
+        msg.output_logprobs.CopyFrom(output_logprobs([lp for o in outs for lp in o.new_logprobs], tokens,
+                                                     [t for o in outs for t in o.new_top_logprobs]))
+    return pb.GenerateResponse(chunk=msg)
+
+
+def complete(last: RequestOutput, all_tokens: list[int], stream: bool,
+             logprobs: pb.OutputLogProbs | None) -> pb.GenerateResponse:
+    """The final message: finish reason and usage; all ids (and logprobs) unless the tokens were streamed."""
+    msg = pb.GenerateComplete(output_ids=[] if stream else all_tokens, finish_reason=last.finish_reason or "abort",
+                              prompt_tokens=last.num_prompt_tokens, completion_tokens=len(all_tokens), index=0)
+    if last.finish_reason == "stop" and all_tokens:
+        msg.matched_token_id = all_tokens[-1]
+    if logprobs is not None and not stream:
+        msg.output_logprobs.CopyFrom(logprobs)
+    return pb.GenerateResponse(complete=msg)

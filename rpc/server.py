@@ -1,0 +1,153 @@
+"""The gRPC server on rank 0: services, start-up, SIGTERM drain, and the fatal path.
+
+Lifecycle:
+
+- start: health NOT_SERVING → bind → start the engine thread → SERVING.
+- SIGTERM/SIGINT: health NOT_SERVING and new Generates UNAVAILABLE; in-flight streams run to their end for up to
+  ``drain_timeout_s`` (then they end UNAVAILABLE); the engine broadcasts shutdown to the other ranks; the server
+  stops; :func:`serve` returns (the process exits 0).
+- engine failure (an exception in a step — a killed or crashed rank — or a step, heartbeat or shutdown stuck
+  past ``step_timeout_s``): health NOT_SERVING, every open stream ends UNAVAILABLE, then after
+  ``fatal_grace_s`` rank 0 SIGKILLs the other ranks on this host and ``os._exit(1)``. No thread is joined and no
+  collective is attempted on the way out, so a hung peer cannot keep the process alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
+
+from engine.async_engine import AsyncEngine, ServingEngine
+from rpc import info
+from rpc.health import Health
+from rpc.servicer import SERVICE_NAME, ModelFacts, Servicer
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+STOP_REQUESTED = threading.Event()  # a SIGTERM that arrived before the event loop ran
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``server.*`` of conf/server/default.yaml. Capacity = ``max_num_seqs`` running per attention-DP rank (the
+    scheduler's limit) × attn_dp + ``max_queue`` waiting; one request more gets RESOURCE_EXHAUSTED."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_num_seqs: int = 64
+    max_queue: int = 256
+    drain_timeout_s: float = 30.0
+    step_timeout_s: float = 20.0
+    heartbeat_s: float = 5.0
+    fatal_grace_s: float = 1.0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        for name in ("max_num_seqs", "drain_timeout_s", "step_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_queue", "fatal_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def request_stop_on_signals() -> None:
+    """Until :func:`serve` runs its loop, SIGTERM/SIGINT only record that a stop was asked for."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: STOP_REQUESTED.set())
+
+
+def serve(engine: ServingEngine, model_dir: str, cfg: ServerConfig, ranks: list[dict]) -> None:
+    """Serves ``engine`` until SIGTERM/SIGINT, then drains and returns. ``ranks``: ``{"rank", "pid", "host"}`` of
+    every rank (rank 0 kills the local ones on the fatal path). Never returns after an engine failure."""
+    asyncio.run(_serve(engine, model_dir, cfg, ranks))
+
+
+def _fatal_exit(loop: asyncio.AbstractEventLoop, health: Health, grace_s: float, workers: list[int]):
+    def die(reason: str) -> None:  # any thread
+        log.error("engine failure: %s — failing open streams, exiting 1", reason)
+        try:
+            asyncio.run_coroutine_threadsafe(health.not_serving(), loop)
+        except RuntimeError:
+            pass
+        time.sleep(grace_s)  # let the loop send the UNAVAILABLE statuses
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
+
+    return die
+
+
+async def _serve(engine: ServingEngine, model_dir: str, cfg: ServerConfig, ranks: list[dict]) -> None:
+    loop = asyncio.get_running_loop()
+    health = Health((SERVICE_NAME, info.SERVICE_NAME))
+    host = socket.gethostname()
+    workers = [r["pid"] for r in ranks if r["rank"] != 0 and r["host"] == host]
+    capacity = engine.scheduler.cfg.max_num_seqs * engine.groups.layout.attn_dp + cfg.max_queue
+    aengine = AsyncEngine(engine, capacity, cfg.step_timeout_s, cfg.heartbeat_s,
+                          on_fatal=_fatal_exit(loop, health, cfg.fatal_grace_s, workers))
+    facts = ModelFacts.read(model_dir, cfg.served_model_name, engine)
+    servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity))
+
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pbg.add_VllmEngineServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((servicer.engine_info_handler(),))
+    health.add_to_server(server)
+    reflection.enable_server_reflection((SERVICE_NAME, info.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME),
+                                        server)
+    try:
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    except RuntimeError:
+        port = 0
+    if not port:
+        engine.shutdown()  # release the other ranks now rather than after the launcher's 30 s grace
+        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port} (server.host/server.port)")
+    await health.starting()
+    await server.start()
+    engine.groups.counter.reset()
+    aengine.start(loop)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if STOP_REQUESTED.is_set():
+        stop.set()
+    await health.serving()
+    log.info("serving %r on %s:%d — %s, capacity %d; grpc health SERVING", facts.served_model_name, cfg.host, port,
+             engine.groups.layout.describe(), capacity)
+
+    await stop.wait()
+    log.info("stop requested: draining %d in-flight request(s) for up to %ss", servicer.inflight,
+             cfg.drain_timeout_s)
+    servicer.draining = True
+    await health.not_serving()
+    try:
+        await asyncio.wait_for(servicer.idle.wait(), cfg.drain_timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("drain timeout: ending %d stream(s) UNAVAILABLE", servicer.inflight)
+        aengine.fail_streams(f"server shut down: server.drain_timeout_s={cfg.drain_timeout_s} passed first")
+        try:
+            await asyncio.wait_for(servicer.idle.wait(), 5.0)
+        except asyncio.TimeoutError:
+            pass
+    await aengine.stop()
+    await server.stop(grace=1.0)
+    log.info("drained and stopped")

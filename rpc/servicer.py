@@ -1,0 +1,293 @@
+"""The ``vllm.grpc.engine.VllmEngine`` servicer (the SMG worker protocol) and ``switchyard.v1.EngineInfo``.
+
+Status codes: bad input → INVALID_ARGUMENT naming the field; over capacity → RESOURCE_EXHAUSTED; draining or a
+dead engine → UNAVAILABLE; no tokenizer.json in the checkpoint → FAILED_PRECONDITION (GetTokenizer).
+
+Abort: an id this server has seen (running, finished, cancelled or rejected) answers OK — the SMG gateway
+sends Abort after it cancels a stream, when the request may already be gone; an id never seen answers
+INVALID_ARGUMENT naming it (the known ones in the same call are still aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import logging
+import math
+import time
+import uuid
+import zipfile
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
+import torch
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
+from smg_grpc_proto.generated import common_pb2
+
+from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Overloaded, ServingEngine
+from engine.scheduler import RequestOutput
+from rpc import convert, info
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                   "generation_config.json", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+CHUNK_BYTES = 64 * 1024
+SEEN_IDS = 100_000
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What GetModelInfo / GetServerInfo report; fixed at start-up."""
+
+    model_dir: str
+    served_model_name: str
+    vocab_size: int
+    max_model_len: int
+    model_type: str
+    architectures: tuple[str, ...]
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    pad_token_id: int
+    dtype: str
+    attention: str
+    block_size: int
+    max_num_seqs: int  # running slots over all attention-DP ranks
+
+    @staticmethod
+    def read(model_dir: str, served_model_name: str | None, engine: ServingEngine) -> ModelFacts:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg, sched = engine.model.cfg, engine.scheduler.cfg
+        dp = engine.groups.layout.attn_dp
+        pad = raw.get("pad_token_id")
+        return ModelFacts(
+            model_dir=str(Path(model_dir).resolve()),
+            served_model_name=served_model_name or Path(model_dir).resolve().name,
+            vocab_size=cfg.vocab_size, max_model_len=min(sched.max_model_len, cfg.max_position_embeddings),
+            model_type=raw.get("model_type", cfg.model_type), architectures=tuple(raw.get("architectures") or ()),
+            eos_token_ids=tuple(cfg.eos_token_ids), bos_token_id=int(raw.get("bos_token_id") or 0),
+            pad_token_id=int(pad if pad is not None else 0), dtype=str(engine.model.model.norm.weight.dtype),
+            attention="mla" if cfg.mla is not None else "gqa", block_size=sched.block_size,
+            max_num_seqs=sched.max_num_seqs * dp)
+
+
+def engine_info(engine: ServingEngine) -> dict:
+    """Engine facts as JSON-ready data; runs on the engine thread (the counters are its own)."""
+    lay, s = engine.groups.layout, engine.stats
+    counter = engine.groups.counter
+    return {
+        "layout": lay.describe(),
+        "parallel": asdict(lay),
+        "dispatcher": lay.resolved_dispatcher,
+        "comm": {"per_op": counter.snapshot(), "calls": counter.total_calls(), "bytes": counter.total_bytes(),
+                 "note": "rank 0's view since start-up; heartbeats not counted"},
+        "steps": {"total": s.steps, "kinds": dict(s.step_kinds), "prefill_tokens": s.prefill_tokens,
+                  "decode_tokens": s.decode_tokens,
+                  "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
+                  "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0},
+        "cuda_graphs": _graph_info(engine),
+        "spec_decode": _spec_info(engine),
+        "scheduler": asdict(engine.scheduler.cfg),
+    }
+
+
+def _graph_info(engine: ServingEngine) -> dict:
+    graphs = getattr(engine, "graphs", None)
+    per_kind = graphs.summary() if graphs is not None else {}
+    steps = sum(k["steps"] for k in per_kind.values())
+    replays = sum(k["replays"] for k in per_kind.values())
+    reasons = sorted({k["eager_reason"] for k in per_kind.values() if k["eager_reason"]})
+    if not reasons and not torch.cuda.is_available():
+        reasons = ["no CUDA device"]
+    summary = (f"cuda graphs: {replays}/{steps} steps replayed" if replays else
+               f"cuda graphs: off ({'; '.join(reasons) or 'no steps yet'})")
+    return {"per_kind": per_kind, "steps": steps, "replays": replays, "summary": summary}
+
+
+def _spec_info(engine: ServingEngine) -> dict:
+    spec, s = getattr(engine, "spec", None), engine.stats
+    enabled = bool(getattr(spec, "enabled", False))
+    tau = getattr(s, "acceptance_length", 0.0) or None
+    doc = {"enabled": enabled, "method": getattr(spec, "method", "none"), "acceptance_length": tau,
+           "request_steps": getattr(s, "spec_request_steps", 0), "committed_tokens": getattr(s, "spec_tokens", 0)}
+    if not enabled:
+        doc["summary"] = "spec-decode acceptance: none yet (speculative decoding off)"
+    else:
+        doc.update(budget=spec.budget, block_size=spec.block_size,
+                   summary=f"spec-decode acceptance length: {tau:.2f}" if tau else "spec-decode acceptance: none yet")
+    return doc
+
+
+def _snapshot(loads, max_running: int) -> pb.SchedulerLoad:
+    tokens_total = loads.kv_blocks_total * loads.block_size
+    return pb.SchedulerLoad(
+        dp_rank=0, num_running_reqs=loads.running, num_waiting_reqs=loads.waiting,
+        num_total_reqs=loads.running + loads.waiting, num_used_tokens=loads.kv_blocks_used * loads.block_size,
+        max_total_num_tokens=tokens_total, token_usage=loads.kv_usage, gen_throughput=loads.gen_tokens_per_s,
+        utilization=loads.kv_usage, max_running_requests=max_running)
+
+
+class Servicer(pbg.VllmEngineServicer):
+    def __init__(self, engine: AsyncEngine, facts: ModelFacts, ranks: list[dict], server_facts: dict):
+        self.engine, self.facts, self.ranks, self.server_facts = engine, facts, ranks, server_facts
+        self.limits = convert.Limits(facts.vocab_size, facts.max_model_len)
+        self.draining = False
+        self.started = time.time()
+        self.last_receive = 0.0
+        self.inflight = 0  # Generate calls between admission and their end
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def unavailable(self) -> str | None:
+        if self.engine.dead:
+            return f"engine is dead: {self.engine.dead}"
+        return "server is draining (SIGTERM); not accepting new requests" if self.draining else None
+
+    def _remember(self, request_id: str) -> None:
+        self._seen[request_id] = None
+        self._seen.move_to_end(request_id)
+        while len(self._seen) > SEEN_IDS:
+            self._seen.popitem(last=False)
+
+    # ---- Generate --------------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or f"sy-{uuid.uuid4().hex}"
+        self.last_receive = time.time()
+        self._remember(rid)
+        if self.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
+        self.inflight += 1  # counted from here, so a drain that starts now waits for this request too
+        self.idle.clear()
+        stream = None
+        try:
+            try:
+                prompt, params = convert.generate_request(request, self.limits)
+                stream = await self.engine.submit(rid, prompt, params)
+            except ValueError as err:  # InvalidRequest, SamplingError, RequestError
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            except Overloaded as err:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            except EngineDead as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
+            async for message in self._responses(request, stream, context):
+                yield message
+        finally:  # normal end, client cancel, deadline, engine failure
+            if stream is not None:
+                self.engine.close(stream)
+            self.inflight -= 1
+            if not self.inflight:
+                self.idle.set()
+
+    async def _responses(self, request: pb.GenerateRequest, stream, context):
+        want_lp = request.sampling_params.HasField("logprobs")
+        tokens: list[int] = []
+        logprobs = pb.OutputLogProbs() if want_lp else None
+        while True:
+            items = [await stream.queue.get()]
+            while not stream.queue.empty():
+                items.append(stream.queue.get_nowait())
+            failure = next((i for i in items if isinstance(i, EngineFailure)), None)
+            outs: list[RequestOutput] = [i for i in items if not isinstance(i, EngineFailure)]
+            if failure is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {stream.request_id} lost: "
+                                                                 f"{failure.reason}")
+            new = [t for o in outs for t in o.new_tokens]
+            tokens += new
+            if logprobs is not None and new:
+                logprobs.MergeFrom(convert.output_logprobs([lp for o in outs for lp in o.new_logprobs], new,
+                                                           [t for o in outs for t in o.new_top_logprobs]))
+            if request.stream and new:
+                yield convert.chunk([o for o in outs if o.new_tokens], want_lp)
+            if outs and outs[-1].finished:
+                yield convert.complete(outs[-1], tokens, request.stream, logprobs)
+                return
+
+    # ---- unary RPCs ------------------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        unknown = [rid for rid in request.request_ids if rid not in self._seen]
+        for rid in request.request_ids:
+            if rid in self._seen:
+                self.engine.abort(rid)
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_ids: unknown request id(s) {unknown[:5]} (never seen by this server)")
+        return pb.AbortResponse()
+
+    async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
+        why = self.unavailable
+        return pb.HealthCheckResponse(healthy=why is None, message=why or "ok")
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        f = self.facts
+        return pb.GetModelInfoResponse(
+            model_path=f.model_dir, tokenizer_path=f.model_dir, served_model_name=f.served_model_name,
+            is_generation=True, max_context_length=f.max_model_len, max_req_input_len=f.max_model_len - 1,
+            vocab_size=f.vocab_size, supports_vision=False, model_type=f.model_type,
+            architectures=list(f.architectures), eos_token_ids=list(f.eos_token_ids), pad_token_id=f.pad_token_id,
+            bos_token_id=f.bos_token_id)
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        f = self.facts
+        return pb.GetServerInfoResponse(
+            active_requests=self.engine.num_streams, is_paused=self.draining, last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
+            kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.block_size,
+            attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs)
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
+        other_rank = request.HasField("dp_rank") and request.dp_rank != 0
+        loads = [] if other_rank else [_snapshot(self.engine.loads, self.facts.max_num_seqs)]
+        return pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version="switchyard",
+                                   dp_rank_count=1, loads=loads)
+
+    async def GetTokenizer(self, request, context):
+        root = Path(self.facts.model_dir)
+        if not (root / "tokenizer.json").exists():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"checkpoint {root} has no tokenizer.json; add one or give smg --tokenizer-path")
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+            for name in TOKENIZER_FILES:
+                if (root / name).is_file():
+                    zf.write(root / name, name)
+            for jinja in sorted(root.glob("*.jinja")):
+                zf.write(jinja, jinja.name)
+        data = buf.getvalue()
+        digest = hashlib.sha256(data).hexdigest()
+        n = math.ceil(len(data) / CHUNK_BYTES)
+        for i in range(n):
+            yield common_pb2.GetTokenizerChunk(data=data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES],
+                                               sha256=digest if i == n - 1 else "")
+
+    # ---- switchyard.v1.EngineInfo ----------------------------------------------------------------
+    async def GetEngineInfo(self, request, context):
+        try:
+            doc = await self.engine.call(engine_info)
+        except EngineDead as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
+        except Exception as err:  # noqa: BLE001 - reported to the caller; the engine is fine
+            log.exception("GetEngineInfo failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"engine info failed: {type(err).__name__}: {err}")
+        loads = self.engine.loads
+        doc.update(ranks=self.ranks, server=dict(self.server_facts, draining=self.draining,
+                                                 active_streams=self.engine.num_streams),
+                   kv={"blocks_used": loads.kv_blocks_used, "blocks_total": loads.kv_blocks_total,
+                       "usage": loads.kv_usage, "per_dp": [dict(zip(("running", "waiting", "blocks_used"), d,
+                                                                    strict=True)) for d in loads.per_dp]})
+        return info.GetEngineInfoResponse(json=json.dumps(doc))
+
+    def engine_info_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(info.SERVICE_NAME, {
+            "GetEngineInfo": grpc.unary_unary_rpc_method_handler(
+                self.GetEngineInfo, request_deserializer=info.GetEngineInfoRequest.FromString,
+                response_serializer=info.GetEngineInfoResponse.SerializeToString)})

@@ -1,0 +1,109 @@
+"""The gRPC service — a contract:
+
+    python scripts/serve.py model.path=DIR parallel=NAME server.host=127.0.0.1 server.port=P [spec_decode=ddtree]
+
+serves ``vllm.grpc.engine.VllmEngine`` (the SMG worker protocol), ``switchyard.v1.EngineInfo``,
+``grpc.health.v1`` and server reflection until SIGTERM; it is ready when grpc health says SERVING. SIGTERM
+drains (in-flight requests finish, up to ``server.drain_timeout_s``) and exits 0. A rank that dies, crashes or
+hangs past ``server.step_timeout_s`` ends the open streams UNAVAILABLE and the process exits non-zero.
+
+Processes: with more than one rank this process only launches and joins them (``parallelism/launch.py``).
+Rank 0 runs the server and the engine; on SIGTERM/SIGINT this process forwards SIGTERM to rank 0 alone, which
+drains and then releases the other ranks. The other ranks ignore SIGTERM/SIGINT (a SIGTERM to the whole
+process group still drains); they end with rank 0's shutdown broadcast, with a collective error when a peer
+dies, or by SIGKILL from rank 0 on its fatal path (or from the launcher, 30 s after a rank failed). Any rank
+exiting non-zero makes this process exit 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+
+import hydra
+import torch
+from common import CONF_DIR, layout_from, model_dir, setup_logging, spec_config
+from omegaconf import DictConfig, OmegaConf
+
+from engine.async_engine import ServingEngine
+from engine.engine import make_runner, worker_loop
+from engine.scheduler import SchedulerConfig
+from model.config import load_config
+from model.loader import load_model
+from parallelism.comm import build_groups
+from parallelism.launch import launch
+
+log = logging.getLogger("serve")
+
+
+def configs(cfg: DictConfig):
+    from rpc.server import ServerConfig
+
+    server = ServerConfig(**OmegaConf.to_container(cfg.server, resolve=True))
+    e = OmegaConf.to_container(cfg.engine, resolve=True)
+    e.pop("seed", None)
+    e["max_num_seqs"] = server.max_num_seqs
+    return SchedulerConfig(**e), server
+
+
+def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_cfg, spec, seed: int,
+              rank0_pid) -> None:
+    setup_logging(rank)
+    if rank == 0:
+        from rpc.server import request_stop_on_signals
+
+        rank0_pid.value = os.getpid()
+        request_stop_on_signals()
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then releases us (or SIGKILLs us)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    groups = build_groups(layout)
+    model = load_model(ckpt, groups)
+    ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
+    if rank != 0:
+        worker_loop(make_runner(model, sched_cfg, spec))
+        return
+    from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
+
+    serve(ServingEngine(model, sched_cfg, seed, spec), ckpt, server_cfg, ranks)
+
+
+def forward_stop(rank0_pid) -> None:
+    """In the launcher: SIGTERM/SIGINT go to rank 0 (which drains), not to the whole job."""
+    def handler(signum, frame):
+        if rank0_pid.value:
+            os.kill(rank0_pid.value, signal.SIGTERM)
+        else:  # rank 0 has not started: nothing to drain
+            for child in mp.active_children():
+                child.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="serve", version_base=None)
+def main(cfg: DictConfig) -> None:
+    setup_logging()
+    layout, ckpt = layout_from(cfg), model_dir(cfg)
+    load_config(ckpt)
+    sched_cfg, server_cfg = configs(cfg)
+    spec = spec_config(cfg)
+    ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
+    rank0_pid = ctx.RawValue("i", 0)
+    if layout.world_size > 1 and "RANK" not in os.environ:
+        forward_stop(rank0_pid)
+    try:
+        launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
+               master_port=cfg.master_port)
+    except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
+        log.error("serve failed: %s", err)
+        sys.exit(1)
+    log.info("serve exited cleanly")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Helpers for the gRPC tests: a real ``scripts/serve.py`` subprocess on loopback, HF greedy references, and a tiny
+tokenizer for the tiny checkpoints (which ship none).
+
+Run as a script to give a checkpoint dir a tokenizer (for trying smg by hand):
+
+    python tests/rpc_helpers.py SRC_CKPT_DIR DST_DIR      # copies SRC into DST and writes the tokenizer files
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SPECIALS = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 0..6; eos = 1
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_tokenizer(ckpt_dir: str | Path, vocab_size: int = 203) -> None:
+    """A character-level tokenizer over exactly ``vocab_size`` ids, built in code (HF ``tokenizers``): ids 0-6 the
+    special tokens above (bos 0, eos 1, as in the tiny configs), then printable ASCII and newline, then two-letter
+    pieces that only decoding uses. Writes tokenizer.json and tokenizer_config.json (with a chat template)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    pieces = [a + b for a in letters for b in letters]
+    vocab = {}
+    for tok in SPECIALS + chars + pieces:
+        if len(vocab) == vocab_size:
+            break
+        vocab.setdefault(tok, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.decoder = decoders.Fuse()
+    assert tok.get_vocab_size() == vocab_size
+    ckpt_dir = Path(ckpt_dir)
+    tok.save(str(ckpt_dir / "tokenizer.json"))
+    (ckpt_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": False, "model_max_length": 512, "chat_template": CHAT_TEMPLATE}, indent=1))
+
+
+def with_tokenizer(src: str | Path, dst: str | Path) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with :func:`write_tokenizer`'s files."""
+    dst = Path(dst)
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    write_tokenizer(dst)
+    return dst
+
+
+def hf_greedy(ckpt: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF transformers' greedy continuation (``n`` tokens, EOS banned like ``min_tokens=n``)."""
+    import torch
+
+    from model.tiny import load_hf
+
+    hf = load_hf(ckpt)
+    return [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+
+
+def layout_args(world: int) -> list[str]:
+    """A TP-attention / EP-experts layout of ``world`` ranks (``parallel=single`` for 1)."""
+    if world == 1:
+        return ["parallel=single"]
+    return [f"parallel.world_size={world}", f"parallel.attn_tp={world}", "parallel.attn_dp=1",
+            "parallel.moe_tp=1", f"parallel.moe_ep={world}"]
+
+
+class ServerProcess:
+    """``scripts/serve.py`` as a subprocess on 127.0.0.1; its log goes to ``log_path``."""
+
+    def __init__(self, ckpt: str, args: list[str], log_path: str | Path, port: int | None = None):
+        self.port = port or free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "server.host=127.0.0.1",
+               f"server.port={self.port}", *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def log(self, tail: int = 4000) -> str:
+        return self.log_path.read_text()[-tail:]
+
+    def wait_ready(self, timeout: float = 120.0):
+        """A connected :class:`rpc.client.Client` once grpc health says SERVING."""
+        from rpc.client import Client
+
+        client = Client(self.target)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode} before SERVING:\n{self.log()}")
+            try:
+                client.wait_ready(timeout=1.0, poll_s=0.1)
+                return client
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not SERVING after {timeout}s:\n{self.log()}") from None
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def close(self) -> None:
+        """Stops the server and every process it started (kills after 20 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    print(with_tokenizer(sys.argv[1], sys.argv[2]))
