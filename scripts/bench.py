@@ -1,0 +1,204 @@
+"""The topology A/B: the same weights under each layout, a closed-loop sweep through gRPC.
+
+    python scripts/bench.py -m parallel=tp8,ep8,dp8_ep8,tp2_ep4 bench.context=[64,256] bench.concurrency=[1,4]
+
+Per layout (one hydra job each, outermost) and spec mode: one server lifetime (``scripts/serve.py``), then
+``bench.context × bench.concurrency`` cells, each with warm-up requests first and ≥ 5·C measured prompts of
+fixed output length, greedy. Every cell writes ``cell_*.json`` to ``bench.output_dir``: ``vllm bench
+serve``-named metrics, τ, collective calls/bytes per output token, CUDA-graph coverage, telemetry, a
+verdict against the floors, and whether its tokens equal the reference layout's (the first layout run).
+After each layout ``summary.csv``, ``summary.md`` and PNG plots are refreshed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from common import CONF_DIR, REPO, layout_from, model_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from engine.bench_metrics import RequestRecord, comm_per_output_token, summarize_requests
+from engine.bench_report import write_reports
+from engine.cost_model import ModelShape, cpu_box
+from engine.telemetry import TelemetrySampler, compute_floors, verdict
+from model.config import load_config
+from parallelism.launch import free_port
+from rpc.client import Client
+
+log = logging.getLogger("bench")
+
+
+def make_prompts(vocab: int, context: int, n: int, seed: int) -> list[list[int]]:
+    """``n`` deterministic prompts of ``context`` tokens (ids 2..vocab-1: no BOS/EOS specials)."""
+    gen = torch.Generator().manual_seed(seed * 100003 + context)
+    return torch.randint(2, vocab, (n, context), generator=gen).tolist()
+
+
+class Server:
+    """``scripts/serve.py`` as a subprocess on a loopback port, for one layout and spec mode."""
+
+    def __init__(self, overrides: list[str], log_path: Path, timeout_s: float):
+        self.port = free_port()
+        cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), *overrides,
+               "server.host=127.0.0.1", f"server.port={self.port}"]
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.client = Client(f"127.0.0.1:{self.port}")
+        try:
+            self.client.wait_ready(timeout=timeout_s)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"server did not become SERVING; see {log_path}") from None
+
+    def stop(self) -> int:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.log.close()
+        return code
+
+
+def closed_loop(client: Client, prompts: list[list[int]], concurrency: int, output_len: int, bar) -> list:
+    """Runs every prompt with at most ``concurrency`` in flight; returns (RequestRecord, tokens) in order."""
+    results: list = [None] * len(prompts)
+    next_idx, lock = [0], threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next_idx[0]
+                next_idx[0] += 1
+            if i >= len(prompts):
+                return
+            send = time.perf_counter()
+            times, tokens, ok, err = [], [], True, ""
+            try:
+                stream = client.stream(prompts[i], max_tokens=output_len, min_tokens=output_len, temperature=0.0,
+                                       ignore_eos=True)
+                for delta in stream:
+                    if delta:
+                        times.append(time.perf_counter())
+                        tokens += delta
+            except Exception as e:  # noqa: BLE001 - recorded as a failed request
+                ok, err = False, str(e)[:200]
+            end = time.perf_counter()
+            results[i] = (RequestRecord(send, times[0] if times else end, times, end, len(tokens), len(prompts[i]),
+                                        ok, err), tokens)
+            bar.update(1)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def cell_tau(before: dict, after: dict) -> float:
+    """τ of one cell from the server's cumulative spec counters (1.0 without speculation)."""
+    steps = after.get("request_steps", 0) - before.get("request_steps", 0)
+    tokens = after.get("committed_tokens", 0) - before.get("committed_tokens", 0)
+    return tokens / steps if steps else 1.0
+
+
+def cpu_hardware(world_size: int) -> object:
+    """A crude profile of this host for the verdict floors (measured here: see docs/NOTES.md)."""
+    return cpu_box(num_ranks=world_size, mem_bw_total=5e9, flops_total=50e9, alpha_s=25e-3, bus_bw=1e9)
+
+
+def run_cell(server: Server, cfg, layout, spec: str, context: int, concurrency: int, reference: dict,
+             out_dir: Path, shape: ModelShape, vocab: int, bar) -> dict:
+    b = cfg.bench
+    n = b.prompts_per_concurrency * concurrency
+    prompts = make_prompts(vocab, context, b.warmup + n, b.seed)
+    closed_loop(server.client, prompts[: b.warmup], min(concurrency, b.warmup) or 1, b.output_len, bar)
+    before = server.client.engine_info()
+    with TelemetrySampler(interval_s=0.25) as sampler:
+        t0 = time.perf_counter()
+        done = closed_loop(server.client, prompts[b.warmup:], concurrency, b.output_len, bar)
+        duration = time.perf_counter() - t0
+    after = server.client.engine_info()
+    records, tokens = [r for r, _ in done], [t for _, t in done]
+    metrics = summarize_requests(records, duration)
+    out_tokens = metrics["total_output_tokens"]
+    key = f"{spec}/ctx{context}/c{concurrency}"
+    ref = reference.setdefault(key, tokens)
+    tau = cell_tau(before.get("spec_decode") or {}, after.get("spec_decode") or {})
+    tpot = (metrics["mean_tpot_ms"] or 0.0) / 1e3
+    step_s = tpot * tau
+    floors = compute_floors(shape, cpu_hardware(layout.world_size), layout, concurrency, context + b.output_len // 2)
+    cell = {
+        "layout": HydraConfig.get().runtime.choices.get("parallel"), "layout_desc": layout.describe(),
+        "spec_decode": spec, "context": context, "concurrency": concurrency, "output_len": b.output_len,
+        "num_prompts": n, **metrics, "acceptance_length": tau,
+        "comm_per_output_token": comm_per_output_token(before["comm"]["per_op"], after["comm"]["per_op"],
+                                                       out_tokens),
+        "cuda_graphs": after.get("cuda_graphs"), "telemetry": sampler.summary(),
+        "telemetry_source": sampler.source, "verdict": verdict(step_s, floors) if step_s > 0 else None,
+        "matches_reference": tokens == ref, "reference_layout": reference.get("_layout"),
+    }
+    (out_dir / f"cell_{cell['layout']}_{spec}_ctx{context}_c{concurrency}.json").write_text(
+        json.dumps(cell, indent=1, default=str))
+    return cell
+
+
+@hydra.main(config_path=CONF_DIR, config_name="bench", version_base=None)
+def main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO)
+    layout, ckpt = layout_from(cfg), model_dir(cfg)
+    out_dir = Path(cfg.bench.output_dir)
+    if not out_dir.is_absolute():
+        out_dir = Path(hydra.utils.get_original_cwd()) / out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ref_path = out_dir / "reference_tokens.json"
+    reference = json.loads(ref_path.read_text()) if ref_path.exists() else {}
+    name = HydraConfig.get().runtime.choices.get("parallel")
+    reference.setdefault("_layout", name)
+    mcfg = load_config(ckpt)
+    shape = ModelShape.from_config(mcfg, weight_bytes=4, expert_weight_bytes=4, kv_bytes=4, act_bytes=4)
+    b = cfg.bench
+    specs = list(b.spec)
+    total = len(specs) * len(b.context) * len(b.concurrency)
+    bar = tqdm(total=sum((b.warmup + b.prompts_per_concurrency * c) * len(b.context) * len(specs)
+                         for c in b.concurrency), desc=f"{name} ({total} cells)", unit="req")
+    max_c = max(b.concurrency)
+    for spec in specs:
+        overrides = [f"model.path={ckpt}", f"parallel={name}", f"spec_decode={spec}",
+                     f"engine.max_num_seqs={max(max_c, 1)}", f"server.max_num_seqs={max(max_c, 1)}"]
+        if cfg.model.get("drafter_path"):
+            overrides.append(f"+model.drafter_path={cfg.model.drafter_path}")
+        server = Server(overrides, out_dir / f"server_{name}_{spec}.log", b.server_timeout_s)
+        try:
+            for context in b.context:
+                for c in b.concurrency:
+                    run_cell(server, cfg, layout, spec, context, c, reference, out_dir, shape, mcfg.vocab_size, bar)
+        finally:
+            code = server.stop()
+            log.info("server %s/%s exited with %s", name, spec, code)
+    bar.close()
+    ref_path.write_text(json.dumps(reference))
+    paths = write_reports(out_dir, shape)
+    print(Path(paths["summary_md"]).read_text())
+    print("plots:", *paths["plots"], sep="\n  ")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
