@@ -6,8 +6,8 @@ Threads (all in the rank-0 process):
   :meth:`~AsyncEngine.call`; they only enqueue commands and never touch the Engine;
 - the engine thread owns the Engine: between steps it drains the command queue (adds, aborts, calls), then
   runs one step and hands its outputs to the loop with ``loop.call_soon_threadsafe``, into one asyncio queue
-  per request. While idle it runs a heartbeat (an empty step on every rank) every ``heartbeat_s``, so idle
-  ranks stay inside the collective timeout and a dead rank is noticed without traffic;
+  per request. While idle it runs a heartbeat (a control-plane round trip with every rank) every
+  ``heartbeat_s``, so idle ranks stay inside the collective timeout and a dead rank is noticed without traffic;
 - the watchdog thread declares the engine dead when one step, heartbeat or shutdown runs longer than
   ``step_timeout_s`` (a gloo/NCCL collective on a dead or stopped peer may hang instead of raising).
 
@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestError, RequestOutput, StepPlan
+from engine.scheduler import RequestError, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +70,6 @@ class Loads:
         return self.kv_blocks_used / self.kv_blocks_total
 
 
-class ServingEngine(Engine):
-    """Engine plus an idle heartbeat."""
-
-    def heartbeat(self) -> None:
-        """An empty step on every rank (collective). Keeps idle workers inside the process-group timeout and
-        surfaces a dead rank while idle. Not counted in the comm stats or the step stats."""
-        counter = self.groups.counter
-        calls, nbytes = dict(counter.calls), dict(counter.bytes)
-        self._execute(StepPlan(-1, [[] for _ in range(self.groups.layout.attn_dp)]))
-        counter.reset()
-        counter.calls.update(calls)
-        counter.bytes.update(nbytes)
-
-
 class RequestStream:
     """One request's outputs, read on the event loop: ``RequestOutput`` items, then maybe an ``EngineFailure``."""
 
@@ -94,7 +80,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: ServingEngine, capacity: int, step_timeout_s: float, heartbeat_s: float,
+    def __init__(self, engine: Engine, capacity: int, step_timeout_s: float, heartbeat_s: float,
                  on_fatal: Callable[[str], None] | None = None, throughput_window_s: float = 10.0):
         """``capacity``: most requests (running + waiting) in the engine; one more is :class:`Overloaded`."""
         self.engine, self.capacity = engine, capacity
@@ -152,7 +138,7 @@ class AsyncEngine:
             self._streams.pop(stream.request_id, None)
             self.abort(stream.request_id)
 
-    async def call(self, fn: Callable[[ServingEngine], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Runs ``fn(engine)`` on the engine thread between steps; returns its result."""
         return await self._command("call", fn)
 

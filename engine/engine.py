@@ -23,6 +23,7 @@ from spec_decode.config import SpecConfig
 log = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
+HEARTBEAT = "heartbeat"  # idle liveness round trip: no forward, no data collectives
 
 
 @dataclass
@@ -110,6 +111,12 @@ class Engine:
         else:
             s.prefill_s += dt
 
+    def heartbeat(self) -> None:
+        """A control-plane round trip with every rank while idle: keeps idle workers inside the
+        process-group timeout and surfaces a dead rank without traffic. Runs no forward; not counted."""
+        self.groups.world.broadcast_object(HEARTBEAT)
+        self.groups.world.gather_objects(None)
+
     def shutdown(self) -> None:
         self.groups.world.broadcast_object(SHUTDOWN)
 
@@ -133,5 +140,8 @@ def worker_loop(runner: ModelRunner) -> None:
         plan = groups.world.broadcast_object(None)
         if plan == SHUTDOWN:
             return
+        if plan == HEARTBEAT:
+            groups.world.gather_objects(None)
+            continue
         mine = runner.execute(plan.work[groups.coords.attn_dp_rank], plan.finished)
         groups.world.gather_objects(mine)

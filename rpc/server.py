@@ -28,7 +28,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
-from engine.async_engine import AsyncEngine, ServingEngine
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine
 from rpc import info
 from rpc.health import Health
 from rpc.servicer import SERVICE_NAME, ModelFacts, Servicer
@@ -71,7 +72,7 @@ def request_stop_on_signals() -> None:
         signal.signal(sig, lambda *_: STOP_REQUESTED.set())
 
 
-def serve(engine: ServingEngine, model_dir: str, cfg: ServerConfig, ranks: list[dict]) -> None:
+def serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[dict]) -> None:
     """Serves ``engine`` until SIGTERM/SIGINT, then drains and returns. ``ranks``: ``{"rank", "pid", "host"}`` of
     every rank (rank 0 kills the local ones on the fatal path). Never returns after an engine failure."""
     asyncio.run(_serve(engine, model_dir, cfg, ranks))
@@ -97,7 +98,7 @@ def _fatal_exit(loop: asyncio.AbstractEventLoop, health: Health, grace_s: float,
     return die
 
 
-async def _serve(engine: ServingEngine, model_dir: str, cfg: ServerConfig, ranks: list[dict]) -> None:
+async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[dict]) -> None:
     loop = asyncio.get_running_loop()
     health = Health((SERVICE_NAME, info.SERVICE_NAME))
     host = socket.gethostname()

@@ -30,7 +30,8 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 from smg_grpc_proto.generated import common_pb2
 
-from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Overloaded, ServingEngine
+from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Overloaded
+from engine.engine import Engine
 from engine.scheduler import RequestOutput
 from rpc import convert, info
 
@@ -62,7 +63,7 @@ class ModelFacts:
     max_num_seqs: int  # running slots over all attention-DP ranks
 
     @staticmethod
-    def read(model_dir: str, served_model_name: str | None, engine: ServingEngine) -> ModelFacts:
+    def read(model_dir: str, served_model_name: str | None, engine: Engine) -> ModelFacts:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         cfg, sched = engine.model.cfg, engine.scheduler.cfg
         dp = engine.groups.layout.attn_dp
@@ -78,7 +79,7 @@ class ModelFacts:
             max_num_seqs=sched.max_num_seqs * dp)
 
 
-def engine_info(engine: ServingEngine) -> dict:
+def engine_info(engine: Engine) -> dict:
     """Engine facts as JSON-ready data; runs on the engine thread (the counters are its own)."""
     lay, s = engine.groups.layout, engine.stats
     counter = engine.groups.counter
@@ -98,7 +99,7 @@ def engine_info(engine: ServingEngine) -> dict:
     }
 
 
-def _graph_info(engine: ServingEngine) -> dict:
+def _graph_info(engine: Engine) -> dict:
     graphs = getattr(engine, "graphs", None)
     per_kind = graphs.summary() if graphs is not None else {}
     steps = sum(k["steps"] for k in per_kind.values())
@@ -111,7 +112,7 @@ def _graph_info(engine: ServingEngine) -> dict:
     return {"per_kind": per_kind, "steps": steps, "replays": replays, "summary": summary}
 
 
-def _spec_info(engine: ServingEngine) -> dict:
+def _spec_info(engine: Engine) -> dict:
     spec, s = getattr(engine, "spec", None), engine.stats
     enabled = bool(getattr(spec, "enabled", False))
     tau = getattr(s, "acceptance_length", 0.0) or None

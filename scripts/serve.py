@@ -29,8 +29,7 @@ import torch
 from common import CONF_DIR, layout_from, model_dir, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
-from engine.async_engine import ServingEngine
-from engine.engine import make_runner, worker_loop
+from engine.engine import Engine, make_runner, worker_loop
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
 from model.loader import load_model
@@ -69,7 +68,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         return
     from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
 
-    serve(ServingEngine(model, sched_cfg, seed, spec), ckpt, server_cfg, ranks)
+    serve(Engine(model, sched_cfg, seed, spec), ckpt, server_cfg, ranks)
 
 
 def forward_stop(rank0_pid) -> None:
