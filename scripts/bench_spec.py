@@ -58,7 +58,8 @@ def main() -> None:
     ap.add_argument("--output", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    prompts = [p["token_ids"] for p in json.loads((Path(args.target).parent / "eval_prompts.json").read_text())]
+    doc = json.loads((Path(args.target).parent / "eval_prompts.json").read_text())
+    prompts = [p["ids"] for p in doc["prompts"]]
     prompts = prompts[: args.prompts]
     model = load_model(args.target, build_groups(Layout()))
     specs = [SpecConfig(), SpecConfig("dflash", drafter_path=args.drafter)]
