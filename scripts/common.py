@@ -22,7 +22,9 @@ def repo_path(path: str | None) -> str | None:
     if path is None:
         return None
     p = Path(path)
-    return str(p if p.is_absolute() or p.exists() else REPO / p)
+    if not p.is_absolute():
+        p = p.resolve() if p.exists() else REPO / p
+    return str(p)
 
 
 def layout_from(cfg: DictConfig) -> Layout:

@@ -1,6 +1,9 @@
 """Speculative decoding in the engine is lossless under single, tp8 and dp8_ep8: DFlash and DDTree give
 plain decoding's tokens at T=0, and — thanks to the counter-based sampler — the same seeded tokens at T=1."""
 
+import json
+from pathlib import Path
+
 import pytest
 from layouts import layout
 from test_engine import run_requests
@@ -52,3 +55,41 @@ def test_seeded_sampling_speculation_equals_plain(pool, tiny_ckpts, random_draft
     (plain, _, _), (chain, _, _), (tree, _, _) = pool.run(
         _job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], specs(random_drafter), params)[0]
     assert chain == plain and tree == plain
+
+
+ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
+
+
+def _zoo_job(ctx, lay, prompts, spec_list, params):
+    if lay.world_size == 1 and ctx.rank != 0:
+        return None
+    model = load_model(ZOO / "target", ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, block_size=16,
+                          num_blocks=256)
+    results = []
+    for spec in spec_list:
+        if ctx.rank != 0:
+            worker_loop(make_runner(model, cfg, spec))
+            continue
+        engine = Engine(model, cfg, spec=spec)
+        res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
+        results.append((res, engine.stats.acceptance_length, engine.scheduler.blocks_in_use()))
+        engine.shutdown()
+    return results
+
+
+@pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
+@pytest.mark.parametrize("preset", ["single", "tp8", "dp8_ep8"])
+def test_trained_pair_is_lossless_on_held_out_code(pool, preset):
+    """The trained drafter accepts several tokens per step, so the walk and the KV compaction of deep paths run."""
+    doc = json.loads((ZOO / "eval_prompts.json").read_text())
+    prompts = [p["ids"] for p in doc["prompts"][:2]]
+    drafter = str(ZOO / "drafter")
+    spec_list = [SpecConfig(), SpecConfig("dflash", drafter_path=drafter),
+                 SpecConfig("ddtree", budget=32, drafter_path=drafter)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (plain, _, b0), (chain, tau_chain, b1), (tree, tau_tree, b2) = pool.run(
+        _zoo_job, layout(preset), prompts, spec_list, params)[0]
+    assert chain == plain and tree == plain
+    assert tau_chain > 1.3 and tau_tree > 1.3, (tau_chain, tau_tree)
+    assert b0 == b1 == b2 == 0
