@@ -15,7 +15,7 @@ test: $(STAMP)
 
 # the layout A/B on the built-in trained pair: 4 layouts x 2 contexts x 3 concurrencies, with and without DDTree
 DEMO_ARGS := -m parallel=tp8,ep8,dp8_ep8,tp2_ep4 model=tiny_kimi 'bench.context=[32,96]' 'bench.concurrency=[1,2,4]' \
-	'bench.spec=[none,ddtree]' bench.output_len=8 bench.warmup=1 bench.output_dir=outputs/demo
+	'bench.spec=[none,ddtree]' bench.output_len=4 bench.warmup=4 bench.output_dir=outputs/demo
 
 demo: $(STAMP)
 	rm -rf outputs/demo

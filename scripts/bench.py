@@ -3,7 +3,7 @@
     python scripts/bench.py -m parallel=tp8,ep8,dp8_ep8,tp2_ep4 bench.context=[64,256] bench.concurrency=[1,4]
 
 Per layout (one hydra job each, outermost) and spec mode: one server lifetime (``scripts/serve.py``), then
-``bench.context × bench.concurrency`` cells, each with warm-up requests first and ≥ 5·C measured prompts of
+``bench.warmup`` warm-up requests, then ``bench.context × bench.concurrency`` cells of ≥ 5·C measured prompts of
 fixed output length, greedy. Every cell writes ``cell_*.json`` to ``bench.output_dir``: ``vllm bench
 serve``-named metrics, τ, collective calls/bytes per output token, CUDA-graph coverage, telemetry, a
 verdict against the floors, and whether its tokens equal the reference layout's (the first layout run).
@@ -127,12 +127,11 @@ def run_cell(server: Server, cfg, layout, spec: str, context: int, concurrency: 
              out_dir: Path, shape: ModelShape, vocab: int, bar) -> dict:
     b = cfg.bench
     n = b.prompts_per_concurrency * concurrency
-    prompts = make_prompts(vocab, context, b.warmup + n, b.seed)
-    closed_loop(server.client, prompts[: b.warmup], min(concurrency, b.warmup) or 1, b.output_len, bar)
+    prompts = make_prompts(vocab, context, n, b.seed)
     before = server.client.engine_info()
     with TelemetrySampler(interval_s=0.25) as sampler:
         t0 = time.perf_counter()
-        done = closed_loop(server.client, prompts[b.warmup:], concurrency, b.output_len, bar)
+        done = closed_loop(server.client, prompts, concurrency, b.output_len, bar)
         duration = time.perf_counter() - t0
     after = server.client.engine_info()
     records, tokens = [r for r, _ in done], [t for _, t in done]
@@ -176,8 +175,8 @@ def main(cfg: DictConfig) -> None:
     b = cfg.bench
     specs = list(b.spec)
     total = len(specs) * len(b.context) * len(b.concurrency)
-    bar = tqdm(total=sum((b.warmup + b.prompts_per_concurrency * c) * len(b.context) * len(specs)
-                         for c in b.concurrency), desc=f"{name} ({total} cells)", unit="req")
+    bar = tqdm(total=len(specs) * (b.warmup + sum(b.prompts_per_concurrency * c * len(b.context)
+                                                  for c in b.concurrency)), desc=f"{name} ({total} cells)", unit="req")
     max_c = max(b.concurrency)
     for spec in specs:
         overrides = [f"model.path={ckpt}", f"parallel={name}", f"spec_decode={spec}",
@@ -185,7 +184,9 @@ def main(cfg: DictConfig) -> None:
         if cfg.model.get("drafter_path"):
             overrides.append(f"+model.drafter_path={cfg.model.drafter_path}")
         server = Server(overrides, out_dir / f"server_{name}_{spec}.log", b.server_timeout_s)
-        try:
+        try:  # warm-up once per server lifetime, at the largest context and concurrency
+            warm = make_prompts(mcfg.vocab_size, max(b.context), b.warmup, b.seed + 1)
+            closed_loop(server.client, warm, min(max_c, len(warm)) or 1, b.output_len, bar)
             for context in b.context:
                 for c in b.concurrency:
                     run_cell(server, cfg, layout, spec, context, c, reference, out_dir, shape, mcfg.vocab_size, bar)
