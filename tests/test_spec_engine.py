@@ -19,17 +19,18 @@ PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
 CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
 
 
-def _job(ctx, lay, path, specs, params):
+def _job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
+    """Runs ``prompts`` once per spec config on fresh engines; rank 0 returns (tokens, τ, blocks in use)."""
     if lay.world_size == 1 and ctx.rank != 0:
         return None
     model = load_model(path, ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
     results = []
-    for spec in specs:
+    for spec in spec_list:
         if ctx.rank != 0:
-            worker_loop(make_runner(model, CFG, spec))
+            worker_loop(make_runner(model, cfg, spec))
             continue
-        engine = Engine(model, CFG, spec=spec)
-        res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(PROMPTS)])
+        engine = Engine(model, cfg, spec=spec)
+        res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
         results.append((res, engine.stats.acceptance_length, engine.scheduler.blocks_in_use()))
         engine.shutdown()
     return results
@@ -44,7 +45,7 @@ def specs(drafter):
 def test_greedy_speculation_equals_plain(pool, tiny_ckpts, random_drafter, preset):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     (plain, _, b0), (chain, tau_chain, b1), (tree, tau_tree, b2) = pool.run(
-        _job, layout(preset), tiny_ckpts["tiny_deepseek"], specs(random_drafter), params)[0]
+        _job, layout(preset), tiny_ckpts["tiny_deepseek"], PROMPTS, specs(random_drafter), params)[0]
     assert chain == plain and tree == plain
     assert tau_chain >= 1.0 and tau_tree >= 1.0
     assert b0 == b1 == b2 == 0
@@ -53,29 +54,13 @@ def test_greedy_speculation_equals_plain(pool, tiny_ckpts, random_drafter, prese
 def test_seeded_sampling_speculation_equals_plain(pool, tiny_ckpts, random_drafter):
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
     (plain, _, _), (chain, _, _), (tree, _, _) = pool.run(
-        _job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], specs(random_drafter), params)[0]
+        _job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], PROMPTS, specs(random_drafter), params)[0]
     assert chain == plain and tree == plain
 
 
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
-
-
-def _zoo_job(ctx, lay, prompts, spec_list, params):
-    if lay.world_size == 1 and ctx.rank != 0:
-        return None
-    model = load_model(ZOO / "target", ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, block_size=16,
+ZOO_CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, block_size=16,
                           num_blocks=256)
-    results = []
-    for spec in spec_list:
-        if ctx.rank != 0:
-            worker_loop(make_runner(model, cfg, spec))
-            continue
-        engine = Engine(model, cfg, spec=spec)
-        res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-        results.append((res, engine.stats.acceptance_length, engine.scheduler.blocks_in_use()))
-        engine.shutdown()
-    return results
 
 
 @pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
@@ -89,7 +74,7 @@ def test_trained_pair_is_lossless_on_held_out_code(pool, preset):
                  SpecConfig("ddtree", budget=32, drafter_path=drafter)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     (plain, _, b0), (chain, tau_chain, b1), (tree, tau_tree, b2) = pool.run(
-        _zoo_job, layout(preset), prompts, spec_list, params)[0]
+        _job, layout(preset), str(ZOO / "target"), prompts, spec_list, params, ZOO_CFG)[0]
     assert chain == plain and tree == plain
     assert tau_chain > 1.3 and tau_tree > 1.3, (tau_chain, tau_tree)
     assert b0 == b1 == b2 == 0
