@@ -182,8 +182,10 @@ class Scheduler:
                                      req.num_computed, req.blocks, done, req.params, req.seed, len(req.output),
                                      decode, spec=decode and self.spec_scratch > 0))
             work.append(items)
-        finished, self._finished = tuple(self._finished), []
-        return StepPlan(next(self._steps), work, finished)
+        plan = StepPlan(next(self._steps), work, tuple(self._finished))
+        if plan.num_tokens:  # an empty plan is not executed: keep the list for the next one that is
+            self._finished = []
+        return plan
 
     def update(self, plan: StepPlan, results: dict[str, StepResult]) -> list[RequestOutput]:
         """Applies a finished step: advances computed tokens, appends tokens (stopping at the first stop

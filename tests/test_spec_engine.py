@@ -78,3 +78,14 @@ def test_trained_pair_is_lossless_on_held_out_code(pool, preset):
     assert chain == plain and tree == plain
     assert tau_chain > 1.3 and tau_tree > 1.3, (tau_chain, tau_tree)
     assert b0 == b1 == b2 == 0
+
+
+def test_drafter_state_is_dropped_after_requests_end(tiny_ckpts, random_drafter):
+    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
+    engine = Engine(model, CFG, spec=specs(random_drafter)[2])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    run_requests(engine, [("a", PROMPTS[0], params), ("b", PROMPTS[1], params)])
+    assert set(engine.runner.speculator.ctx_kv) == {"a", "b"}  # the last step's finishes are not shipped yet
+    run_requests(engine, [("c", PROMPTS[2], params)])
+    assert set(engine.runner.speculator.ctx_kv) == {"c"}
+    assert engine.scheduler.blocks_in_use() == 0
