@@ -377,18 +377,22 @@ def target_outputs(target, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> tup
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.logits
 
 
-def draft_hidden(drafter: DFlashDrafter, embed, tokens: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor
-                 ) -> torch.Tensor:
+def draft_hidden(drafter: DFlashDrafter, embed, tokens: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
+                 chunk: int = 16) -> torch.Tensor:
     """One sequence: ``tokens [T]``, ``feats [T, k*H]``, ``anchors [J]`` (each in ``[1, T-B]``) → the drafter's
     normed hidden states ``[J, B, H]`` for blocks ``[x_p, MASK × (B-1)]`` at positions ``p .. p+B-1`` seeing
-    context positions ``< p``."""
+    context positions ``< p``. The context K/V is computed once; blocks go ``chunk`` at a time (blocks never
+    see each other, so chunking only trims the block-diagonal part of the attention)."""
     b, t = drafter.c.block_size, tokens.shape[0]
     offs = torch.arange(b)
-    block_tok = torch.full((len(anchors), b), drafter.c.mask_token_id, dtype=torch.long)
-    block_tok[:, 0] = tokens[anchors]
     ctx_kv = drafter.context_kv(feats, torch.arange(t))
-    visible = torch.arange(t)[None, :] < anchors[:, None]  # [J, T]
-    return drafter(embed(block_tok), anchors[:, None] + offs, ctx_kv, visible)
+    out = []
+    for a in anchors.split(chunk):
+        block_tok = torch.full((len(a), b), drafter.c.mask_token_id, dtype=torch.long)
+        block_tok[:, 0] = tokens[a]
+        visible = torch.arange(t)[None, :] < a[:, None]  # [j, T]
+        out.append(drafter(embed(block_tok), a[:, None] + offs, ctx_kv, visible))
+    return torch.cat(out)
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
