@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.batch import PaddedContext
 from model.transformer import CausalLM
 
 
@@ -98,16 +99,28 @@ class PagedKV:
 
     def __init__(self, cache: PagedKVCache, seqs: list[SeqSlots]):
         self.cache, self.seqs = cache, seqs
-        self.decode_only = bool(seqs) and all(s.query_len == 1 and s.mask is None for s in seqs)
+        self.padded = bool(seqs) and all(s.query_len == 1 or s.mask is not None for s in seqs)
         reads = [cache.slots(s.block_table, 0, s.start + s.query_len) for s in seqs]
         self.write = torch.tensor([slot for s, r in zip(seqs, reads, strict=True) for slot in r[s.start:]],
                                   dtype=torch.int64)
-        if self.decode_only:  # one padded gather for the whole batch
-            longest = max(len(r) for r in reads)
-            self.read_padded = torch.tensor([r + [0] * (longest - len(r)) for r in reads], dtype=torch.int64)
-            self.valid = torch.tensor([[True] * len(r) + [False] * (longest - len(r)) for r in reads])
+        if self.padded:  # one padded gather for the whole batch
+            self._pad_layout(reads)
         else:
             self.read = [torch.tensor(r, dtype=torch.int64) for r in reads]
+
+    def _pad_layout(self, reads: list[list[int]]) -> None:
+        longest, n = max(len(r) for r in reads), max(s.query_len for s in self.seqs)
+        self.read_padded = torch.tensor([r + [0] * (longest - len(r)) for r in reads], dtype=torch.int64)
+        mask = torch.zeros(len(reads), n, longest, dtype=torch.bool)
+        for b, (s, r) in enumerate(zip(self.seqs, reads, strict=True)):
+            if s.mask is None:  # one causal token sees its whole context
+                mask[b, 0, :len(r)] = True
+            else:
+                mask[b, :s.query_len, :len(r)] = s.mask
+            mask[b, s.query_len:, 0] = True
+        self.padded_mask = mask
+        self.to_padded = None if all(s.query_len == n for s in self.seqs) else torch.tensor(
+            [b * n + i for b, s in enumerate(self.seqs) for i in range(s.query_len)], dtype=torch.int64)
 
     def _store(self, layer, entries):
         stores = self.cache.layers[layer]
@@ -123,7 +136,8 @@ class PagedKV:
         stores = self._store(layer, entries)
         b, m = self.read_padded.shape
         flat = self.read_padded.reshape(-1)
-        return tuple(s.index_select(0, flat).view(b, m, *s.shape[1:]) for s in stores), self.valid
+        gathered = tuple(s.index_select(0, flat).view(b, m, *s.shape[1:]) for s in stores)
+        return PaddedContext(gathered, self.padded_mask, self.to_padded)
 
     def mask(self, seq):
         return self.seqs[seq].mask

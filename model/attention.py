@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.batch import ForwardBatch
+from model.batch import ForwardBatch, PaddedContext
 from model.config import ModelConfig
 from model.kernels import attention
 from model.layers import RMSNorm
@@ -51,8 +51,9 @@ class MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, L]
         k_pe = self.rotary.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
-        if batch.kv.decode_only:
-            o = self._decode_absorbed(q, batch.kv.store_and_gather_padded(self.layer, (latent, k_pe)))
+        if batch.kv.padded:
+            ctx = batch.kv.store_and_gather_padded(self.layer, (latent, k_pe))
+            o = ctx.unpad(self._absorbed(ctx.pad_queries(q), ctx))
             return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
         outs, start = [], 0
         for i, (lat, kpe) in enumerate(batch.kv.store_and_gather(self.layer, (latent, k_pe))):
@@ -65,20 +66,23 @@ class MLAAttention(nn.Module):
         o = torch.cat(outs) if outs else q.new_zeros(0, self.heads, m.v_head_dim)
         return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
 
-    def _decode_absorbed(self, q: torch.Tensor, cached) -> torch.Tensor:
-        """One query per sequence against the cached latents, without expanding per-head K/V:
-        ``q_nope`` is absorbed into latent space by ``W_uk`` and the output leaves it through ``W_uv``.
-        q ``[B, h, dn+dr]``; returns ``[B, h, dv]``."""
+    def _absorbed(self, q: torch.Tensor, ctx: PaddedContext) -> torch.Tensor:
+        """A few queries per sequence (decode, tree verify) against the cached latents, without expanding
+        per-head K/V: ``q_nope`` is absorbed into latent space by ``W_uk`` and the output leaves it through
+        ``W_uv``. q ``[B, N, h, dn+dr]``; returns ``[B, N, h, dv]``."""
         m = self.mla
-        (latent, k_pe), valid = cached  # [B, M, L], [B, M, dr], [B, M]
+        (latent, k_pe), mask = ctx.entries, ctx.mask  # [B, M, L], [B, M, dr], [B, N, M]
+        b, n = mask.shape[:2]
         w = self.kv_b_proj.weight.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [h, dn, L], [h, dv, L]
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
-        scores = torch.baddbmm(torch.bmm(q_pe, k_pe.transpose(1, 2)), q_lat, latent.transpose(1, 2))  # [B, h, M]
-        scores = (scores * self.scale).masked_fill(~valid[:, None, :], float("-inf"))
-        out_lat = torch.bmm(torch.softmax(scores.float(), dim=-1).to(q.dtype), latent)  # [B, h, L]
-        return torch.einsum("bhl,hvl->bhv", out_lat, w_uv)
+        q_lat = torch.einsum("bnhd,hdl->bnhl", q_nope, w_uk).reshape(b, n * self.heads, m.kv_lora_rank)
+        q_pe = q_pe.reshape(b, n * self.heads, m.qk_rope_head_dim)
+        scores = torch.baddbmm(torch.bmm(q_pe, k_pe.transpose(1, 2)), q_lat, latent.transpose(1, 2))
+        scores = (scores.view(b, n, self.heads, -1) * self.scale).masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(b, n * self.heads, -1)
+        out_lat = torch.bmm(probs, latent).view(b, n, self.heads, m.kv_lora_rank)
+        return torch.einsum("bnhl,hvl->bnhv", out_lat, w_uv)
 
 
 class GQAAttention(nn.Module):
@@ -111,13 +115,14 @@ class GQAAttention(nn.Module):
         k = self.rotary.apply(self.k_norm(self.k_proj(x).view(t, self.kv_heads, d)), cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, d)
         groups = self.heads // self.kv_heads
-        if batch.kv.decode_only:
-            (ks, vs), valid = batch.kv.store_and_gather_padded(self.layer, (k, v))  # [B, M, kvh, d]
-            qg = q.view(t, self.kv_heads, groups, d)
-            scores = torch.einsum("bkgd,bmkd->bkgm", qg, ks) * self.scale
-            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-            o = torch.einsum("bkgm,bmkd->bkgd", torch.softmax(scores.float(), dim=-1).to(q.dtype), vs)
-            return self.o_proj(o.reshape(t, self.heads * d))
+        if batch.kv.padded:
+            ctx = batch.kv.store_and_gather_padded(self.layer, (k, v))
+            (ks, vs), mask = ctx.entries, ctx.mask  # [B, M, kvh, d], [B, N, M]
+            qg = ctx.pad_queries(q).view(*mask.shape[:2], self.kv_heads, groups, d)
+            scores = torch.einsum("bnkgd,bmkd->bnkgm", qg, ks) * self.scale
+            scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
+            o = torch.einsum("bnkgm,bmkd->bnkgd", torch.softmax(scores.float(), dim=-1).to(q.dtype), vs)
+            return self.o_proj(ctx.unpad(o).reshape(t, self.heads * d))
         outs, start = [], 0
         for i, (ks, vs) in enumerate(batch.kv.store_and_gather(self.layer, (k, v))):
             n = batch.query_lens[i]

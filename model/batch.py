@@ -8,6 +8,35 @@ from typing import Protocol
 import torch
 
 
+@dataclass
+class PaddedContext:
+    """Few-query steps (decode, tree verify): every sequence's cached + new entries padded to the longest.
+
+    ``entries``: each entry kind as ``[B, M, ...]`` (M = longest context incl. this step's tokens);
+    ``mask [B, N, M]`` bool, which cached entries each query sees (N = longest query; a padding query sees
+    entry 0 only, so its softmax stays finite); ``to_padded [T]``: packed query row t is padded row
+    ``to_padded[t]`` of ``B*N`` (None when the packed rows already are the padded rows, e.g. plain decode).
+    """
+
+    entries: tuple[torch.Tensor, ...]
+    mask: torch.Tensor
+    to_padded: torch.Tensor | None
+
+    def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` packed queries → ``[B, N, ...]``."""
+        b, n = self.mask.shape[:2]
+        if self.to_padded is None:
+            return q.view(b, n, *q.shape[1:])
+        out = q.new_zeros(b * n, *q.shape[1:])
+        out[self.to_padded] = q
+        return out.view(b, n, *q.shape[1:])
+
+    def unpad(self, o: torch.Tensor) -> torch.Tensor:
+        """``[B, N, ...]`` → ``[T, ...]`` packed rows."""
+        flat = o.reshape(-1, *o.shape[2:])
+        return flat if self.to_padded is None else flat[self.to_padded]
+
+
 class KVContext(Protocol):
     """Stores this step's per-token KV entries and hands back each sequence's full (past + new) entries.
 
@@ -16,13 +45,12 @@ class KVContext(Protocol):
     for plain causal attention.
     """
 
-    decode_only: bool  # every sequence feeds one token with causal attention: the padded path applies
+    padded: bool  # every sequence feeds one causal token or a masked tree: the padded few-query path applies
 
     def store_and_gather(self, layer: int, entries: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]: ...
 
-    def store_and_gather_padded(self, layer: int, entries: tuple[torch.Tensor, ...]
-                                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Decode only: each entry kind as ``[B, M, ...]`` (M = longest context), and ``valid [B, M]`` bool."""
+    def store_and_gather_padded(self, layer: int, entries: tuple[torch.Tensor, ...]) -> PaddedContext:
+        """Only when ``padded``: the whole batch's entries in one padded gather."""
         ...
 
     def mask(self, seq: int) -> torch.Tensor | None: ...
@@ -33,7 +61,7 @@ class NoCache:
     """Every sequence is complete in this batch (one causal forward, e.g. ``scripts/logits.py``)."""
 
     query_lens: list[int]
-    decode_only: bool = False
+    padded: bool = False
 
     def store_and_gather(self, layer, entries):
         parts = [e.split(self.query_lens) for e in entries]

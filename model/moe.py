@@ -79,7 +79,12 @@ class LocalExperts(ShardedModule):
         self.w_down = nn.Parameter(torch.empty(n, hidden, self.inter, dtype=dtype), requires_grad=False)
 
     def forward(self, inp: ExpertInput) -> torch.Tensor:
-        """Weighted sum over each row's local experts: ``[N, H]`` (reference: sort by expert, loop)."""
+        """Weighted sum over each row's local experts: ``[N, H]``.
+
+        Tokens are sorted by expert. When every local expert has tokens (tree verify, prefill, wide decode)
+        the experts run as one padded grouped GEMM ``[E, C, H]`` (C = the busiest expert's rows), which
+        reads each weight once in a handful of ops; otherwise only the hit experts run, one at a time, so a
+        narrow decode step reads just their weights."""
         x, k = inp.hidden, inp.slots.shape[1]
         out = torch.zeros_like(x)
         flat = inp.slots.reshape(-1)
@@ -87,17 +92,27 @@ class LocalExperts(ShardedModule):
         rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[valid]
         slots, weights = flat[valid], inp.weights.reshape(-1)[valid]
         order = torch.argsort(slots, stable=True)
-        rows, weights = rows[order], weights[order]
-        counts = torch.bincount(slots, minlength=len(self.global_ids)).tolist()
+        rows, slots, weights = rows[order], slots[order], weights[order, None].to(x.dtype)
+        counts = torch.bincount(slots, minlength=len(self.global_ids))
+        if bool((counts > 0).all()):
+            return out.index_add_(0, rows, self._grouped(x[rows], slots, counts) * weights)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if n:
                 r = rows[start:start + n]
                 h = silu_and_mul(F.linear(x[r], self.w_gate_up[e]))
-                y = F.linear(h, self.w_down[e]) * weights[start:start + n, None].to(x.dtype)
-                out.index_add_(0, r, y)
+                out.index_add_(0, r, F.linear(h, self.w_down[e]) * weights[start:start + n])
             start += n
         return out
+
+    def _grouped(self, xs: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``xs [M, H]`` sorted by expert ``slots [M]`` → each row through its expert, ``[M, H]``."""
+        first = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each expert
+        col = torch.arange(xs.shape[0], device=xs.device) - first[slots]  # row index inside its expert
+        padded = xs.new_zeros(len(self.global_ids), int(counts.max()), xs.shape[1])  # [E, C, H]
+        padded[slots, col] = xs
+        h = silu_and_mul(torch.bmm(padded, self.w_gate_up.transpose(1, 2)))  # [E, C, I]
+        return torch.bmm(h, self.w_down.transpose(1, 2))[slots, col]
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:
         i, full, h = self.inter, self.full_inter, self.hidden
