@@ -20,7 +20,7 @@ from engine.scheduler import SeqWork, StepResult
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
-from spec_decode.tree import DraftTree, ancestor_mask, build_chain, build_tree, walk
+from spec_decode.tree import DraftTree, build_chain, build_tree, walk
 
 
 class Speculator:
@@ -67,7 +67,7 @@ class Speculator:
         ancestor-only mask over the paged context."""
         n = tree.size
         mask = torch.ones(n, w.start + n, dtype=torch.bool)
-        mask[:, w.start:] = ancestor_mask(tree.parents, self.cfg.depth)
+        mask[:, w.start:] = tree.ancestors
         positions = (w.start + tree.depth).tolist()
         return tree.tokens.tolist(), positions, SeqSlots(w.block_table, w.start, n, mask)
 
@@ -82,7 +82,7 @@ class Speculator:
         sb = SamplingBatch.build([w.params] * tree.size, [w.seed] * tree.size, [w.num_generated + x for x in depth],
                                  self.model.cfg.eos_token_ids, [w.num_generated + x for x in depth])
         out = sample(logits.float(), sb)
-        accepted = walk(tree, out.tokens, self.cfg.depth)
+        accepted = walk(tree, out.tokens)
         path = accepted.nonzero().flatten()  # increasing node ids = increasing depth
         self._compact(w, path)
         self.add_context(w.request_id, feats[path], w.start + torch.arange(path.shape[0]))

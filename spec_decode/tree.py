@@ -21,12 +21,18 @@ import torch
 @dataclass(frozen=True)
 class DraftTree:
     """``tokens, parents, depth [N+1]`` int64 (root at 0, ``parents[0] = -1``); ``valid [N+1]`` bool
-    (False for padding when fewer than B nodes exist)."""
+    (False for padding when fewer than B nodes exist); ``ancestors [N+1, N+1]`` bool, row i True at i and
+    its ancestors (the builders pass it; otherwise it is derived from ``parents``)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     valid: torch.Tensor
+    ancestors: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.ancestors is None:
+            object.__setattr__(self, "ancestors", ancestor_mask(self.parents, int(self.depth.max())))
 
     @property
     def size(self) -> int:
@@ -65,11 +71,13 @@ def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) 
     parent_node = torch.where(d_of == 0, 0, node_of[parent_flat.clamp(min=0)])
     valid = torch.cat([torch.ones(1, dtype=torch.bool), torch.isfinite(scores_t.reshape(-1)[chosen])])
     root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)
+    parents_all = torch.cat([torch.tensor([-1]), parent_node])
     return DraftTree(
         tokens=torch.cat([root, torch.stack(tokens).reshape(-1)[chosen]]),
-        parents=torch.cat([torch.tensor([-1]), parent_node]),
+        parents=parents_all,
         depth=torch.cat([torch.zeros(1, dtype=torch.int64), d_of + 1]),
         valid=valid,
+        ancestors=ancestor_mask(parents_all, d_max),
     )
 
 
@@ -78,7 +86,8 @@ def build_chain(logq: torch.Tensor, root_token: int | torch.Tensor) -> DraftTree
     d_max = logq.shape[0]
     root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)
     return DraftTree(tokens=torch.cat([root, logq.argmax(dim=-1)]), parents=torch.arange(-1, d_max),
-                     depth=torch.arange(d_max + 1), valid=torch.ones(d_max + 1, dtype=torch.bool))
+                     depth=torch.arange(d_max + 1), valid=torch.ones(d_max + 1, dtype=torch.bool),
+                     ancestors=torch.ones(d_max + 1, d_max + 1, dtype=torch.bool).tril())
 
 
 def build_tree_heap(logq: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -129,14 +138,12 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return mask
 
 
-def walk(tree: DraftTree, picks: torch.Tensor, max_depth: int) -> torch.Tensor:
+def walk(tree: DraftTree, picks: torch.Tensor) -> torch.Tensor:
     """Accepted nodes: from the root, follow the child whose token equals the target's pick at its parent.
 
-    ``picks [N]`` = the target's token at each node (argmax at T=0, a sample at T>0). Returns ``[N]``
-    bool; the accepted nodes form one root path (siblings carry distinct tokens)."""
+    ``picks [N]`` = the target's token at each node (argmax at T=0, a sample at T>0). A node is accepted
+    when it and all its ancestors below the root match. Returns ``[N]`` bool; the accepted nodes form one
+    root path (siblings carry distinct tokens)."""
     match = (tree.tokens == picks[tree.parents.clamp(min=0)]) & tree.valid
-    accepted = torch.zeros_like(match)
-    accepted[0] = True
-    for _ in range(max_depth):
-        accepted = accepted | (match & accepted[tree.parents.clamp(min=0)] & (tree.parents >= 0))
-    return accepted
+    match[0] = True
+    return ~(tree.ancestors & ~match[None, :]).any(dim=1)

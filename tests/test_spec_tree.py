@@ -36,9 +36,25 @@ def test_ancestor_mask_and_walk_hand_worked():
     assert mask[4].tolist() == [True, True, False, True, True, False]
     assert mask[5].tolist() == [True, False, True, False, False, True]
     picks = torch.tensor([5, 7, 9, 1, 0, 0])  # root→5 ✓, node1→7 ✓, node3→1 ✗ (node 4 has 8)
-    assert walk(tree, picks, 3).nonzero().flatten().tolist() == [0, 1, 3]
+    assert walk(tree, picks).nonzero().flatten().tolist() == [0, 1, 3]
     picks = torch.tensor([6, 7, 9, 8, 0, 0])  # root→6 picks the other branch, then node2→9
-    assert walk(tree, picks, 3).nonzero().flatten().tolist() == [0, 2, 5]
+    assert walk(tree, picks).nonzero().flatten().tolist() == [0, 2, 5]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_walk_follows_matching_children_to_a_dead_end(seed):
+    """On random trees and picks: the accepted set is one root path, each accepted node's token is the pick
+    at its parent, and no child of the path's last node matches (the walk stops only where it must)."""
+    g = torch.Generator().manual_seed(seed)
+    tree = build_tree(torch.randn(5, 3, generator=g).log_softmax(-1), 0, budget=12)
+    assert torch.equal(tree.ancestors, ancestor_mask(tree.parents, 5))
+    picks = torch.randint(0, 3, (tree.size,), generator=g)
+    path = walk(tree, picks).nonzero().flatten().tolist()
+    assert path[0] == 0 and all(int(tree.parents[b]) == a for a, b in zip(path, path[1:], strict=False))
+    assert all(int(tree.tokens[b]) == int(picks[a]) for a, b in zip(path, path[1:], strict=False))
+    last = path[-1]
+    children = [c for c in range(tree.size) if int(tree.parents[c]) == last and bool(tree.valid[c])]
+    assert all(int(tree.tokens[c]) != int(picks[last]) for c in children)
 
 
 def test_chain_is_the_argmax_path():
@@ -90,7 +106,7 @@ def sample_and_walk(tree, logits, seed, generated):
     params = SamplingParams(temperature=1.0)
     sb = SamplingBatch.build([params] * tree.size, [seed] * tree.size, steps, (), steps)
     picks = sample(logits, sb).tokens
-    path = walk(tree, picks, DEPTH).nonzero().flatten()
+    path = walk(tree, picks).nonzero().flatten()
     return tree.tokens[path[1:]].tolist() + [int(picks[path[-1]])]
 
 
@@ -105,8 +121,8 @@ def greedy_biased_accept(tree, logits, seed, generated):
             break
         node = good[0]
         path.append(int(tree.tokens[node]))
-    return path + sample_and_walk(DraftTree(tree.tokens[:1], tree.parents[:1], tree.depth[:1], tree.valid[:1]),
-                                  logits[node:node + 1], seed + 10 ** 6, generated + len(path))
+    root_only = DraftTree(tree.tokens[:1], tree.parents[:1], tree.depth[:1], tree.valid[:1], tree.ancestors[:1, :1])
+    return path + sample_and_walk(root_only, logits[node:node + 1], seed + 10 ** 6, generated + len(path))
 
 
 def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
