@@ -122,18 +122,20 @@ class PagedKV:
         self.to_padded = None if all(s.query_len == n for s in self.seqs) else torch.tensor(
             [b * n + i for b, s in enumerate(self.seqs) for i in range(s.query_len)], dtype=torch.int64)
 
-    def _store(self, layer, entries):
+    tables = None
+
+    def store(self, layer, entries):
         stores = self.cache.layers[layer]
         for store, new in zip(stores, entries, strict=True):
             store.index_copy_(0, self.write, new.to(store.dtype))
         return stores
 
     def store_and_gather(self, layer, entries):
-        stores = self._store(layer, entries)
+        stores = self.store(layer, entries)
         return [tuple(store.index_select(0, r) for store in stores) for r in self.read]
 
     def store_and_gather_padded(self, layer, entries):
-        stores = self._store(layer, entries)
+        stores = self.store(layer, entries)
         b, m = self.read_padded.shape
         flat = self.read_padded.reshape(-1)
         gathered = tuple(s.index_select(0, flat).view(b, m, *s.shape[1:]) for s in stores)

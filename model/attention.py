@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.batch import ForwardBatch, PaddedContext
+from model.batch import ForwardBatch, KVContext, PaddedContext
 from model.config import ModelConfig
+from model.kernel_select import KernelSet, reference_kernels
 from model.kernels import attention
 from model.layers import RMSNorm
 from model.rope import Rotary
@@ -41,6 +42,7 @@ class MLAAttention(nn.Module):
                                               comm, dtype=dtype)
         self.o_proj = RowParallelLinear(cfg.num_heads * m.v_head_dim, h, comm, dtype=dtype)
         self.scale = m.qk_head_dim ** -0.5 * rotary.softmax_scale_multiplier()
+        self.kernels: KernelSet = reference_kernels()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         m, t = self.mla, x.shape[0]
@@ -51,6 +53,9 @@ class MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, L]
         k_pe = self.rotary.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
+        if batch.kv.tables is not None:
+            o = self._paged_kernel(q, batch.kv.store(self.layer, (latent, k_pe)), batch.kv)
+            return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
         if batch.kv.padded:
             ctx = batch.kv.store_and_gather_padded(self.layer, (latent, k_pe))
             o = ctx.unpad(self._absorbed(ctx.pad_queries(q), ctx))
@@ -66,6 +71,29 @@ class MLAAttention(nn.Module):
         o = torch.cat(outs) if outs else q.new_zeros(0, self.heads, m.v_head_dim)
         return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
 
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_uk [h, dn, L]`` and ``W_uv [h, dv, L]``: views of this rank's ``kv_b_proj`` rows."""
+        m = self.mla
+        w = self.kv_b_proj.weight.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
+
+    def _paged_kernel(self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], kv: KVContext
+                      ) -> torch.Tensor:
+        """The kernel path (``kv.tables``): ``q [B*N, h, dn+dr]`` → ``[B*N, h, dv]`` by the paged decode or
+        tree-verify MLA kernel in absorbed form, reading the latent and rope-key caches in place."""
+        m, tb = self.mla, kv.tables
+        b, n = tb.context_lens.shape[0], tb.num_queries
+        w_uk, w_uv = self._absorb_weights()
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+        args = (*caches, tb.block_tables, tb.context_lens, tb.block_size, self.scale)
+        if tb.tree_mask is None:
+            out = self.kernels.paged_decode_mla(q_lat, q_pe, *args)
+        else:
+            out = self.kernels.tree_verify_mla(q_lat.view(b, n, self.heads, -1), q_pe.reshape(b, n, self.heads, -1),
+                                               *args, tree_mask=tb.tree_mask).reshape(b * n, self.heads, -1)
+        return torch.einsum("thl,hvl->thv", out.to(q.dtype), w_uv)
+
     def _absorbed(self, q: torch.Tensor, ctx: PaddedContext) -> torch.Tensor:
         """A few queries per sequence (decode, tree verify) against the cached latents, without expanding
         per-head K/V: ``q_nope`` is absorbed into latent space by ``W_uk`` and the output leaves it through
@@ -73,8 +101,7 @@ class MLAAttention(nn.Module):
         m = self.mla
         (latent, k_pe), mask = ctx.entries, ctx.mask  # [B, M, L], [B, M, dr], [B, N, M]
         b, n = mask.shape[:2]
-        w = self.kv_b_proj.weight.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [h, dn, L], [h, dv, L]
+        w_uk, w_uv = self._absorb_weights()
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bnhd,hdl->bnhl", q_nope, w_uk).reshape(b, n * self.heads, m.kv_lora_rank)
         q_pe = q_pe.reshape(b, n * self.heads, m.qk_rope_head_dim)
@@ -108,6 +135,7 @@ class GQAAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, comm, dtype=dtype)
         self.scale = d ** -0.5
+        self.kernels: KernelSet = reference_kernels()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
@@ -115,6 +143,8 @@ class GQAAttention(nn.Module):
         k = self.rotary.apply(self.k_norm(self.k_proj(x).view(t, self.kv_heads, d)), cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, d)
         groups = self.heads // self.kv_heads
+        if batch.kv.tables is not None:
+            return self.o_proj(self._paged_kernel(q, batch.kv.store(self.layer, (k, v)), batch.kv).reshape(t, -1))
         if batch.kv.padded:
             ctx = batch.kv.store_and_gather_padded(self.layer, (k, v))
             (ks, vs), mask = ctx.entries, ctx.mask  # [B, M, kvh, d], [B, N, M]
@@ -131,3 +161,15 @@ class GQAAttention(nn.Module):
             start += n
         o = torch.cat(outs) if outs else q.new_zeros(0, self.heads, d)
         return self.o_proj(o.reshape(t, self.heads * d))
+
+    def _paged_kernel(self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], kv: KVContext
+                      ) -> torch.Tensor:
+        """The kernel path (``kv.tables``): ``q [B*N, h, d]`` → ``[B*N, h, d]`` by the paged decode or
+        tree-verify GQA kernel, reading the K/V caches in place."""
+        tb = kv.tables
+        b, n = tb.context_lens.shape[0], tb.num_queries
+        args = (*caches, tb.block_tables, tb.context_lens, tb.block_size, self.scale)
+        if tb.tree_mask is None:
+            return self.kernels.paged_decode_gqa(q, *args).to(q.dtype)
+        out = self.kernels.tree_verify_gqa(q.view(b, n, self.heads, -1), *args, tree_mask=tb.tree_mask)
+        return out.reshape(b * n, self.heads, -1).to(q.dtype)

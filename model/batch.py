@@ -37,6 +37,23 @@ class PaddedContext:
         return flat if self.to_padded is None else flat[self.to_padded]
 
 
+@dataclass
+class PagedTables:
+    """What the paged-attention kernels read (``model.kernel_select``): per layer the flat cache tensors, and
+    ``block_tables [B, max_blocks]`` int32, ``context_lens [B]`` int32 (cached keys incl. this step's
+    tokens, which are the last N of each sequence), ``tree_mask [B, N, N]`` bool (None: decode, N = 1).
+    Fixed shapes, device tensors: a step built on these is CUDA-graph safe."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    tree_mask: torch.Tensor | None
+    block_size: int
+
+    @property
+    def num_queries(self) -> int:
+        return 1 if self.tree_mask is None else self.tree_mask.shape[1]
+
+
 class KVContext(Protocol):
     """Stores this step's per-token KV entries and hands back each sequence's full (past + new) entries.
 
@@ -46,6 +63,7 @@ class KVContext(Protocol):
     """
 
     padded: bool  # every sequence feeds one causal token or a masked tree: the padded few-query path applies
+    tables: PagedTables | None  # set: attention runs the paged kernels on the cache (``store`` + tables)
 
     def store_and_gather(self, layer: int, entries: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]: ...
 
@@ -55,6 +73,10 @@ class KVContext(Protocol):
 
     def mask(self, seq: int) -> torch.Tensor | None: ...
 
+    def store(self, layer: int, entries: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Writes this step's entries and returns the layer's flat cache tensors (``tables`` path)."""
+        ...
+
 
 @dataclass
 class NoCache:
@@ -62,6 +84,7 @@ class NoCache:
 
     query_lens: list[int]
     padded: bool = False
+    tables: PagedTables | None = None
 
     def store_and_gather(self, layer, entries):
         parts = [e.split(self.query_lens) for e in entries]

@@ -65,6 +65,11 @@ def triton_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
+def reference_kernels(reason: str = "default (no kernel set chosen)") -> KernelSet:
+    """The torch references for every op (what a model uses until :meth:`CausalLM.use_kernels`)."""
+    return _reference_set(reason)
+
+
 def _reference_set(reason: str) -> KernelSet:
     r = reference
     return KernelSet(kernels.rms_norm, r.add_rms_norm, r.local_experts, r.paged_decode_gqa, r.paged_decode_mla,

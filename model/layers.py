@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from model.kernels import rms_norm, silu_and_mul
+from model.kernel_select import KernelSet, reference_kernels
+from model.kernels import silu_and_mul
 from parallelism.comm import Comm
 from parallelism.linear import (
     CheckpointTensor,
@@ -25,9 +26,14 @@ class RMSNorm(ShardedModule):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.kernels: KernelSet = reference_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)`` in one kernel where the kernel set has it fused."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:
         yield CheckpointTensor("weight", tuple(self.weight.shape), lambda s: copy_into(self.weight, s.read()))

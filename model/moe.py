@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig, MoEConfig
+from model.kernel_select import KernelSet, reference_kernels
 from model.kernels import silu_and_mul
 from model.layers import GatedMLP
 from parallelism.comm import ParallelGroups
@@ -61,6 +62,47 @@ class Router(ShardedModule):
             yield CheckpointTensor("e_score_correction_bias", tuple(b.shape), lambda s: copy_into(b, s.read()))
 
 
+def run_local_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The torch expert computation: ``w_gate_up [E, 2I, H]`` (gate | up rows), ``w_down [E, H, I]``;
+    ``inp.hidden [N, H]``, ``inp.slots [N, k]`` (local slot, −1 = not local), ``inp.weights [N, k]``.
+    Returns the weighted sum over each row's local experts ``[N, H]``.
+
+    Tokens are sorted by expert. When every local expert has tokens (tree verify, prefill, wide decode)
+    the experts run as one padded grouped GEMM ``[E, C, H]`` (C = the busiest expert's rows), which
+    reads each weight once in a handful of ops; otherwise only the hit experts run, one at a time, so a
+    narrow decode step reads just their weights."""
+    x, k, num_experts = inp.hidden, inp.slots.shape[1], w_gate_up.shape[0]
+    out = torch.zeros_like(x)
+    flat = inp.slots.reshape(-1)
+    valid = flat >= 0
+    rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[valid]
+    slots, weights = flat[valid], inp.weights.reshape(-1)[valid]
+    order = torch.argsort(slots, stable=True)
+    rows, slots, weights = rows[order], slots[order], weights[order, None].to(x.dtype)
+    counts = torch.bincount(slots, minlength=num_experts)
+    if bool((counts > 0).all()):
+        return out.index_add_(0, rows, _grouped_experts(x[rows], slots, counts, w_gate_up, w_down) * weights)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            r = rows[start:start + n]
+            h = silu_and_mul(F.linear(x[r], w_gate_up[e]))
+            out.index_add_(0, r, F.linear(h, w_down[e]) * weights[start:start + n])
+        start += n
+    return out
+
+
+def _grouped_experts(xs: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor) -> torch.Tensor:
+    """``xs [M, H]`` sorted by expert ``slots [M]`` → each row through its expert, ``[M, H]``."""
+    first = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each expert
+    col = torch.arange(xs.shape[0], device=xs.device) - first[slots]  # row index inside its expert
+    padded = xs.new_zeros(w_gate_up.shape[0], int(counts.max()), xs.shape[1])  # [E, C, H]
+    padded[slots, col] = xs
+    h = silu_and_mul(torch.bmm(padded, w_gate_up.transpose(1, 2)))  # [E, C, I]
+    return torch.bmm(h, w_down.transpose(1, 2))[slots, col]
+
+
 class LocalExperts(ShardedModule):
     """The routed experts this rank holds, each with ``1/moe_tp`` of its intermediate dim.
 
@@ -77,42 +119,12 @@ class LocalExperts(ShardedModule):
         n = len(self.global_ids)
         self.w_gate_up = nn.Parameter(torch.empty(n, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(n, hidden, self.inter, dtype=dtype), requires_grad=False)
+        self.kernels: KernelSet = reference_kernels()
 
     def forward(self, inp: ExpertInput) -> torch.Tensor:
-        """Weighted sum over each row's local experts: ``[N, H]``.
-
-        Tokens are sorted by expert. When every local expert has tokens (tree verify, prefill, wide decode)
-        the experts run as one padded grouped GEMM ``[E, C, H]`` (C = the busiest expert's rows), which
-        reads each weight once in a handful of ops; otherwise only the hit experts run, one at a time, so a
-        narrow decode step reads just their weights."""
-        x, k = inp.hidden, inp.slots.shape[1]
-        out = torch.zeros_like(x)
-        flat = inp.slots.reshape(-1)
-        valid = flat >= 0
-        rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[valid]
-        slots, weights = flat[valid], inp.weights.reshape(-1)[valid]
-        order = torch.argsort(slots, stable=True)
-        rows, slots, weights = rows[order], slots[order], weights[order, None].to(x.dtype)
-        counts = torch.bincount(slots, minlength=len(self.global_ids))
-        if bool((counts > 0).all()):
-            return out.index_add_(0, rows, self._grouped(x[rows], slots, counts) * weights)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                r = rows[start:start + n]
-                h = silu_and_mul(F.linear(x[r], self.w_gate_up[e]))
-                out.index_add_(0, r, F.linear(h, self.w_down[e]) * weights[start:start + n])
-            start += n
-        return out
-
-    def _grouped(self, xs: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``xs [M, H]`` sorted by expert ``slots [M]`` → each row through its expert, ``[M, H]``."""
-        first = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each expert
-        col = torch.arange(xs.shape[0], device=xs.device) - first[slots]  # row index inside its expert
-        padded = xs.new_zeros(len(self.global_ids), int(counts.max()), xs.shape[1])  # [E, C, H]
-        padded[slots, col] = xs
-        h = silu_and_mul(torch.bmm(padded, self.w_gate_up.transpose(1, 2)))  # [E, C, I]
-        return torch.bmm(h, self.w_down.transpose(1, 2))[slots, col]
+        """Weighted sum over each row's local experts: ``[N, H]`` (the kernel set's ``moe_experts``: the
+        Triton fused MoE, or :func:`run_local_experts`)."""
+        return self.kernels.moe_experts(inp, self.w_gate_up, self.w_down)
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:
         i, full, h = self.inter, self.full_inter, self.hidden

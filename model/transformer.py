@@ -10,6 +10,7 @@ from torch import nn
 from model.attention import GQAAttention, MLAAttention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
+from model.kernel_select import KernelSet
 from model.layers import GatedMLP, RMSNorm
 from model.moe import MoE
 from model.rope import Rotary
@@ -33,8 +34,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), batch, cos, sin)
+        normed, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):
@@ -74,6 +76,22 @@ class CausalLM(nn.Module):
                 captured.append(x)
         hidden = m.norm(x)
         return (hidden, torch.cat(captured, dim=-1)) if capture else hidden
+
+    def place(self, device: torch.device | str) -> CausalLM:
+        """Moves weights, the rope table and the dispatchers' routing tables to ``device``."""
+        self.to(device)
+        self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.dispatcher.to(device)
+        return self
+
+    def use_kernels(self, kernels: KernelSet) -> CausalLM:
+        """Every attention, expert and norm module calls ``kernels`` from now on (see ``model.kernel_select``)."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
+        return self
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

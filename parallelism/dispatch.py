@@ -78,6 +78,12 @@ class Dispatcher:
         slot_of = torch.tensor([placement.local_slot_of(x) for x in range(e)])[:, None]  # [E, 1]
         self.slot_at_rank = torch.where(holders, slot_of, -1)  # [E, W]: expert's slot on rank r, or -1
 
+    def to(self, device: torch.device | str) -> Dispatcher:
+        """Moves the routing tables to ``device`` (the model's), so dispatch launches no host copies."""
+        self.local_slot, self.holders = self.local_slot.to(device), self.holders.to(device)
+        self.slot_at_rank = self.slot_at_rank.to(device)
+        return self
+
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` → (ExpertInput, meta)."""
         raise NotImplementedError

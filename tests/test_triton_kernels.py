@@ -25,6 +25,7 @@ import torch
 import triton
 
 from model import kernels
+from model.batch import PaddedContext
 from model.config import MLAConfig, MoEConfig
 from model.kernel_select import OPS, select_kernels
 from model.moe import LocalExperts
@@ -110,7 +111,7 @@ def test_paged_decode_mla(num_splits):
 
 
 def test_mla_decode_kernel_inside_decode_absorbed():
-    """W_uk in, the kernel, W_uv out == MLAAttention._decode_absorbed on the same padded cache."""
+    """W_uk in, the kernel, W_uv out == MLAAttention._absorbed on the same padded cache."""
     heads, dn, dr, dv, latent = 4, 12, 8, 10, 40
     case = cases.mla_case(LENS, heads=heads, latent=latent, rope=dr, block_size=4, gen=gen(2))
     w = torch.randn(heads * (dn + dv), latent, generator=gen(3)) * latent ** -0.5
@@ -129,7 +130,9 @@ def test_mla_decode_kernel_inside_decode_absorbed():
                             kv_b_proj=SimpleNamespace(weight=w), scale=case["scale"])
     from model.attention import MLAAttention
 
-    torch.testing.assert_close(ours, MLAAttention._decode_absorbed(layer, q, (tuple(padded), valid)), **TOL)
+    layer._absorb_weights = lambda: MLAAttention._absorb_weights(layer)
+    ctx = PaddedContext(tuple(padded), valid[:, None, :], None)
+    torch.testing.assert_close(ours, MLAAttention._absorbed(layer, q[:, None], ctx)[:, 0], **TOL)
 
 
 def test_tree_verify_gqa():
@@ -204,3 +207,41 @@ def test_half_precision_paths(kernel, ref, inputs):
     the kernel is no further from the fp32 truth than twice the fp16 reference (rule in cases.compare)."""
     result = cases.compare(kernel, ref, inputs(gen(5)))
     assert result["ok"], result
+
+
+@pytest.mark.parametrize("preset", ["tiny_deepseek", "tiny_qwen3_moe"])
+def test_model_static_steps_on_the_triton_kernel_set(preset, tiny_ckpts):
+    """The whole model wired to the Triton kernels (interpreted): a static decode step and a static tree-verify
+    step give the torch references' logits — the path a captured CUDA graph replays."""
+    from engine.cuda_graphs import StaticSeq, StaticStep, StepShape
+    from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+    from model.batch import ForwardBatch
+    from model.kernel_select import KernelSet, reference_kernels
+    from model.loader import load_model
+    from parallelism.comm import build_groups
+    from parallelism.layout import Layout
+
+    model = load_model(tiny_ckpts[preset], build_groups(Layout()))
+    triton_set = KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
+                           attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla)
+    cache = PagedKVCache(KVSpec.for_model(model), 12, 4)
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    ids = torch.randint(3, model.cfg.vocab_size, (7,), generator=gen(5))
+    model(ForwardBatch(ids, torch.arange(7), [4, 3], PagedKV(cache, [SeqSlots(t, 0, n) for t, n in
+                                                                    zip(tables, (4, 3), strict=True)])))
+    parents = torch.tensor([-1, 0, 0, 1])
+    tree = reference.ancestor_mask_from_parents(parents[None])[0]
+    cases_ = {StepShape(2, 1): [([9], [4], None), ([11], [3], None)],
+              StepShape(2, 4): [([9, 3, 4, 5], [4, 5, 5, 6], tree), ([11, 6, 7, 8], [3, 4, 4, 5], tree)]}
+    for shape, rows in cases_.items():
+        seqs = [StaticSeq(tok, pos, cache.slots(t, start, start + len(tok)), t, start + len(tok), mask)
+                for t, start, (tok, pos, mask) in zip(tables, (4, 3), rows, strict=True)]
+        step = StaticStep(model, cache, shape, max_blocks=4, scratch_blocks=(0,))
+        step.load(seqs)
+        want = step.run()[0].clone()
+        model.use_kernels(triton_set)
+        try:
+            got = step.run()[0]
+        finally:
+            model.use_kernels(reference_kernels())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -137,18 +137,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(new_residual, weight, eps), new_residual
 
 
-class _ExpertWeights:
-    """What ``LocalExperts.forward`` reads from its module: the two weight stacks and the local expert count."""
-
-    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor):
-        self.w_gate_up, self.w_down = w_gate_up, w_down
-        self.global_ids = range(w_gate_up.shape[0])
-
-
 def local_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """``LocalExperts.forward`` as a function of its weights: ``w_gate_up [E, 2I, H]`` (gate | up rows),
-    ``w_down [E, H, I]``; ``inp.hidden [N, H]``, ``inp.slots [N, k]`` (−1 = not local), ``inp.weights [N, k]``.
-    Returns the weighted sum over each row's local experts ``[N, H]``. Calls the reference itself, unbound."""
-    from model.moe import LocalExperts  # here, not at the top: model.moe may come to import the kernel selector
+    """``LocalExperts.forward`` as a function of its weights (:func:`model.moe.run_local_experts`):
+    ``w_gate_up [E, 2I, H]`` (gate | up rows), ``w_down [E, H, I]``; ``inp.hidden [N, H]``, ``inp.slots [N, k]``
+    (−1 = not local), ``inp.weights [N, k]``. Returns the weighted sum over each row's local experts ``[N, H]``."""
+    from model.moe import run_local_experts  # here, not at the top: model.moe may come to import the kernel selector
 
-    return LocalExperts.forward(_ExpertWeights(w_gate_up, w_down), inp)
+    return run_local_experts(inp, w_gate_up, w_down)

@@ -1,0 +1,319 @@
+"""CUDA graphs for decode and tree verify: one static step per (batch, nodes) shape, captured once, replayed.
+
+A :class:`StaticStep` owns every input of a target forward in a preallocated buffer of fixed shape — token
+ids and positions ``[B*N]``, KV write slots ``[B*N]``, block tables ``[B, max_blocks]``, context lengths
+``[B]`` and, for tree verify, the ancestor mask ``[B, N, N]`` — and the forward reads nothing else:
+attention goes through the paged kernels on the cache (:class:`TablesKV`, ``KVContext.tables``), the experts
+through the kernel set's ``moe_experts``. With the Triton kernels selected nothing in that forward waits on
+the host, so :class:`GraphRunner` can capture it per shape (decode: N = 1 per batch size; verify:
+N = budget + 1 per (batch size, budget)) and replay it after copying a step's inputs into the buffers. A
+batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
+scratch blocks. Shapes that cannot be captured run the same static step eagerly, with the reason
+recorded in :class:`engine.graphs.GraphCoverage`.
+
+Off CUDA (this CPU box) nothing is captured: the static steps run eagerly and the tests check what a replay
+relies on — padding, buffer reuse across steps, equality with the dynamic forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.graphs import GraphCoverage
+from engine.kv_cache import PagedKVCache
+from model.batch import ForwardBatch, PagedTables
+from model.transformer import CausalLM
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """``batch`` sequences of ``nodes`` query tokens each (1: decode; budget + 1: tree verify)."""
+
+    batch: int
+    nodes: int
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.nodes == 1 else "verify"
+
+
+@dataclass
+class StaticSeq:
+    """One sequence's share of a static step (host values, copied into the buffers by ``StaticStep.load``).
+
+    ``token_ids``/``positions``/``write_slots`` have ``nodes`` entries; ``block_table`` covers
+    ``context_len`` keys (this step's included, as the last ``nodes``); ``tree_mask [nodes, nodes]`` bool for
+    verify."""
+
+    token_ids: list[int]
+    positions: list[int]
+    write_slots: list[int]
+    block_table: list[int]
+    context_len: int
+    tree_mask: torch.Tensor | None = None
+
+
+class TablesKV:
+    """KVContext of a static step: writes at fixed slots, attention reads the cache through ``tables``."""
+
+    padded = False
+
+    def __init__(self, cache: PagedKVCache, write_slots: torch.Tensor, tables: PagedTables):
+        self.cache, self.write, self.tables = cache, write_slots, tables
+
+    def store(self, layer: int, entries: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        stores = self.cache.layers[layer]
+        for store, new in zip(stores, entries, strict=True):
+            store.index_copy_(0, self.write, new.to(store.dtype))
+        return stores
+
+    def store_and_gather(self, layer, entries):
+        raise NotImplementedError("a static step reads the cache through the paged kernels (tables)")
+
+    def mask(self, seq):
+        return None
+
+
+class StaticStep:
+    """The buffers and the forward of one :class:`StepShape` (see the module docstring).
+
+    ``run()`` → logits ``[B*N, V]`` on every attention-TP rank and, with ``capture`` layer ids, the drafter
+    features ``[B*N, len(capture)*H]``; both are buffers that the next ``run()`` overwrites."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, shape: StepShape, max_blocks: int,
+                 scratch_blocks: tuple[int, ...], capture: tuple[int, ...] = ()):
+        self.model, self.cache, self.shape, self.capture = model, cache, shape, capture
+        self.max_blocks, self.scratch_blocks = max_blocks, scratch_blocks
+        dev = cache.layers[0][0].device
+        t = shape.batch * shape.nodes
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.write_slots = torch.zeros(t, dtype=torch.int64, device=dev)
+        tree = None if shape.nodes == 1 else torch.zeros(shape.batch, shape.nodes, shape.nodes, dtype=torch.bool,
+                                                         device=dev)
+        tables = PagedTables(torch.zeros(shape.batch, max_blocks, dtype=torch.int32, device=dev),
+                             torch.zeros(shape.batch, dtype=torch.int32, device=dev), tree, cache.block_size)
+        self.tables = tables
+        self.batch = ForwardBatch(self.input_ids, self.positions, [shape.nodes] * shape.batch,
+                                  TablesKV(cache, self.write_slots, tables))
+
+    def padding_seq(self) -> StaticSeq:
+        """A dummy sequence living entirely in the scratch blocks: positions 0..N-1, context N."""
+        n, bs = self.shape.nodes, self.cache.block_size
+        need = -(-n // bs)
+        if need > len(self.scratch_blocks):
+            raise ValueError(f"{n} nodes need {need} scratch blocks of {bs} slots, {len(self.scratch_blocks)} reserved")
+        table = list(self.scratch_blocks[:need])
+        slots = [table[p // bs] * bs + p % bs for p in range(n)]
+        mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
+        return StaticSeq([0] * n, list(range(n)), slots, table, n, mask)
+
+    def load(self, seqs: list[StaticSeq]) -> None:
+        """Copies ``seqs`` (at most ``batch``) into the buffers, padding the rest with :meth:`padding_seq`."""
+        b, n = self.shape.batch, self.shape.nodes
+        if not 0 < len(seqs) <= b:
+            raise ValueError(f"a {b}-sequence static step got {len(seqs)} sequences")
+        seqs = seqs + [self.padding_seq()] * (b - len(seqs))
+        for s in seqs:
+            if len(s.token_ids) != n or len(s.block_table) > self.max_blocks:
+                raise ValueError(f"sequence with {len(s.token_ids)} nodes / {len(s.block_table)} blocks does not "
+                                 f"fit shape {self.shape} with {self.max_blocks} blocks")
+        self.input_ids.copy_(torch.tensor([v for s in seqs for v in s.token_ids]))
+        self.positions.copy_(torch.tensor([v for s in seqs for v in s.positions]))
+        self.write_slots.copy_(torch.tensor([v for s in seqs for v in s.write_slots]))
+        tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        self.tables.block_tables.copy_(tables)
+        self.tables.context_lens.copy_(torch.tensor([s.context_len for s in seqs], dtype=torch.int32))
+        if self.tables.tree_mask is not None:
+            self.tables.tree_mask.copy_(torch.stack([s.tree_mask for s in seqs]))
+
+    @torch.no_grad()
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.capture:
+            hidden, feats = self.model(self.batch, capture=self.capture)
+        else:
+            hidden, feats = self.model(self.batch), None
+        return self.model.logits_everywhere(hidden), feats
+
+
+class GraphRunner:
+    """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
+
+    ``run(seqs, nodes)`` picks the smallest batch size ≥ ``len(seqs)``, captures that shape on its first use,
+    loads the inputs, replays (or runs eagerly, recording why) and returns the real rows' logits
+    ``[len(seqs)*N, V]`` and features."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
+                 batch_sizes: tuple[int, ...] = (1, 2, 4, 8), capture: tuple[int, ...] = (),
+                 coverage: GraphCoverage | None = None):
+        self.model, self.cache, self.max_blocks, self.scratch_blocks = model, cache, max_blocks, scratch_blocks
+        self.batch_sizes, self.capture_layers = tuple(sorted(batch_sizes)), capture
+        self.coverage = coverage or GraphCoverage()
+        self.steps: dict[StepShape, StaticStep] = {}
+        self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.reasons: dict[StepShape, str] = {}
+        self.pool = None
+
+    def shape_for(self, batch: int, nodes: int) -> StepShape:
+        fits = [b for b in self.batch_sizes if b >= batch]
+        if not fits:
+            raise ValueError(f"batch {batch} exceeds the largest static batch size {self.batch_sizes[-1]}")
+        return StepShape(fits[0], nodes)
+
+    def step(self, shape: StepShape) -> StaticStep:
+        if shape not in self.steps:
+            self.steps[shape] = StaticStep(self.model, self.cache, shape, self.max_blocks, self.scratch_blocks,
+                                           self.capture_layers)
+        return self.steps[shape]
+
+    def capture(self, shape: StepShape) -> str:
+        """Captures ``shape``'s graph; returns "" or why it runs eagerly. The buffers hold a padding-only batch
+        during capture, so the warm-up and capture launches touch just the scratch block."""
+        step = self.step(shape)
+        if shape in self.graphs:
+            return ""
+        if self.cache.layers[0][0].device.type != "cuda":
+            self.reasons[shape] = "no CUDA device"
+            return self.reasons[shape]
+        try:
+            step.load([step.padding_seq()])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
+                    step.run()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = step.run()
+            self.pool = graph.pool()
+            self.graphs[shape] = (graph, outputs)
+            return ""
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this shape
+            self.reasons[shape] = f"capture failed: {type(exc).__name__}: {exc}"
+            return self.reasons[shape]
+
+    def run(self, seqs: list[StaticSeq], nodes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        shape = self.shape_for(len(seqs), nodes)
+        if shape not in self.graphs and shape not in self.reasons:
+            self.capture(shape)  # first use of a shape: capture it (or learn why not) before loading inputs
+        step = self.step(shape)
+        step.load(seqs)
+        rows = len(seqs) * nodes
+        if shape in self.graphs:
+            graph, (logits, feats) = self.graphs[shape]
+            graph.replay()
+            self.coverage.record(shape.kind, True)
+        else:
+            logits, feats = step.run()
+            self.coverage.record(shape.kind, False, self.reasons.get(shape, "not captured"))
+        return logits[:rows], None if feats is None else feats[:rows]
+
+
+# ------------------------------------------------------------------------------------------------ GPU check
+
+
+def random_model(device: torch.device, dtype: torch.dtype, **overrides) -> CausalLM:
+    """The committed tiny_kimi target's architecture (``overrides`` rescale it) with random weights: no
+    checkpoint and no transformers needed on the GPU box."""
+    import json
+    from pathlib import Path
+
+    from model.config import parse_config
+    from parallelism.comm import build_groups
+    from parallelism.layout import Layout
+
+    raw = json.loads((Path(__file__).resolve().parent.parent / "model/zoo/tiny_kimi/target/config.json").read_text())
+    model = CausalLM(parse_config({**raw, **overrides}), build_groups(Layout()), dtype)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif "e_score_correction_bias" in name:
+            p.data.zero_()
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model.place(device)
+
+
+def random_seqs(shape: StepShape, ctx: int, cache: PagedKVCache, gen: torch.Generator, vocab: int, first: int
+                ) -> list[StaticSeq]:
+    """``shape.batch`` sequences of ``ctx`` cached keys + N new, on disjoint blocks after the ``first`` ones."""
+    from spec_decode.tree import ancestor_mask
+
+    bs, n = cache.block_size, shape.nodes
+    per_seq = -(-(ctx + n) // bs)
+    seqs = []
+    for b in range(shape.batch):
+        table = list(range(first + b * per_seq, first + (b + 1) * per_seq))
+        slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+        depth = torch.zeros(n, dtype=torch.int64)
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        mask = None if n == 1 else ancestor_mask(parents, n)
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        seqs.append(StaticSeq(ids, (ctx + depth).tolist(), slots, table, ctx + n, mask))
+    return seqs
+
+
+def gpu_check(device: torch.device, budget_s: float) -> dict:
+    """Captures and replays decode (batch 1, 8) and tree verify (batch 1, budgets 8…256) graphs on a random
+    bf16 model with the selected kernels; per shape: capture result, max |replay − eager| logits, eager and
+    replay step times (ms). Stops starting shapes after ``budget_s``."""
+    from engine.kv_cache import KVSpec
+    from model.kernel_select import select_kernels
+
+    t0 = time.time()
+    model = random_model(device, torch.bfloat16, hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048,
+                         n_routed_experts=32, kv_lora_rank=256, q_lora_rank=512, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+    kernels = select_kernels(device)
+    model.use_kernels(kernels)
+    block_size, ctx, scratch = 16, 1024, tuple(range(17))  # 17 scratch blocks hold the largest tree (257 nodes)
+    per_seq = -(-(ctx + 257) // block_size)
+    cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 8 * per_seq, block_size, device=device)
+    runner = GraphRunner(model, cache, max_blocks=per_seq, scratch_blocks=scratch, batch_sizes=(1, 8))
+    shapes = [StepShape(1, 1), StepShape(8, 1)] + [StepShape(1, b + 1) for b in (8, 16, 32, 64, 128, 256)]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in shapes:
+        if time.time() - t0 > budget_s:
+            rows.append({"shape": str(shape), "skipped": "time budget"})
+            continue
+        rows.append(_check_shape(runner, shape, random_seqs(shape, ctx, cache, gen, model.cfg.vocab_size,
+                                                            len(scratch))))
+    return {"kernels": kernels.reasons, "model": "random tiny_kimi architecture at hidden 1024, 32 experts, bf16",
+            "context": ctx, "shapes": rows, "coverage": runner.coverage.summary()}
+
+
+def _check_shape(runner: GraphRunner, shape: StepShape, seqs: list[StaticSeq]) -> dict:
+    """Eager static step, capture, replay on the same inputs: agreement and both step times."""
+    step = runner.step(shape)
+    step.load(seqs)
+    eager = step.run()[0].float().clone()
+    reason = runner.capture(shape)
+    row = {"kind": shape.kind, "batch": shape.batch, "nodes": shape.nodes, "captured": not reason,
+           "eager_reason": reason}
+    if not reason:
+        replay = runner.run(seqs, shape.nodes)[0].float()
+        row["max_abs_diff_vs_eager"] = float((replay - eager).abs().max())
+        row["eager_ms"] = 1e3 * _time(lambda: (step.load(seqs), step.run()))
+        row["replay_ms"] = 1e3 * _time(lambda: runner.run(seqs, shape.nodes))
+        row["speedup"] = row["eager_ms"] / row["replay_ms"]
+    return row
+
+
+def _time(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters

@@ -1,0 +1,139 @@
+"""Static steps (what a CUDA graph replays) on CPU: a padded static decode / tree-verify step over the paged
+kernels (torch references here) gives the dynamic forward's logits, reuses its buffers across steps, and its
+padding touches only the scratch blocks. Capture itself needs CUDA: off it the runner says so and runs eager."""
+
+import pytest
+import torch
+
+from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape, random_model
+from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+from model.batch import ForwardBatch
+from model.loader import load_model
+from parallelism.comm import build_groups
+from parallelism.layout import Layout
+from spec_decode.tree import ancestor_mask
+
+BLOCK, SCRATCH = 4, (0, 1)  # scratch blocks hold a padding tree of up to 8 nodes
+
+
+@pytest.fixture(scope="module", params=["tiny_deepseek", "tiny_qwen3_moe"])
+def setup(request, tiny_ckpts):
+    """A model, a cache, and three prefilled sequences (lengths 5, 9, 6) on blocks after the scratch ones."""
+    model = load_model(tiny_ckpts[request.param], build_groups(Layout()))
+    cache = PagedKVCache(KVSpec.for_model(model), 32, BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    next_block = len(SCRATCH)
+    for length in (5, 9, 6):
+        table = list(range(next_block, next_block + 5))  # room for the prompt + a tree of 8
+        next_block += 5
+        ids = torch.randint(3, model.cfg.vocab_size, (length,), generator=gen)
+        model(ForwardBatch(ids, torch.arange(length), [length], PagedKV(cache, [SeqSlots(table, 0, length)])))
+        seqs.append((table, length))
+    return model, cache, seqs
+
+
+def dynamic_logits(model, cache, work) -> torch.Tensor:
+    """``work``: (table, start, tokens, positions, mask) per sequence → logits of every fed token (PagedKV)."""
+    ids = torch.tensor([t for w in work for t in w[2]])
+    pos = torch.tensor([p for w in work for p in w[3]])
+    slots = [SeqSlots(w[0], w[1], len(w[2]), w[4]) for w in work]
+    return model.logits_everywhere(model(ForwardBatch(ids, pos, [len(w[2]) for w in work], PagedKV(cache, slots))))
+
+
+def static_seq(cache, table, start, tokens, positions, tree_mask=None) -> StaticSeq:
+    slots = cache.slots(table, start, start + len(tokens))
+    return StaticSeq(tokens, positions, slots, table, start + len(tokens), tree_mask)
+
+
+def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+    depth = torch.zeros(n, dtype=torch.int64)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    return ancestor_mask(parents, n), depth
+
+
+def test_static_decode_matches_dynamic_with_padding_and_buffer_reuse(setup):
+    model, cache, seqs = setup
+    step = StaticStep(model, cache, StepShape(4, 1), max_blocks=5, scratch_blocks=SCRATCH)  # 3 real + 1 padding
+    for token_base in (7, 11):  # the second step reuses the buffers with new inputs
+        work = [(t, n, [token_base + i], [n], None) for i, (t, n) in enumerate(seqs)]
+        want = dynamic_logits(model, cache, work)
+        step.load([static_seq(cache, t, n, tok, pos) for t, n, tok, pos, _ in work])
+        logits, _ = step.run()
+        torch.testing.assert_close(logits[:3], want, rtol=1e-5, atol=1e-5)
+
+
+def test_static_tree_verify_matches_dynamic_masked_forward(setup):
+    model, cache, seqs = setup
+    gen = torch.Generator().manual_seed(1)
+    n = 6
+    step = StaticStep(model, cache, StepShape(3, n), max_blocks=5, scratch_blocks=SCRATCH)
+    work, static = [], []
+    for table, length in seqs[:2]:  # 2 real trees + 1 padding tree
+        anc, depth = random_tree(n, gen)
+        tokens = torch.randint(3, model.cfg.vocab_size, (n,), generator=gen).tolist()
+        positions = (length + depth).tolist()
+        mask = torch.ones(n, length + n, dtype=torch.bool)
+        mask[:, length:] = anc
+        work.append((table, length, tokens, positions, mask))
+        static.append(static_seq(cache, table, length, tokens, positions, anc))
+    want = dynamic_logits(model, cache, work)
+    step.load(static)
+    logits, _ = step.run()
+    torch.testing.assert_close(logits[:2 * n], want, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_writes_only_scratch_blocks(setup):
+    model, cache, seqs = setup
+    table, length = seqs[0]
+    step = StaticStep(model, cache, StepShape(4, 1), max_blocks=5, scratch_blocks=SCRATCH)
+    bs = cache.block_size
+    own = set(cache.slots(table, length, length + 1)) | {b * bs + i for b in SCRATCH for i in range(bs)}
+    before = [tuple(t.clone() for t in layer) for layer in cache.layers]
+    step.load([static_seq(cache, table, length, [9], [length])])
+    step.run()
+    changed = set()
+    for old, new in zip(before, cache.layers, strict=True):
+        for a, b in zip(old, new, strict=True):
+            changed |= set((a != b).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten().tolist())
+    assert changed and changed <= own
+
+
+def test_load_rejects_shapes_that_do_not_fit(setup):
+    model, cache, seqs = setup
+    step = StaticStep(model, cache, StepShape(2, 1), max_blocks=5, scratch_blocks=SCRATCH)
+    table, length = seqs[0]
+    one = static_seq(cache, table, length, [9], [length])
+    with pytest.raises(ValueError, match="2-sequence static step got 3"):
+        step.load([one] * 3)
+    with pytest.raises(ValueError, match="nodes"):
+        step.load([static_seq(cache, table, length, [9, 9], [length, length + 1])])
+    tree = StaticStep(model, cache, StepShape(1, 9), max_blocks=5, scratch_blocks=SCRATCH)
+    with pytest.raises(ValueError, match="need 3 scratch blocks"):
+        tree.padding_seq()
+
+
+def test_runner_off_cuda_runs_eager_and_says_why(setup):
+    model, cache, seqs = setup
+    runner = GraphRunner(model, cache, max_blocks=5, scratch_blocks=SCRATCH, batch_sizes=(1, 4))
+    assert runner.shape_for(3, 1) == StepShape(4, 1)
+    assert runner.capture(StepShape(4, 1)) == "no CUDA device"
+    table, length = seqs[1]
+    logits, _ = runner.run([static_seq(cache, table, length, [5], [length])], 1)
+    want = dynamic_logits(model, cache, [(table, length, [5], [length], None)])
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert runner.coverage.summary()["decode"] == {"replays": 0, "steps": 1, "coverage": 0.0,
+                                                   "eager_reason": "no CUDA device"}
+    with pytest.raises(ValueError, match="exceeds the largest static batch size 4"):
+        runner.shape_for(5, 1)
+
+
+def test_random_model_for_the_gpu_check_builds_and_runs_on_cpu():
+    model = random_model(torch.device("cpu"), torch.float32, hidden_size=64, moe_intermediate_size=32,
+                         intermediate_size=64, vocab_size=300)
+    cache = PagedKVCache(KVSpec.for_model(model), 8, BLOCK)
+    ids = torch.tensor([5, 6, 7])
+    hidden = model(ForwardBatch(ids, torch.arange(3), [3], PagedKV(cache, [SeqSlots([2, 3], 0, 3)])))
+    assert hidden.shape == (3, 64) and torch.isfinite(hidden).all()
