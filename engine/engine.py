@@ -26,6 +26,9 @@ SHUTDOWN = "shutdown"
 HEARTBEAT = "heartbeat"  # idle liveness round trip: no forward, no data collectives
 
 
+STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engine.max_num_seqs)
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -103,7 +106,8 @@ class Engine:
         s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
         kind = "prefill" if prefill and not decode else "decode" if decode and not prefill else "mixed"
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
-        self.graphs.record("verify" if spec and kind == "decode" else kind, replayed=False, reason=self._eager_reason)
+        replayed, reason = (False, self._eager_reason) if self.runner.graphs is None else self.runner.last_graph
+        self.graphs.record("verify" if spec and kind == "decode" else kind, replayed=replayed, reason=reason)
         s.prefill_tokens += prefill
         s.decode_tokens += decode
         if kind == "decode":
@@ -122,15 +126,21 @@ class Engine:
 
 
 def make_runner(model: CausalLM, cfg: SchedulerConfig, spec: SpecConfig | None = None) -> ModelRunner:
-    """The rank's ModelRunner, with a Speculator (drafter loaded on every rank) when spec decoding is on."""
+    """The rank's ModelRunner, with a Speculator (drafter loaded on every rank) when spec decoding is on, and
+    static decode/verify steps per ``cfg.static_steps``."""
+    on_cuda = model.model.norm.weight.device.type == "cuda"
+    static = cfg.static_steps == "on" or (cfg.static_steps == "auto" and on_cuda)
+    sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()
+    nodes = spec.num_nodes if spec is not None and spec.enabled else 1
+    kw = dict(static_batch_sizes=sizes, max_model_len=cfg.max_model_len, max_nodes=nodes)
     if spec is None or not spec.enabled:
-        return ModelRunner(model, cfg.num_blocks, cfg.block_size)
+        return ModelRunner(model, cfg.num_blocks, cfg.block_size, **kw)
     from spec_decode.dflash import DFlashDrafter
     from spec_decode.speculator import Speculator
 
     drafter = DFlashDrafter.load(spec.drafter_path)
     return ModelRunner(model, cfg.num_blocks, cfg.block_size,
-                       speculator_factory=lambda m, cache: Speculator(m, drafter, spec, cache))
+                       speculator_factory=lambda m, cache: Speculator(m, drafter, spec, cache), **kw)
 
 
 def worker_loop(runner: ModelRunner) -> None:

@@ -1,5 +1,10 @@
 """Runs one rank's share of a step: paged-KV forward, logits for the sampling rows, sampling;
-speculative items (``SeqWork.spec``) are drafted, verified as trees in the same forward, and walked."""
+speculative items (``SeqWork.spec``) are drafted, verified as trees in the same forward, and walked.
+
+With static steps on (``engine.static_steps``), a step that is all plain decodes or all tree verifies of at
+most the largest static batch size runs through :class:`engine.cuda_graphs.GraphRunner` (a CUDA-graph
+replay on CUDA); every other step (prefill, mixed, oversized) runs the dynamic forward, and
+``last_graph`` says which happened and why."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import time
 
 import torch
 
+from engine.cuda_graphs import GraphRunner, StaticSeq
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SeqWork, StepResult
@@ -15,12 +21,24 @@ from model.transformer import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, speculator_factory=None):
-        """``speculator_factory(model, cache)`` builds the rank's Speculator when spec decoding is on."""
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, speculator_factory=None,
+                 static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0, max_nodes: int = 1):
+        """``speculator_factory(model, cache)`` builds the rank's Speculator when spec decoding is on.
+        ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
+        the ``num_blocks`` the scheduler hands out, enough for a ``max_nodes`` padding tree."""
         self.model = model
-        self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks, block_size)
+        scratch = -(-max_nodes // block_size) if static_batch_sizes else 0
+        device = model.model.norm.weight.device
+        self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, block_size, device=device)
         self.speculator = speculator_factory(model, self.cache) if speculator_factory else None
         self.timing = {"draft_s": 0.0, "verify_s": 0.0}
+        self.graphs = None
+        if static_batch_sizes:
+            max_blocks = -(-(max_model_len + max_nodes) // block_size)
+            capture = self.speculator.capture if self.speculator else ()
+            self.graphs = GraphRunner(model, self.cache, max_blocks, tuple(range(num_blocks, num_blocks + scratch)),
+                                      static_batch_sizes, capture)
+        self.last_graph: tuple[bool, str] = (False, "static steps off")
 
     def _batch(self, work: list[SeqWork], trees: dict) -> ForwardBatch:
         ids, pos, seqs = [], [], []
@@ -46,6 +64,61 @@ class ModelRunner:
         t0 = time.perf_counter()
         trees = {w.request_id: spec.propose(w) for w in work if w.spec}
         t1 = time.perf_counter()
+        static = self._static_nodes(work, trees)
+        if static:
+            results = self._execute_static(work, trees, static)
+        else:
+            results = self._execute_dynamic(work, trees)
+        self.timing["draft_s"] += t1 - t0
+        self.timing["verify_s"] += time.perf_counter() - t1
+        return results
+
+    def _static_nodes(self, work: list[SeqWork], trees: dict) -> int:
+        """Query tokens per sequence when this step can run as a static step (0: it cannot; why in last_graph)."""
+        if self.graphs is None:
+            return 0
+        sizes = self.graphs.batch_sizes
+        if not work:
+            self.last_graph = (False, "idle rank (dummy step)")
+        elif len(work) > sizes[-1]:
+            self.last_graph = (False, f"batch {len(work)} above the largest static batch size {sizes[-1]}")
+        elif all(w.spec for w in work):
+            return trees[work[0].request_id].size
+        elif all(w.decode and w.sample and not w.spec and len(w.token_ids) == 1 for w in work):
+            return 1
+        else:
+            self.last_graph = (False, "prefill or mixed step (variable shapes)")
+        return 0
+
+    def _execute_static(self, work: list[SeqWork], trees: dict, nodes: int) -> dict[str, StepResult] | None:
+        seqs = []
+        for w in work:
+            if w.spec:
+                tree = trees[w.request_id]
+                tokens, positions = self.speculator.tree_inputs(w, tree)
+                mask = tree.ancestors
+            else:
+                tokens, positions, mask = w.token_ids, [w.start], None
+            seqs.append(StaticSeq(tokens, positions, self.cache.slots(w.block_table, w.start, w.start + nodes),
+                                  w.block_table, w.start + nodes, mask))
+        logits, feats = self.graphs.run(seqs, nodes)
+        shape = self.graphs.shape_for(len(work), nodes)
+        self.last_graph = (shape in self.graphs.graphs, self.graphs.reasons.get(shape, ""))
+        if self.speculator is not None and nodes == 1:  # plain decodes extend the drafter's context
+            for i, w in enumerate(work):
+                self.speculator.add_context(w.request_id, feats[i:i + 1], torch.tensor([w.start]))
+        if nodes > 1:
+            out = {}
+            for i, w in enumerate(work):
+                rows = slice(i * nodes, (i + 1) * nodes)
+                out[w.request_id] = self.speculator.accept(w, trees[w.request_id], logits[rows], feats[rows])
+            return out
+        if self.model.groups.attn_tp.rank != 0:  # like the dynamic path: results live on attention-TP rank 0
+            return None
+        return self._sample_plain(work, logits)
+
+    def _execute_dynamic(self, work: list[SeqWork], trees: dict) -> dict[str, StepResult] | None:
+        spec = self.speculator
         batch = self._batch(work, trees)
         if spec is not None:
             hidden, feats = self.model(batch, capture=spec.capture)
@@ -61,8 +134,6 @@ class ModelRunner:
         plain = [i for i, w in enumerate(work) if w.sample and not w.spec]
         ends = torch.tensor([starts[i + 1] - 1 for i in plain], dtype=torch.int64)
         logits = self.model.logits(hidden[ends])
-        self.timing["draft_s"] += t1 - t0
-        self.timing["verify_s"] += time.perf_counter() - t1
         if logits is None:
             return None
         results.update(self._sample_plain([work[i] for i in plain], logits))

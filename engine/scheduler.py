@@ -34,11 +34,16 @@ class SchedulerConfig:
     max_model_len: int = 512
     block_size: int = 16
     num_blocks: int = 1024  # per DP rank
+    # decode / tree-verify steps over fixed-shape buffers (engine/cuda_graphs.py): "auto" = on a CUDA device,
+    # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
+    static_steps: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
             if getattr(self, name) < 1:
                 raise RequestError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.static_steps not in ("auto", "on", "off"):
+            raise RequestError(f"engine.static_steps must be auto, on or off, got {self.static_steps!r}")
 
 
 @dataclass

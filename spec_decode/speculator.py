@@ -62,14 +62,18 @@ class Speculator:
             return build_chain(logq, w.token_ids[0])
         return build_tree(logq, w.token_ids[0], self.cfg.budget)
 
+    @staticmethod
+    def tree_inputs(w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int]]:
+        """Tree tokens (node order) and their positions, start + depth; node i's KV slot is start + i."""
+        return tree.tokens.tolist(), (w.start + tree.depth).tolist()
+
     def verify_slots(self, w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int], SeqSlots]:
-        """Tree tokens, their positions (start + depth) and KV slots (start + node index) with the
-        ancestor-only mask over the paged context."""
+        """:meth:`tree_inputs` and the sequence's KV slots with the ancestor-only mask over the paged context."""
         n = tree.size
         mask = torch.ones(n, w.start + n, dtype=torch.bool)
         mask[:, w.start:] = tree.ancestors
-        positions = (w.start + tree.depth).tolist()
-        return tree.tokens.tolist(), positions, SeqSlots(w.block_table, w.start, n, mask)
+        tokens, positions = self.tree_inputs(w, tree)
+        return tokens, positions, SeqSlots(w.block_table, w.start, n, mask)
 
     # ---- verify ----------------------------------------------------------------------------------------
     @torch.no_grad()
