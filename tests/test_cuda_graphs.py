@@ -137,3 +137,24 @@ def test_random_model_for_the_gpu_check_builds_and_runs_on_cpu():
     ids = torch.tensor([5, 6, 7])
     hidden = model(ForwardBatch(ids, torch.arange(3), [3], PagedKV(cache, [SeqSlots([2, 3], 0, 3)])))
     assert hidden.shape == (3, 64) and torch.isfinite(hidden).all()
+
+
+def test_gpu_check_shapes_run_on_cpu_at_every_budget():
+    """The GPU check's own inputs (random trees up to budget 256 + scratch padding) on a small CPU model: every
+    shape runs its static step, reports 'no CUDA device' instead of capturing, and gives finite logits."""
+    from engine.cuda_graphs import _check_shape, random_seqs
+
+    model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
+                         intermediate_size=32, vocab_size=64, num_hidden_layers=2)
+    ctx, scratch = 20, tuple(range(17))
+    per_seq = -(-(ctx + 257) // 16)
+    cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 2 * per_seq, 16)
+    runner = GraphRunner(model, cache, max_blocks=per_seq, scratch_blocks=scratch, batch_sizes=(1, 2))
+    gen = torch.Generator().manual_seed(0)
+    for shape in [StepShape(2, 1)] + [StepShape(1, b + 1) for b in (8, 64, 256)]:
+        seqs = random_seqs(shape, ctx, cache, gen, 64, len(scratch))
+        row = _check_shape(runner, shape, seqs)
+        assert row == {"kind": shape.kind, "batch": shape.batch, "nodes": shape.nodes, "captured": False,
+                       "eager_reason": "no CUDA device"}
+        logits, _ = runner.run(seqs, shape.nodes)
+        assert logits.shape == (shape.batch * shape.nodes, 64) and torch.isfinite(logits).all()
