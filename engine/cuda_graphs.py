@@ -121,7 +121,7 @@ class StaticStep:
             if len(s.token_ids) != n or len(s.block_table) > self.max_blocks:
                 raise ValueError(f"sequence with {len(s.token_ids)} nodes / {len(s.block_table)} blocks does not "
                                  f"fit shape {self.shape} with {self.max_blocks} blocks")
-        self.input_ids.copy_(torch.tensor([v for s in seqs for v in s.token_ids]))
+        self.input_ids.copy_(torch.tensor([v for s in seqs for v in s.token_ids]))  # host → buffer copies
         self.positions.copy_(torch.tensor([v for s in seqs for v in s.positions]))
         self.write_slots.copy_(torch.tensor([v for s in seqs for v in s.write_slots]))
         tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)

@@ -138,7 +138,7 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, spec: SpecConfig | None =
     from spec_decode.dflash import DFlashDrafter
     from spec_decode.speculator import Speculator
 
-    drafter = DFlashDrafter.load(spec.drafter_path)
+    drafter = DFlashDrafter.load(spec.drafter_path).to(model.model.norm.weight.device)
     return ModelRunner(model, cfg.num_blocks, cfg.block_size,
                        speculator_factory=lambda m, cache: Speculator(m, drafter, spec, cache), **kw)
 

@@ -99,19 +99,21 @@ class PagedKV:
 
     def __init__(self, cache: PagedKVCache, seqs: list[SeqSlots]):
         self.cache, self.seqs = cache, seqs
+        self.device = dev = cache.layers[0][0].device if cache.layers else torch.device("cpu")
         self.padded = bool(seqs) and all(s.query_len == 1 or s.mask is not None for s in seqs)
         reads = [cache.slots(s.block_table, 0, s.start + s.query_len) for s in seqs]
         self.write = torch.tensor([slot for s, r in zip(seqs, reads, strict=True) for slot in r[s.start:]],
-                                  dtype=torch.int64)
+                                  dtype=torch.int64, device=dev)
         if self.padded:  # one padded gather for the whole batch
             self._pad_layout(reads)
         else:
-            self.read = [torch.tensor(r, dtype=torch.int64) for r in reads]
+            self.read = [torch.tensor(r, dtype=torch.int64, device=dev) for r in reads]
 
     def _pad_layout(self, reads: list[list[int]]) -> None:
         longest, n = max(len(r) for r in reads), max(s.query_len for s in self.seqs)
-        self.read_padded = torch.tensor([r + [0] * (longest - len(r)) for r in reads], dtype=torch.int64)
-        mask = torch.zeros(len(reads), n, longest, dtype=torch.bool)
+        dev = self.device
+        self.read_padded = torch.tensor([r + [0] * (longest - len(r)) for r in reads], dtype=torch.int64, device=dev)
+        mask = torch.zeros(len(reads), n, longest, dtype=torch.bool, device=dev)
         for b, (s, r) in enumerate(zip(self.seqs, reads, strict=True)):
             if s.mask is None:  # one causal token sees its whole context
                 mask[b, 0, :len(r)] = True
@@ -120,7 +122,7 @@ class PagedKV:
             mask[b, s.query_len:, 0] = True
         self.padded_mask = mask
         self.to_padded = None if all(s.query_len == n for s in self.seqs) else torch.tensor(
-            [b * n + i for b, s in enumerate(self.seqs) for i in range(s.query_len)], dtype=torch.int64)
+            [b * n + i for b, s in enumerate(self.seqs) for i in range(s.query_len)], dtype=torch.int64, device=dev)
 
     tables = None
 
@@ -142,4 +144,5 @@ class PagedKV:
         return PaddedContext(gathered, self.padded_mask, self.to_padded)
 
     def mask(self, seq):
-        return self.seqs[seq].mask
+        m = self.seqs[seq].mask
+        return None if m is None else m.to(self.device)

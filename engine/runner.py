@@ -29,6 +29,7 @@ class ModelRunner:
         self.model = model
         scratch = -(-max_nodes // block_size) if static_batch_sizes else 0
         device = model.model.norm.weight.device
+        self.device = device
         self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, block_size, device=device)
         self.speculator = speculator_factory(model, self.cache) if speculator_factory else None
         self.timing = {"draft_s": 0.0, "verify_s": 0.0}
@@ -51,8 +52,9 @@ class ModelRunner:
             ids += tokens
             pos += positions
             seqs.append(slots)
-        return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-                            [s.query_len for s in seqs], PagedKV(self.cache, seqs))
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=self.device)
+        return ForwardBatch(ids_t, pos_t, [s.query_len for s in seqs], PagedKV(self.cache, seqs))
 
     @torch.no_grad()
     def execute(self, work: list[SeqWork], finished: tuple[str, ...] = ()) -> dict[str, StepResult] | None:
@@ -106,7 +108,7 @@ class ModelRunner:
         self.last_graph = (shape in self.graphs.graphs, self.graphs.reasons.get(shape, ""))
         if self.speculator is not None and nodes == 1:  # plain decodes extend the drafter's context
             for i, w in enumerate(work):
-                self.speculator.add_context(w.request_id, feats[i:i + 1], torch.tensor([w.start]))
+                self.speculator.add_context(w.request_id, feats[i:i + 1], torch.tensor([w.start], device=self.device))
         if nodes > 1:
             out = {}
             for i, w in enumerate(work):
@@ -130,9 +132,9 @@ class ModelRunner:
             for i, w in enumerate(work):
                 if not w.spec:
                     spec.add_context(w.request_id, feats[starts[i]:starts[i + 1]],
-                                     torch.arange(w.start, w.start + len(w.token_ids)))
+                                     torch.arange(w.start, w.start + len(w.token_ids), device=self.device))
         plain = [i for i, w in enumerate(work) if w.sample and not w.spec]
-        ends = torch.tensor([starts[i + 1] - 1 for i in plain], dtype=torch.int64)
+        ends = torch.tensor([starts[i + 1] - 1 for i in plain], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[ends])
         if logits is None:
             return None
@@ -141,7 +143,7 @@ class ModelRunner:
 
     def _speculative(self, work, trees, hidden, feats, starts) -> dict[str, StepResult]:
         rows = [(i, w) for i, w in enumerate(work) if w.spec]
-        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, _ in rows])
+        index = torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device) for i, _ in rows])
         logits = self.model.logits_everywhere(hidden[index])
         out, offset = {}, 0
         for i, w in rows:
@@ -156,7 +158,7 @@ class ModelRunner:
             return {}
         sb = SamplingBatch.build([w.params for w in chosen], [w.seed for w in chosen],
                                  [w.num_generated for w in chosen], self.model.cfg.eos_token_ids,
-                                 [w.num_generated for w in chosen])
+                                 [w.num_generated for w in chosen], device=logits.device)
         out = sample(logits.float(), sb)
         tokens, lps = out.tokens.tolist(), out.logprobs.tolist()
         top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()

@@ -40,6 +40,31 @@ def model_dir(cfg: DictConfig) -> str:
     return str(preset_dir(cfg.model.preset))
 
 
+def placement(cfg: DictConfig) -> dict:
+    """The ``device`` group (cpu | cuda) as a plain dict that travels to the ranks."""
+    return OmegaConf.to_container(cfg.device, resolve=True) if "device" in cfg else {"type": "cpu"}
+
+
+def load_target(ckpt: str, groups, rank: int, place: dict):
+    """The rank's model in ``place["dtype"]`` on its device (rank r → ``cuda:<r % device_count>``), calling the
+    kernels :func:`model.kernel_select.select_kernels` picks there."""
+    import torch
+
+    from model.kernel_select import select_kernels
+    from model.loader import load_model
+
+    dtype = getattr(torch, place.get("dtype", "float32"))
+    model = load_model(ckpt, groups, dtype)
+    device = torch.device("cpu")
+    if place.get("type", "cpu") == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("device=cuda, but torch.cuda.is_available() is False on this machine: use device=cpu")
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        model.place(device)
+    return model.use_kernels(select_kernels(device, place.get("kernels", "auto")))
+
+
 def spec_config(cfg: DictConfig):
     from spec_decode.config import SpecConfig
 

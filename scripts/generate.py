@@ -15,14 +15,13 @@ import logging
 from pathlib import Path
 
 import hydra
-from common import CONF_DIR, layout_from, model_dir, setup_logging, spec_config
+from common import CONF_DIR, layout_from, load_target, model_dir, placement, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
-from model.loader import load_model
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.launch import launch
@@ -57,9 +56,10 @@ def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParam
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: int, output: str, spec) -> None:
+def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: int, output: str, spec,
+              place: dict) -> None:
     setup_logging(rank)
-    model = load_model(ckpt, build_groups(layout))
+    model = load_target(ckpt, build_groups(layout), rank, place)
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, spec))
         return
@@ -113,7 +113,7 @@ def main(cfg: DictConfig) -> None:
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, spec_config(cfg), master_port=cfg.master_port)
+           cfg.generate.output, spec_config(cfg), placement(cfg), master_port=cfg.master_port)
 
 
 if __name__ == "__main__":

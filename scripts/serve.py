@@ -26,13 +26,12 @@ import sys
 
 import hydra
 import torch
-from common import CONF_DIR, layout_from, model_dir, setup_logging, spec_config
+from common import CONF_DIR, layout_from, load_target, model_dir, placement, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
-from model.loader import load_model
 from parallelism.comm import build_groups
 from parallelism.launch import launch
 
@@ -50,7 +49,7 @@ def configs(cfg: DictConfig):
 
 
 def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_cfg, spec, seed: int,
-              rank0_pid) -> None:
+              rank0_pid, place: dict) -> None:
     setup_logging(rank)
     if rank == 0:
         from rpc.server import request_stop_on_signals
@@ -61,7 +60,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then releases us (or SIGKILLs us)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups = build_groups(layout)
-    model = load_model(ckpt, groups)
+    model = load_target(ckpt, groups, rank, place)
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, spec))
@@ -97,7 +96,7 @@ def main(cfg: DictConfig) -> None:
         forward_stop(rank0_pid)
     try:
         launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
-               master_port=cfg.master_port)
+               placement(cfg), master_port=cfg.master_port)
     except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
         log.error("serve failed: %s", err)
         sys.exit(1)

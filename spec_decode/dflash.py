@@ -138,7 +138,7 @@ class DFlashDrafter(nn.Module):
         (which context rows block j sees). Returns normed hidden states ``[J, B, H]``; rows 1..B-1 feed the
         target's LM head. Attention is non-causal inside a block; blocks do not see each other."""
         j, b, h = block_emb.shape
-        own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool)] * j)  # [J*B, J*B]
+        own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)  # [J*B, J*B]
         mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)
         cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), block_emb.dtype)
         x = block_emb.reshape(j * b, h)

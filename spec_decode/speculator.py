@@ -51,11 +51,12 @@ class Speculator:
     def propose(self, w: SeqWork) -> DraftTree:
         """Drafter forward on ``[bonus, MASK × depth]`` → DFlash chain or DDTree rooted at the bonus."""
         c, d = self.drafter.c, self.cfg.depth
-        ids = torch.tensor([w.token_ids[0]] + [c.mask_token_id] * d, dtype=torch.int64)
+        dev = self.cache.layers[0][0].device
+        ids = torch.tensor([w.token_ids[0]] + [c.mask_token_id] * d, dtype=torch.int64, device=dev)
         emb = self.model.embed(ids).float()[None]  # [1, B, H]
-        pos = torch.arange(w.start, w.start + d + 1)[None]
+        pos = torch.arange(w.start, w.start + d + 1, device=dev)[None]
         kv = self.ctx_kv[w.request_id]
-        visible = torch.ones(1, kv[0][0].shape[0], dtype=torch.bool)
+        visible = torch.ones(1, kv[0][0].shape[0], dtype=torch.bool, device=dev)
         hidden = self.drafter(emb, pos, kv, visible)[0, 1:]  # [D, H]
         logq = self.model.logits_everywhere(hidden.to(emb.dtype)).float().log_softmax(dim=-1)  # [D, V]
         if self.cfg.method == "dflash":
@@ -70,7 +71,7 @@ class Speculator:
     def verify_slots(self, w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int], SeqSlots]:
         """:meth:`tree_inputs` and the sequence's KV slots with the ancestor-only mask over the paged context."""
         n = tree.size
-        mask = torch.ones(n, w.start + n, dtype=torch.bool)
+        mask = torch.ones(n, w.start + n, dtype=torch.bool, device=tree.ancestors.device)
         mask[:, w.start:] = tree.ancestors
         tokens, positions = self.tree_inputs(w, tree)
         return tokens, positions, SeqSlots(w.block_table, w.start, n, mask)
@@ -84,12 +85,13 @@ class Speculator:
         path's features to the drafter context. Returns the k accepted drafts + the bonus."""
         depth = tree.depth.tolist()
         sb = SamplingBatch.build([w.params] * tree.size, [w.seed] * tree.size, [w.num_generated + x for x in depth],
-                                 self.model.cfg.eos_token_ids, [w.num_generated + x for x in depth])
+                                 self.model.cfg.eos_token_ids, [w.num_generated + x for x in depth],
+                                 device=logits.device)
         out = sample(logits.float(), sb)
         accepted = walk(tree, out.tokens)
         path = accepted.nonzero().flatten()  # increasing node ids = increasing depth
         self._compact(w, path)
-        self.add_context(w.request_id, feats[path], w.start + torch.arange(path.shape[0]))
+        self.add_context(w.request_id, feats[path], w.start + torch.arange(path.shape[0], device=path.device))
         last = int(path[-1])
         tokens = tree.tokens[path[1:]].tolist() + [int(out.tokens[last])]
         lps = out.logprobs[path].tolist()
@@ -101,9 +103,9 @@ class Speculator:
     def _compact(self, w: SeqWork, path: torch.Tensor) -> None:
         """Moves the KV of accepted node ``path[j]`` (slot of position start+path[j]) to position start+j."""
         k = path.shape[0]
-        if bool((path == torch.arange(k)).all()):
+        if bool((path == torch.arange(k, device=path.device)).all()):
             return
-        slots = torch.tensor(self.cache.slots(w.block_table, w.start, w.start + int(path[-1]) + 1))
+        slots = torch.tensor(self.cache.slots(w.block_table, w.start, w.start + int(path[-1]) + 1), device=path.device)
         src, dst = slots[path], slots[:k]
         for stores in self.cache.layers:
             for store in stores:

@@ -47,8 +47,9 @@ def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) 
     d_max, vocab = logq.shape
     k = min(budget, vocab)
     top_lp, top_tok = logq.topk(k, dim=-1)  # [D, K] sorted descending
-    neg = torch.tensor(float("-inf"), dtype=logq.dtype)
-    beam_score = torch.full((budget,), float("-inf"), dtype=logq.dtype)
+    dev = logq.device
+    neg = torch.tensor(float("-inf"), dtype=logq.dtype, device=dev)
+    beam_score = torch.full((budget,), float("-inf"), dtype=logq.dtype, device=dev)
     beam_score[0] = 0.0  # the root
     scores, parents, tokens = [], [], []
     for d in range(d_max):
@@ -64,18 +65,18 @@ def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) 
     chosen = scores_t.reshape(-1).topk(budget).indices  # flat ids d*B + j
     chosen = chosen.sort().values  # depth-major, then beam order (= score order within a depth)
     n = budget + 1
-    node_of = torch.full((d_max * budget,), -1, dtype=torch.int64)
-    node_of[chosen] = torch.arange(1, n)
+    node_of = torch.full((d_max * budget,), -1, dtype=torch.int64, device=dev)
+    node_of[chosen] = torch.arange(1, n, device=dev)
     d_of = chosen // budget
     parent_flat = (d_of - 1) * budget + torch.stack(parents).reshape(-1)[chosen]
     parent_node = torch.where(d_of == 0, 0, node_of[parent_flat.clamp(min=0)])
-    valid = torch.cat([torch.ones(1, dtype=torch.bool), torch.isfinite(scores_t.reshape(-1)[chosen])])
-    root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)
-    parents_all = torch.cat([torch.tensor([-1]), parent_node])
+    valid = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), torch.isfinite(scores_t.reshape(-1)[chosen])])
+    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
+    parents_all = torch.cat([torch.tensor([-1], device=dev), parent_node])
     return DraftTree(
         tokens=torch.cat([root, torch.stack(tokens).reshape(-1)[chosen]]),
         parents=parents_all,
-        depth=torch.cat([torch.zeros(1, dtype=torch.int64), d_of + 1]),
+        depth=torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), d_of + 1]),
         valid=valid,
         ancestors=ancestor_mask(parents_all, d_max),
     )
@@ -83,11 +84,11 @@ def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) 
 
 def build_chain(logq: torch.Tensor, root_token: int | torch.Tensor) -> DraftTree:
     """DFlash's chain: the argmax at every depth (a tree with one node per depth)."""
-    d_max = logq.shape[0]
-    root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)
-    return DraftTree(tokens=torch.cat([root, logq.argmax(dim=-1)]), parents=torch.arange(-1, d_max),
-                     depth=torch.arange(d_max + 1), valid=torch.ones(d_max + 1, dtype=torch.bool),
-                     ancestors=torch.ones(d_max + 1, d_max + 1, dtype=torch.bool).tril())
+    d_max, dev = logq.shape[0], logq.device
+    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
+    every = torch.ones(d_max + 1, d_max + 1, dtype=torch.bool, device=dev)
+    return DraftTree(tokens=torch.cat([root, logq.argmax(dim=-1)]), parents=torch.arange(-1, d_max, device=dev),
+                     depth=torch.arange(d_max + 1, device=dev), valid=every[0], ancestors=every.tril())
 
 
 def build_tree_heap(logq: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -128,8 +129,8 @@ def tree_paths(tree: DraftTree) -> set[tuple[int, ...]]:
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """``parents [N]`` → ``[N, N]`` bool: row i is True at i and every ancestor of i (fixed D steps)."""
     n = parents.shape[0]
-    mask = torch.eye(n, dtype=torch.bool)
-    rows = torch.arange(n)
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(n, device=parents.device)
     cur = parents.clone()
     for _ in range(max_depth):
         has = cur >= 0
