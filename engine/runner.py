@@ -64,7 +64,7 @@ class ModelRunner:
         if spec is not None:
             spec.drop(finished)
         t0 = time.perf_counter()
-        trees = {w.request_id: spec.propose(w) for w in work if w.spec}
+        trees = spec.propose([w for w in work if w.spec]) if spec is not None else {}
         t1 = time.perf_counter()
         static = self._static_nodes(work, trees)
         if static:

@@ -48,20 +48,29 @@ class Speculator:
 
     # ---- draft -----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, w: SeqWork) -> DraftTree:
-        """Drafter forward on ``[bonus, MASK × depth]`` → DFlash chain or DDTree rooted at the bonus."""
+    def propose(self, work: list[SeqWork]) -> dict[str, DraftTree]:
+        """One drafter forward for every request's ``[bonus, MASK × depth]`` block → a DFlash chain or DDTree
+        per request, rooted at its bonus. The requests' context K/V are concatenated; each block sees only its
+        own request's rows (as in training), so batching does not change any request's draft."""
+        if not work:
+            return {}
         c, d = self.drafter.c, self.cfg.depth
         dev = self.cache.layers[0][0].device
-        ids = torch.tensor([w.token_ids[0]] + [c.mask_token_id] * d, dtype=torch.int64, device=dev)
-        emb = self.model.embed(ids).float()[None]  # [1, B, H]
-        pos = torch.arange(w.start, w.start + d + 1, device=dev)[None]
-        kv = self.ctx_kv[w.request_id]
-        visible = torch.ones(1, kv[0][0].shape[0], dtype=torch.bool, device=dev)
-        hidden = self.drafter(emb, pos, kv, visible)[0, 1:]  # [D, H]
-        logq = self.model.logits_everywhere(hidden.to(emb.dtype)).float().log_softmax(dim=-1)  # [D, V]
+        ids = torch.tensor([[w.token_ids[0]] + [c.mask_token_id] * d for w in work], dtype=torch.int64, device=dev)
+        emb = self.model.embed(ids.reshape(-1)).float().view(len(work), d + 1, -1)  # [J, B, H]
+        pos = torch.tensor([w.start for w in work], device=dev)[:, None] + torch.arange(d + 1, device=dev)
+        kvs = [self.ctx_kv[w.request_id] for w in work]
+        lens = torch.tensor([kv[0][0].shape[0] for kv in kvs], device=dev)
+        owner = torch.repeat_interleave(torch.arange(len(work), device=dev), lens)  # [S] request of each row
+        visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
+        kv = kvs[0] if len(work) == 1 else [(torch.cat([r[i][0] for r in kvs]), torch.cat([r[i][1] for r in kvs]))
+                                            for i in range(len(kvs[0]))]
+        hidden = self.drafter(emb, pos, kv, visible)[:, 1:]  # [J, D, H]
+        logq = self.model.logits_everywhere(hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype))
+        logq = logq.float().log_softmax(dim=-1).view(len(work), d, -1)  # [J, D, V]
         if self.cfg.method == "dflash":
-            return build_chain(logq, w.token_ids[0])
-        return build_tree(logq, w.token_ids[0], self.cfg.budget)
+            return {w.request_id: build_chain(logq[j], w.token_ids[0]) for j, w in enumerate(work)}
+        return {w.request_id: build_tree(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}
 
     @staticmethod
     def tree_inputs(w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int]]:

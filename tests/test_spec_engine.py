@@ -124,3 +124,30 @@ def test_drafter_state_is_dropped_after_requests_end(tiny_ckpts, random_drafter)
     run_requests(engine, [("c", PROMPTS[2], params)])
     assert set(engine.runner.speculator.ctx_kv) == {"c"}
     assert engine.scheduler.blocks_in_use() == 0
+
+
+def test_batched_drafting_equals_one_request_at_a_time(tiny_ckpts, random_drafter):
+    """One drafter forward over several requests (concatenated contexts, each block seeing its own) drafts the
+    same trees as drafting each request alone."""
+    import torch
+
+    from engine.kv_cache import KVSpec, PagedKVCache
+    from engine.scheduler import SeqWork
+    from spec_decode.dflash import DFlashDrafter
+    from spec_decode.speculator import Speculator
+
+    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
+    cache = PagedKVCache(KVSpec.for_model(model), 8, 4)
+    spec = Speculator(model, DFlashDrafter.load(random_drafter), SpecConfig("ddtree", budget=10, block_size=5,
+                                                                           drafter_path=random_drafter), cache)
+    gen = torch.Generator().manual_seed(3)
+    work = []
+    for i, n in enumerate((3, 9, 5)):
+        feats = torch.randn(n, len(spec.capture) * model.cfg.hidden_size, generator=gen)
+        spec.add_context(str(i), feats, torch.arange(n))
+        work.append(SeqWork(str(i), [7 + i], n, [0], True, SamplingParams(), 0, 1, True, spec=True))
+    together = spec.propose(work)
+    for w in work:
+        alone = spec.propose([w])[w.request_id]
+        assert torch.equal(alone.tokens, together[w.request_id].tokens)
+        assert torch.equal(alone.parents, together[w.request_id].parents)
