@@ -11,7 +11,8 @@ One interface, backends chosen in one registry (:func:`make_dispatcher`):
 - ``allgather``: tokens partitioned; all-gather (padded to the largest rank), local compute,
   reduce-scatter. Fixed shapes. Per MoE layer: 1 all_gather of counts + 2 all_gather (rows, routing)
   + 1 reduce_scatter.
-- ``deepep``: DeepEP kernels; needs the ``deep_ep`` package and NVLink GPUs.
+- ``deepep``: DeepEP kernels (``parallelism/deepep.py``): normal mode for prefill, low-latency mode for decode
+  (CUDA-graph safe); needs ``deep_ep`` built from source, NCCL and NVLink GPUs on one node, no expert-TP.
 
 Expert-side contract: :class:`ExpertInput` rows with, per routing choice, the local expert slot
 (``-1`` when that expert is not on this rank) and its weight. Experts return the *weighted* sum over
@@ -157,19 +158,18 @@ class AllGatherDispatcher(Dispatcher):
 
 
 class DeepEPUnavailable(RuntimeError):
-    pass
+    """The ``deepep`` dispatcher cannot run here; the message says why and names the fallback."""
 
 
 def _deepep_factory(groups: ParallelGroups, placement: ExpertPlacement) -> Dispatcher:
-    try:
-        import deep_ep  # noqa: F401
-    except ImportError as err:
-        raise DeepEPUnavailable(
-            "dispatcher 'deepep' needs the deep_ep package built from source (github deepseek-ai/DeepEP; "
-            "the PyPI 'deep-ep' upload is not usable) and NVLink-connected GPUs; not available here: "
-            "use parallel.dispatcher=alltoall (the torch.distributed fallback)"
-        ) from err
-    raise DeepEPUnavailable("deep_ep imported, but the DeepEP dispatcher path is not built yet: use 'alltoall'")
+    """``deepep``: :class:`parallelism.deepep.DeepEPDispatcher` once its capability check passes."""
+    from parallelism.deepep import FALLBACK, DeepEPDispatcher, deepep_unavailable
+
+    reason = deepep_unavailable(groups)
+    if reason:
+        raise DeepEPUnavailable(f"dispatcher 'deepep' is unavailable: {reason}. Use {FALLBACK} (the "
+                                "torch.distributed all-to-all, same semantics)")
+    return DeepEPDispatcher(groups, placement)
 
 
 _REGISTRY = {

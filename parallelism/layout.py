@@ -47,6 +47,8 @@ class Layout:
     moe_ep: int = 1
     dispatcher: str = "auto"
     placement: str = "linear"
+    deepep_low_latency: bool = True  # deepep: low-latency (graph-safe) path for decode; False = normal mode only
+    deepep_max_decode_tokens: int = 128  # deepep: per-rank token bound of the low-latency path
 
     def __post_init__(self) -> None:
         for name in ("world_size", "attn_tp", "attn_dp", "moe_tp", "moe_ep"):
