@@ -2,7 +2,7 @@
 τ (committed tokens per target forward, bonus included) and decode tokens/s for ``none``, ``dflash`` and
 ``ddtree`` at several budgets, single rank, greedy.
 
-    python scripts/bench_spec.py [--target DIR] [--drafter DIR] [--prompts N] [--new-tokens N]
+    python scripts/bench_spec.py [--target DIR] [--drafter DIR] [--prompts N] [--new-tokens N] [--threads N]
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ def main() -> None:
     ap.add_argument("--drafter", default=str(ZOO / "drafter"))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--budgets", default="16,32,64,128,256")
+    ap.add_argument("--budgets", default="8,16,32,64,128,256")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the same for every method)")
     ap.add_argument("--output", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     doc = json.loads((Path(args.target).parent / "eval_prompts.json").read_text())
     prompts = [p["ids"] for p in doc["prompts"]]
     prompts = prompts[: args.prompts]
@@ -66,7 +67,7 @@ def main() -> None:
     specs += [SpecConfig("ddtree", budget=int(b), drafter_path=args.drafter) for b in args.budgets.split(",")]
     rows = [run(model, prompts, s, args.new_tokens) for s in specs]
     base, chain = rows[0], rows[1]
-    print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, 1 thread\n")
+    print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, {args.threads} thread(s)\n")
     print("| method | budget | τ | τ / τ(dflash) | decode tok/s | × none | draft ms/step | verify ms/step | lossless |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
