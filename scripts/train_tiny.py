@@ -10,12 +10,17 @@ CPU only, fp32, seeded. Four stages, each a function the smoke test also calls o
 3. drafter: :class:`spec_decode.dflash.DFlashDrafter` distilled from the frozen target: random anchors per
    sequence, block ``[x_p, MASK × (B-1)]``, context = target features of positions ``< p``; rows ``1..B-1``
    through the target's LM head, KL to the target's next-token distributions, early rows weighted more.
-4. evaluation: held-out loss, per-position top-1 agreement with the target, the chain acceptance length τ on
-   the target's own greedy continuations; ``eval_prompts.json`` and ``training_log.json``.
+   Self-distillation: most sequences are a real-text prefix followed by the target's own greedy continuation
+   (what the drafter's context is at inference), with anchors in the continuation; the rest are real text.
+4. evaluation: held-out loss, per-position top-1 agreement with the target (on held-out real text and on the
+   target's greedy continuations of the held-out prompts), the chain acceptance length τ on those
+   continuations; ``eval_prompts.json`` and ``training_log.json``.
 
 Run from the repo root (about 36 minutes on 2 cores):
 
     .venv/bin/python scripts/train_tiny.py --out model/zoo/tiny_kimi
+
+``--drafter-only`` keeps ``OUT/target`` (and its tokenizer) and redoes stages 3-4 only (about 14 minutes).
 
 Both trainings stop at a step budget or a wall-clock budget, whichever comes first; the learning-rate schedule
 follows ``max(step / steps, elapsed / budget)`` so it always decays fully. Runs are bit-reproducible when the
@@ -131,6 +136,15 @@ class RunConfig:
     kl_gamma: float = 7.0
     drafter: Schedule = field(default_factory=lambda: Schedule(steps=600, budget_s=11 * 60, lr=2e-3,
                                                                weight_decay=0.01))
+    # self-distillation pool: real-text prefix (length drawn per generation batch) + the target's greedy
+    # continuation up to ``pool_len`` tokens; ``pool_rows`` of each drafter batch come from it, the rest are
+    # real-text chunks of the same length
+    pool_size: int = 384
+    pool_len: int = 224  # continuations of 96..192 tokens: long greedy runs end in loops the eval barely sees
+    pool_prefix: tuple[int, int] = (32, 128)
+    pool_gen_batch: int = 64
+    pool_budget_s: float = 3 * 60
+    pool_rows: int = 2
     heldout_chunks: int = 48
     num_prompts: int = 32
     tau_new_tokens: int = 96
@@ -356,6 +370,63 @@ def heldout_loss(model, chunks: torch.Tensor, batch: int = 8) -> float:
 # ---- drafter -----------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def build_pool(target, stream: torch.Tensor, n: int, total_len: int, prefix: tuple[int, int], batch: int,
+               gen: torch.Generator, budget_s: float = float("inf")) -> dict:
+    """Self-distillation sequences: per generation batch a prefix length ``L`` in ``[prefix[0], prefix[1]]``,
+    ``batch`` real-text windows of ``L`` tokens (equal lengths: no padding), continued by the frozen target's
+    batched HF greedy decoding (fp32, KV cache, EOS does not stop it — the engine's ``ignore_eos`` view) to
+    ``total_len`` tokens. Stops at ``n`` rows or after the (first) batch that crosses ``budget_s``.
+    Returns ``ids [M, total_len]``, ``prefix_len [M]`` and bookkeeping."""
+    target.eval()
+    ids, lens, t0, batches = [], [], time.time(), 0
+    while sum(len(x) for x in ids) < n and (not ids or time.time() - t0 < budget_s):
+        m = min(batch, n - sum(len(x) for x in ids))
+        length = int(torch.randint(prefix[0], prefix[1] + 1, (1,), generator=gen))
+        prompts = random_chunks(stream, m, length, gen)
+        out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=total_len - length,
+                              do_sample=False, eos_token_id=None, pad_token_id=target.config.pad_token_id)
+        if out.shape[1] != total_len or not torch.equal(out[:, :length], prompts):
+            raise RuntimeError(f"generate returned {tuple(out.shape)}, wanted {total_len} tokens per row")
+        ids.append(out)
+        lens.append(torch.full((m,), length, dtype=torch.long))
+        batches += 1
+        log.info("pool: %d/%d rows (prefix %d + %d greedy), %.0fs", sum(len(x) for x in ids), n, length,
+                 total_len - length, time.time() - t0)
+    seconds = time.time() - t0
+    return {"ids": torch.cat(ids), "prefix_len": torch.cat(lens), "seconds": round(seconds, 1), "batches": batches,
+            "stopped_by": "size" if sum(len(x) for x in ids) >= n else "budget"}
+
+
+@torch.no_grad()
+def greedy_match(target, ids: torch.Tensor, prefix_len: torch.Tensor, batch: int = 16) -> float:
+    """Fraction of continuation tokens equal to the teacher-forced argmax of a full forward (1.0 = the
+    continuation is the target's greedy one; a few near-ties may flip between the cached and full forward)."""
+    hits, count = 0, 0
+    for i in range(0, len(ids), batch):
+        x, lens = ids[i:i + batch], prefix_len[i:i + batch]
+        am = target(input_ids=x).logits[:, :-1].argmax(-1)  # prediction of position t + 1
+        pos = torch.arange(1, x.shape[1])[None, :]
+        region = pos >= lens[:, None]
+        hits += ((am == x[:, 1:]) & region).sum().item()
+        count += region.sum().item()
+    return hits / count
+
+
+def mixed_sampler(pool: dict, stream: torch.Tensor, pool_rows: int, real_rows: int, gen: torch.Generator
+                  ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of ``pool_rows`` random pool sequences (anchors from their continuation start on) plus
+    ``real_rows`` real-text chunks of the same length (anchors from 1). Returns ``(ids [N, T], lo [N])``."""
+    t = pool["ids"].shape[1]
+
+    def sample(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pick = torch.randint(0, len(pool["ids"]), (pool_rows,), generator=gen)
+        real = random_chunks(stream, real_rows, t, gen)
+        return (torch.cat([pool["ids"][pick], real]),
+                torch.cat([pool["prefix_len"][pick], torch.ones(real_rows, dtype=torch.long)]))
+    return sample
+
+
 def drafter_config(shape: DrafterShape, target_cfg, mask_id: int) -> DFlashConfig:
     n = target_cfg.num_hidden_layers
     if max(shape.target_layer_ids) >= n - 1 or min(shape.target_layer_ids) < 0:
@@ -413,14 +484,16 @@ def target_rows(logits_row: torch.Tensor, anchors: torch.Tensor, block_size: int
 
 
 def drafter_loss(drafter, target, ids: torch.Tensor, anchors_per_seq: int, gen: torch.Generator,
-                 gamma: float) -> torch.Tensor:
-    """Position-weighted KL(target ‖ drafter) over random anchors of each sequence in ``ids [N, T]``."""
+                 gamma: float, lo: torch.Tensor | None = None) -> torch.Tensor:
+    """Position-weighted KL(target ‖ drafter) over random anchors of each sequence in ``ids [N, T]``; row ``n``'s
+    anchors lie in ``[lo[n], T-B]`` (``lo`` defaults to 1: anywhere with at least one context token)."""
     b = drafter.c.block_size
     feats, logits = target_outputs(target, ids, drafter.c.target_layer_ids)
     w = position_weights(b, gamma)
     total = 0.0
     for n in range(ids.shape[0]):
-        anchors = torch.randperm(ids.shape[1] - b, generator=gen)[:anchors_per_seq] + 1  # [J] in [1, T-B]
+        first = 1 if lo is None else int(lo[n])
+        anchors = torch.randperm(ids.shape[1] - b - first + 1, generator=gen)[:anchors_per_seq] + first
         d = F.log_softmax(draft_logits(drafter, target, ids[n], feats[n], anchors), dim=-1)
         t = F.log_softmax(target_rows(logits[n], anchors, b), dim=-1)
         kl = (t.exp() * (t - d)).sum(-1)  # [J, B-1]
@@ -428,29 +501,41 @@ def drafter_loss(drafter, target, ids: torch.Tensor, anchors_per_seq: int, gen: 
     return total / ids.shape[0]
 
 
-def train_drafter(drafter, target, sample: Callable[[int], torch.Tensor], sched: Schedule, anchors_per_seq: int,
-                  gamma: float, seed: int) -> dict:
-    """Trains ``drafter`` in place against the frozen ``target``; see :func:`train_loop`."""
+def train_drafter(drafter, target, sample: Callable[[int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+                  sched: Schedule, anchors_per_seq: int, gamma: float, seed: int) -> dict:
+    """Trains ``drafter`` in place against the frozen ``target`` on ``sample(step)`` (``ids`` or ``(ids, lo)``,
+    see :func:`drafter_loss`); see :func:`train_loop`."""
     target.eval().requires_grad_(False)
     drafter.train()
     gen = torch.Generator().manual_seed(seed)
-    result = train_loop(param_groups(drafter, sched.weight_decay),
-                        lambda s: drafter_loss(drafter, target, sample(s), anchors_per_seq, gen, gamma), sched,
-                        name="drafter")
+
+    def loss(step: int) -> torch.Tensor:
+        batch = sample(step)
+        ids, lo = batch if isinstance(batch, tuple) else (batch, None)
+        return drafter_loss(drafter, target, ids, anchors_per_seq, gen, gamma, lo)
+
+    result = train_loop(param_groups(drafter, sched.weight_decay), loss, sched, name="drafter")
     drafter.eval()
     return result
 
 
 @torch.no_grad()
-def drafter_agreement(drafter, target, chunks: torch.Tensor, stride: int = 8) -> dict:
-    """Teacher-forced on held-out ``chunks [N, T]``: anchors every ``stride`` positions; per row ``i = 1..B-1``,
-    how often the drafter's argmax equals the target's, and the mean KL."""
+def drafter_agreement(drafter, target, chunks: torch.Tensor | list[tuple[list[int], int]], stride: int = 8
+                      ) -> dict:
+    """Teacher-forced on held-out ``chunks [N, T]`` (anchors every ``stride`` positions from 1) or on
+    ``(ids, lo)`` sequences (anchors from ``lo``, e.g. a prompt plus the target's greedy continuation with
+    ``lo = len(prompt)``); per row ``i = 1..B-1``, how often the drafter's argmax equals the target's, and the
+    mean KL."""
     b = drafter.c.block_size
+    seqs = [(row, 1) for row in chunks] if isinstance(chunks, torch.Tensor) else chunks
     hits, kl_sum, count = torch.zeros(b - 1), 0.0, 0
-    for n in range(chunks.shape[0]):
-        feats, logits = target_outputs(target, chunks[n:n + 1], drafter.c.target_layer_ids)
-        anchors = torch.arange(1, chunks.shape[1] - b + 1, stride)
-        d = F.log_softmax(draft_logits(drafter, target, chunks[n], feats[0], anchors), dim=-1)
+    for row, lo in seqs:
+        row = torch.as_tensor(row)
+        feats, logits = target_outputs(target, row[None], drafter.c.target_layer_ids)
+        anchors = torch.arange(lo, len(row) - b + 1, stride)
+        if not len(anchors):
+            continue
+        d = F.log_softmax(draft_logits(drafter, target, row, feats[0], anchors), dim=-1)
         t = F.log_softmax(target_rows(logits[0], anchors, b), dim=-1)
         hits += (d.argmax(-1) == t.argmax(-1)).float().sum(0)
         kl_sum += (t.exp() * (t - d)).sum(-1).sum().item()
@@ -541,6 +626,15 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def load_target(path: Path):
+    """The committed target (fp32, eval, frozen) as :func:`build_target` leaves a trained one."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.set_experts_implementation("grouped_mm")
+    return model.eval().requires_grad_(False)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="model/zoo/tiny_kimi", help="output dir (target/, drafter/, json files)")
@@ -550,9 +644,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-minutes", type=float, default=None)
     ap.add_argument("--drafter-steps", type=int, default=None)
     ap.add_argument("--drafter-minutes", type=float, default=None)
+    ap.add_argument("--pool-size", type=int, default=None)
+    ap.add_argument("--drafter-only", action="store_true",
+                    help="keep OUT/target (and its tokenizer): retrain, save and evaluate only the drafter; "
+                         "training_log.json keeps its target section")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
+    command = "python scripts/train_tiny.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
     base = RunConfig(seed=args.seed)
     ts, ds = base.target, base.drafter
@@ -562,6 +661,7 @@ def main(argv: list[str] | None = None) -> None:
                            "budget_s": 60 * args.target_minutes if args.target_minutes else ts.budget_s}),
         drafter=Schedule(**{**asdict(ds), "steps": args.drafter_steps or ds.steps,
                             "budget_s": 60 * args.drafter_minutes if args.drafter_minutes else ds.budget_s}),
+        pool_size=args.pool_size or base.pool_size,
     )
     tshape, dshape = TargetShape(), DrafterShape()
     out = Path(args.out)
@@ -570,99 +670,166 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
     times: dict[str, float] = {}
 
-    # 1. data + tokenizer
+    # 1. data + tokenizer (with --drafter-only: the committed tokenizer, checked against a rebuild)
     root = sysconfig.get_paths()["stdlib"]
     files = stdlib_files(root, run.max_file_bytes)
     train_files, held_files = split_files(files, root, run.heldout_frac, run.seed)
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
-    tok = build_tokenizer(train_texts, run.vocab_size)
+    rebuilt = build_tokenizer(train_texts, run.vocab_size)
+    if args.drafter_only:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+        tok_check = {"rebuild_identical": rebuilt.to_str() == tok.to_str()}
+        log.info("tokenizer: %s/target/tokenizer.json; identical to a rebuild: %s", out,
+                 tok_check["rebuild_identical"])
+    else:
+        tok, tok_check = rebuilt, {}
     eos_id, mask_id, pad_id = (tok.token_to_id(s) for s in SPECIAL_TOKENS)
-    write_tokenizer(tok, out / "target", tshape.max_position_embeddings)
+    if not args.drafter_only:
+        write_tokenizer(tok, out / "target", tshape.max_position_embeddings)
     train_stream, held_stream = pack(tok, train_texts, eos_id), pack(tok, held_texts, eos_id)
+    if args.drafter_only and not tok_check["rebuild_identical"]:
+        tok_check["rebuild_same_stream"] = torch.equal(pack(rebuilt, train_texts, eos_id), train_stream)
     held_bytes = sum(len(t.encode()) for t in held_texts)
     times["data_tokenizer_s"] = round(time.time() - t_start, 1)
     log.info("%d files (%d train, %d held out), %d train tokens, %d held-out tokens (%.2f bytes/token), %.0fs",
              len(files), len(train_files), len(held_files), len(train_stream), len(held_stream),
              held_bytes / len(held_stream), times["data_tokenizer_s"])
+    held_chunks = fixed_chunks(held_stream, run.heldout_chunks, run.seq_len)
+    prompts = eval_prompts(tok, held_files, root, run.num_prompts, run.seed)
 
     # 2. target
-    cfg = target_config(tshape, tok.get_vocab_size(), eos_id, pad_id)
-    target = build_target(cfg, run.seed)
-    gen = torch.Generator().manual_seed(run.seed + 1)
-    held_chunks = fixed_chunks(held_stream, run.heldout_chunks, run.seq_len)
-    log.info("target: %.2fM params (%.2fM active per token)", count_params(target) / 1e6, active_params(cfg) / 1e6)
-    tres = train_target(target, lambda _s: random_chunks(train_stream, run.target_batch, run.seq_len, gen),
-                        run.target, run.bias_rate)
-    times["target_train_s"] = tres["seconds"]
-    held_target = heldout_loss(target, held_chunks)
-    probe = BiasBalancer(target, 0.0)
-    imbalance = probe.imbalance(target, held_chunks[:4])
-    probe.remove()
-    log.info("target: %d steps in %.0fs (stopped by %s); held-out loss %.4f (ppl %.2f); expert max/mean load %s",
-             tres["steps"], tres["seconds"], tres["stopped_by"], held_target, math.exp(held_target), imbalance)
-    target.save_pretrained(out / "target")
+    if args.drafter_only:
+        target = load_target(out / "target")
+        cfg = target.config
+        previous = json.loads((out / "training_log.json").read_text())
+        log.info("target: loaded %s (%.2fM params)", out / "target", count_params(target) / 1e6)
+    else:
+        cfg = target_config(tshape, tok.get_vocab_size(), eos_id, pad_id)
+        target = build_target(cfg, run.seed)
+        gen = torch.Generator().manual_seed(run.seed + 1)
+        log.info("target: %.2fM params (%.2fM active per token)", count_params(target) / 1e6,
+                 active_params(cfg) / 1e6)
+        tres = train_target(target, lambda _s: random_chunks(train_stream, run.target_batch, run.seq_len, gen),
+                            run.target, run.bias_rate)
+        times["target_train_s"] = tres["seconds"]
+        held_target = heldout_loss(target, held_chunks)
+        probe = BiasBalancer(target, 0.0)
+        imbalance = probe.imbalance(target, held_chunks[:4])
+        probe.remove()
+        log.info("target: %d steps in %.0fs (stopped by %s); held-out loss %.4f (ppl %.2f); expert max/mean "
+                 "load %s", tres["steps"], tres["seconds"], tres["stopped_by"], held_target, math.exp(held_target),
+                 imbalance)
+        target.save_pretrained(out / "target")
+    target.eval().requires_grad_(False)
+    for pr in prompts:  # the target's greedy continuations: tau and the greedy-context agreement below
+        pr["hf_greedy"] = greedy(target, pr["ids"], run.tau_new_tokens)
+    greedy_seqs = [(pr["ids"] + pr["hf_greedy"], len(pr["ids"])) for pr in prompts]
 
-    # 3. drafter
+    def evaluate(drafter) -> dict:
+        agree = drafter_agreement(drafter, target, held_chunks[:16])
+        agree_greedy = drafter_agreement(drafter, target, greedy_seqs, stride=4)
+        taus = [t for pr in prompts for t in chain_tau(drafter, target, pr["ids"], pr["hf_greedy"])]
+        return {"heldout": agree, "heldout_greedy": agree_greedy, "chain_tau_greedy": round(sum(taus) / len(taus), 3),
+                "chain_rounds": len(taus)}
+
+    before = None
+    if args.drafter_only and (out / "drafter" / "config.json").exists():
+        before = evaluate(DFlashDrafter.load(out / "drafter").eval())
+        log.info("previous drafter: real-text agreement %s; greedy-context agreement %s; chain τ %.3f",
+                 before["heldout"]["per_position"][:6], before["heldout_greedy"]["per_position"][:6],
+                 before["chain_tau_greedy"])
+
+    # 3. drafter: self-distillation pool, then KL training on pool + real text
+    t_pool = time.time()
+    pool = build_pool(target, train_stream, run.pool_size, run.pool_len, run.pool_prefix, run.pool_gen_batch,
+                      torch.Generator().manual_seed(run.seed + 5), run.pool_budget_s)
+    match = greedy_match(target, pool["ids"], pool["prefix_len"])
+    cont_tokens = int((run.pool_len - pool["prefix_len"]).sum())
+    times["pool_s"] = round(time.time() - t_pool, 1)
+    pool_info = {"rows": len(pool["ids"]), "len": run.pool_len, "continuation_tokens": cont_tokens,
+                 "prefix_len_range": list(run.pool_prefix), "generate_s": pool["seconds"], "batches": pool["batches"],
+                 "stopped_by": pool["stopped_by"], "greedy_match": round(match, 5),
+                 "eos_in_continuations": int(sum((row[lo:] == eos_id).sum() for row, lo in
+                                                 zip(pool["ids"], pool["prefix_len"].tolist(), strict=True)))}
+    log.info("pool: %s (with the teacher-forced check, %.0fs)", pool_info, times["pool_s"])
     dcfg = drafter_config(dshape, cfg, mask_id)
     torch.manual_seed(run.seed + 2)
     drafter = DFlashDrafter(dcfg)
     dgen = torch.Generator().manual_seed(run.seed + 3)
     log.info("drafter: %.2fM params (plus the target's embedding and LM head)", count_params(drafter) / 1e6)
-    dres = train_drafter(drafter, target, lambda _s: random_chunks(train_stream, run.drafter_batch, run.seq_len,
-                                                                    dgen),
+    dres = train_drafter(drafter, target, mixed_sampler(pool, train_stream, run.pool_rows,
+                                                        run.drafter_batch - run.pool_rows, dgen),
                          run.drafter, run.anchors_per_seq, run.kl_gamma, run.seed + 4)
     times["drafter_train_s"] = dres["seconds"]
+    times["drafter_phase_s"] = round(times["pool_s"] + dres["seconds"], 1)
     drafter.save(out / "drafter")
 
     # 4. evaluation
     t_eval = time.time()
-    agree = drafter_agreement(drafter, target, held_chunks[:16])
-    log.info("drafter held-out KL %.4f; top-1 agreement by position %s", agree["kl"], agree["per_position"])
-    prompts = eval_prompts(tok, held_files, root, run.num_prompts, run.seed)
-    taus: list[int] = []
-    for pr in prompts:
-        pr["hf_greedy"] = greedy(target, pr["ids"], run.tau_new_tokens)
-        taus += chain_tau(drafter, target, pr["ids"], pr["hf_greedy"])
-    tau = sum(taus) / len(taus)
+    after = evaluate(drafter)
+    log.info("drafter held-out KL %.4f; top-1 agreement by position %s", after["heldout"]["kl"],
+             after["heldout"]["per_position"])
+    log.info("on the target's greedy continuations: KL %.4f; agreement %s", after["heldout_greedy"]["kl"],
+             after["heldout_greedy"]["per_position"])
     sample = prompts[0]["text"] + tok.decode(prompts[0]["hf_greedy"][:64])
-    log.info("chain τ (DFlash, T=0, simulated on greedy continuations) %.3f over %d rounds", tau, len(taus))
+    log.info("chain τ (DFlash, T=0, simulated on greedy continuations) %.3f over %d rounds",
+             after["chain_tau_greedy"], after["chain_rounds"])
     log.info("sample greedy continuation of %s:\n%s", prompts[0]["name"], sample)
-    (out / "eval_prompts.json").write_text(json.dumps({
+    prompts_doc = json.dumps({
         "note": "held-out stdlib code; ids == tokenizer.encode(text); hf_greedy = HF fp32 greedy continuation "
                 f"({run.tau_new_tokens} tokens, reference only: near-ties may flip under other kernels)",
-        "prompts": prompts}, indent=1))
+        "prompts": prompts}, indent=1)
+    if args.drafter_only:
+        old = (out / "eval_prompts.json").read_text()
+        tok_check["eval_prompts_unchanged"] = old == prompts_doc
+        log.info("eval_prompts.json unchanged: %s", tok_check["eval_prompts_unchanged"])
+    (out / "eval_prompts.json").write_text(prompts_doc)
     times["eval_s"] = round(time.time() - t_eval, 1)
     times["total_s"] = round(time.time() - t_start, 1)
 
-    tl = tres["losses"]
     dl = dres["losses"]
-    (out / "training_log.json").write_text(json.dumps({
-        "command": "python scripts/train_tiny.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "tokenizers": __import__("tokenizers").__version__,
-        "threads": args.threads, "run": asdict(run), "target_shape": asdict(tshape), "drafter_shape": asdict(dshape),
-        "seeds": {"split_and_prompts": run.seed, "target_init": run.seed, "target_batches": run.seed + 1,
-                  "drafter_init": run.seed + 2, "drafter_batches": run.seed + 3, "drafter_anchors": run.seed + 4},
-        "data": {"stdlib": root, "files": len(files), "train_files": len(train_files),
-                 "heldout_files": [p.relative_to(root).as_posix() for p in held_files],
-                 "train_tokens": len(train_stream), "heldout_tokens": len(held_stream),
-                 "heldout_bytes_per_token": round(held_bytes / len(held_stream), 3)},
-        "tokenizer": {"vocab_size": tok.get_vocab_size(), "eos_id": eos_id, "mask_id": mask_id, "pad_id": pad_id},
-        "target": {"params": count_params(target), "active_params_per_token": active_params(cfg),
-                   "steps": tres["steps"], "tokens_seen": tres["steps"] * run.target_batch * run.seq_len,
-                   "stopped_by": tres["stopped_by"], "first_loss": round(tl[0], 4),
-                   "final_train_loss_last20": round(sum(tl[-20:]) / len(tl[-20:]), 4),
-                   "heldout_loss": round(held_target, 4), "heldout_ppl": round(math.exp(held_target), 3),
-                   "heldout_tokens_evaluated": held_chunks[:, 1:].numel(), "expert_max_over_mean_load": imbalance,
-                   "curve": tres["curve"]},
-        "drafter": {"params": count_params(drafter), "steps": dres["steps"], "stopped_by": dres["stopped_by"],
-                    "first_loss": round(dl[0], 4), "final_train_kl_last20": round(sum(dl[-20:]) / len(dl[-20:]), 4),
-                    "heldout": agree, "chain_tau_greedy": round(tau, 3), "chain_rounds": len(taus),
-                    "curve": dres["curve"]},
-        "sample_greedy": {"prompt": prompts[0]["name"], "text": sample},
-        "times": times, "artifact_bytes": {d: dir_bytes(out / d) for d in ("target", "drafter")},
-    }, indent=1))
-    log.info("done in %.0fs; artifacts %s", times["total_s"], {d: dir_bytes(out / d) for d in ("target", "drafter")})
+    drafter_log = {"params": count_params(drafter), "steps": dres["steps"], "stopped_by": dres["stopped_by"],
+                   "first_loss": round(dl[0], 4), "final_train_kl_last20": round(sum(dl[-20:]) / len(dl[-20:]), 4),
+                   **after, "pool": pool_info, "curve": dres["curve"]}
+    seeds = {"split_and_prompts": run.seed, "target_init": run.seed, "target_batches": run.seed + 1,
+             "drafter_init": run.seed + 2, "drafter_batches": run.seed + 3, "drafter_anchors": run.seed + 4,
+             "drafter_pool": run.seed + 5}
+    if args.drafter_only:
+        doc = previous
+        doc["times"] = {"target_run": previous.get("times", {}).get("target_run", previous.get("times")),
+                        "drafter_only": times}
+        doc.update({"drafter_command": command, "run": asdict(run), "drafter_shape": asdict(dshape), "seeds": seeds,
+                    "drafter": drafter_log, "drafter_only_checks": tok_check})
+        if before is not None:
+            doc["previous_drafter"] = before
+    else:
+        tl = tres["losses"]
+        doc = {
+            "command": command, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "tokenizers": __import__("tokenizers").__version__, "threads": args.threads, "run": asdict(run),
+            "target_shape": asdict(tshape), "drafter_shape": asdict(dshape), "seeds": seeds,
+            "data": {"stdlib": root, "files": len(files), "train_files": len(train_files),
+                     "heldout_files": [p.relative_to(root).as_posix() for p in held_files],
+                     "train_tokens": len(train_stream), "heldout_tokens": len(held_stream),
+                     "heldout_bytes_per_token": round(held_bytes / len(held_stream), 3)},
+            "tokenizer": {"vocab_size": tok.get_vocab_size(), "eos_id": eos_id, "mask_id": mask_id,
+                          "pad_id": pad_id},
+            "target": {"params": count_params(target), "active_params_per_token": active_params(cfg),
+                       "steps": tres["steps"], "tokens_seen": tres["steps"] * run.target_batch * run.seq_len,
+                       "stopped_by": tres["stopped_by"], "first_loss": round(tl[0], 4),
+                       "final_train_loss_last20": round(sum(tl[-20:]) / len(tl[-20:]), 4),
+                       "heldout_loss": round(held_target, 4), "heldout_ppl": round(math.exp(held_target), 3),
+                       "heldout_tokens_evaluated": held_chunks[:, 1:].numel(),
+                       "expert_max_over_mean_load": imbalance, "curve": tres["curve"]},
+            "drafter": drafter_log, "sample_greedy": {"prompt": prompts[0]["name"], "text": sample},
+            "times": times,
+        }
+    doc["artifact_bytes"] = {d: dir_bytes(out / d) for d in ("target", "drafter")}
+    (out / "training_log.json").write_text(json.dumps(doc, indent=1))
+    log.info("done in %.0fs; artifacts %s", times["total_s"], doc["artifact_bytes"])
 
 
 if __name__ == "__main__":

@@ -100,6 +100,55 @@ def test_drafter_loss_falls_and_reloads_identically(toy, tmp_path):
     assert taus and all(1 <= t <= dcfg.block_size for t in taus)
 
 
+def test_pool_is_prefix_plus_the_targets_greedy_continuation(toy, monkeypatch):
+    target, batch = toy["target"], toy["batch"]
+    stream = batch.reshape(-1)
+    kw = {"n": 5, "total_len": 24, "prefix": (6, 10), "batch": 2}
+    pool = tt.build_pool(target, stream, gen=torch.Generator().manual_seed(1), **kw)
+    ids, lens = pool["ids"], pool["prefix_len"]
+    assert ids.shape == (5, 24) and lens.shape == (5,) and pool["batches"] == 3 and pool["stopped_by"] == "size"
+    assert ((6 <= lens) & (lens <= 10)).all() and (lens[0::2][:2] == lens[1::2][:2]).all()  # one length per batch
+    for row, n in zip(ids, lens.tolist(), strict=True):
+        # the prefix is a real window of the stream ...
+        assert any(torch.equal(row[:n], stream[s:s + n]) for s in range(len(stream) - n + 1))
+        # ... and the rest is the target's greedy continuation, token by token without a cache
+        seq = row[:n].tolist()
+        with torch.no_grad():
+            while len(seq) < 24:
+                seq.append(int(target(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        assert seq == row.tolist()
+    assert tt.greedy_match(target, ids, lens) == 1.0
+    again = tt.build_pool(target, stream, gen=torch.Generator().manual_seed(1), **kw)
+    assert torch.equal(again["ids"], ids) and torch.equal(again["prefix_len"], lens)  # seeded
+    cut = tt.build_pool(target, stream, gen=torch.Generator().manual_seed(1), budget_s=0.0, **kw)
+    assert cut["stopped_by"] == "budget" and torch.equal(cut["ids"], ids[:2])  # time-boxed: whole batches only
+
+    sample = tt.mixed_sampler(pool, stream, 3, 1, torch.Generator().manual_seed(2))
+    x, lo = sample(0)
+    assert x.shape == (4, 24) and lo[3] == 1 and all(any(torch.equal(r, p) for p in ids) for r in x[:3])
+    assert lo[:3].tolist() == [int(lens[[torch.equal(r, p) for p in ids].index(True)]) for r in x[:3]]
+    # the drafter trains on (ids, lo) batches with every anchor in [lo, T - B]: pool anchors in the continuation
+    dcfg = tt.drafter_config(TOY_DRAFTER, toy["cfg"], toy["mask"])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg)
+    seen, real = [], tt.draft_logits
+    monkeypatch.setattr(tt, "draft_logits", lambda d, t, row, f, a: seen.append((row, a)) or real(d, t, row, f, a))
+    batches = [sample(i) for i in range(3)]
+    sched = tt.Schedule(steps=3, budget_s=60, lr=1e-2, warmup=1, weight_decay=0.0, log_every=5)
+    result = tt.train_drafter(drafter, target, lambda i: batches[i], sched, anchors_per_seq=30, gamma=7.0, seed=0)
+    assert result["steps"] == 3 and all(math.isfinite(v) for v in result["losses"])
+    assert len(seen) == 12
+    rows, firsts = torch.cat([x for x, _ in batches]), torch.cat([lo for _, lo in batches]).tolist()
+    for (row, a), want, first in zip(seen, rows, firsts, strict=True):
+        assert torch.equal(row, want) and a.min() >= first and a.max() <= 24 - dcfg.block_size
+        assert len(a) == min(30, 24 - dcfg.block_size - first + 1) and len(set(a.tolist())) == len(a)
+    monkeypatch.undo()
+    seqs = [(row.tolist(), n) for row, n in zip(ids, lens.tolist(), strict=True)]
+    agree = tt.drafter_agreement(drafter, target, seqs, stride=3)
+    expect = sum(len(range(n, 24 - dcfg.block_size + 1, 3)) for n in lens.tolist())
+    assert agree["blocks"] == expect and len(agree["per_position"]) == dcfg.block_size - 1
+
+
 def test_drafter_rejects_the_last_target_layer(toy):
     # HF's hidden_states[N] is post-final-norm; ids must stay below N - 1
     with pytest.raises(ValueError, match="target_layer_ids"):
