@@ -182,7 +182,7 @@ def main(cfg: DictConfig) -> None:
         overrides = [f"model.path={ckpt}", f"parallel={name}", f"spec_decode={spec}",
                      f"engine.max_num_seqs={max(max_c, 1)}", f"server.max_num_seqs={max(max_c, 1)}"]
         if cfg.model.get("drafter_path"):
-            overrides.append(f"+model.drafter_path={cfg.model.drafter_path}")
+            overrides.append(f"++model.drafter_path={cfg.model.drafter_path}")
         server = Server(overrides, out_dir / f"server_{name}_{spec}.log", b.server_timeout_s)
         try:  # warm-up once per server lifetime, at the largest context and concurrency
             warm = make_prompts(mcfg.vocab_size, max(b.context), b.warmup, b.seed + 1)
