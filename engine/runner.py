@@ -109,15 +109,14 @@ class ModelRunner:
         if self.speculator is not None and nodes == 1:  # plain decodes extend the drafter's context
             for i, w in enumerate(work):
                 self.speculator.add_context(w.request_id, feats[i:i + 1], torch.tensor([w.start], device=self.device))
-        if nodes > 1:
-            out = {}
+        out = {}
+        if nodes > 1:  # every rank walks its tree (and compacts its KV shard)
             for i, w in enumerate(work):
                 rows = slice(i * nodes, (i + 1) * nodes)
                 out[w.request_id] = self.speculator.accept(w, trees[w.request_id], logits[rows], feats[rows])
-            return out
         if self.model.groups.attn_tp.rank != 0:  # like the dynamic path: results live on attention-TP rank 0
             return None
-        return self._sample_plain(work, logits)
+        return out if nodes > 1 else self._sample_plain(work, logits)
 
     def _execute_dynamic(self, work: list[SeqWork], trees: dict) -> dict[str, StepResult] | None:
         spec = self.speculator

@@ -80,7 +80,7 @@ def _static_job(ctx, lay, path, prompts, spec_list, params):
 
 
 @pytest.mark.parametrize(("preset", "model"), [("single", "tiny_deepseek"), ("single", "tiny_qwen3_moe"),
-                                               ("dp8_ep8", "tiny_deepseek")])
+                                               ("tp8", "tiny_deepseek"), ("dp8_ep8", "tiny_deepseek")])
 def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, preset, model):
     """Decode and verify through the fixed-shape static steps (the CUDA-graph path, run eagerly here) give the
     dynamic forward's tokens for plain, DFlash and DDTree decoding; coverage says why nothing replayed."""
