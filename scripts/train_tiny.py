@@ -645,6 +645,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafter-steps", type=int, default=None)
     ap.add_argument("--drafter-minutes", type=float, default=None)
     ap.add_argument("--pool-size", type=int, default=None)
+    ap.add_argument("--kl-gamma", type=float, default=None, help="position-weight decay of the drafter loss")
+    ap.add_argument("--drafter-init", default=None,
+                    help="start the drafter from this DFlash checkpoint (continued training) instead of random")
     ap.add_argument("--drafter-only", action="store_true",
                     help="keep OUT/target (and its tokenizer): retrain, save and evaluate only the drafter; "
                          "training_log.json keeps its target section")
@@ -662,6 +665,7 @@ def main(argv: list[str] | None = None) -> None:
         drafter=Schedule(**{**asdict(ds), "steps": args.drafter_steps or ds.steps,
                             "budget_s": 60 * args.drafter_minutes if args.drafter_minutes else ds.budget_s}),
         pool_size=args.pool_size or base.pool_size,
+        kl_gamma=args.kl_gamma or base.kl_gamma,
     )
     tshape, dshape = TargetShape(), DrafterShape()
     out = Path(args.out)
@@ -756,7 +760,9 @@ def main(argv: list[str] | None = None) -> None:
     log.info("pool: %s (with the teacher-forced check, %.0fs)", pool_info, times["pool_s"])
     dcfg = drafter_config(dshape, cfg, mask_id)
     torch.manual_seed(run.seed + 2)
-    drafter = DFlashDrafter(dcfg)
+    drafter = DFlashDrafter.load(args.drafter_init).train() if args.drafter_init else DFlashDrafter(dcfg)
+    if drafter.c != dcfg:
+        raise SystemExit(f"--drafter-init {args.drafter_init}: its config differs from this script's drafter shape")
     dgen = torch.Generator().manual_seed(run.seed + 3)
     log.info("drafter: %.2fM params (plus the target's embedding and LM head)", count_params(drafter) / 1e6)
     dres = train_drafter(drafter, target, mixed_sampler(pool, train_stream, run.pool_rows,
@@ -792,7 +798,7 @@ def main(argv: list[str] | None = None) -> None:
     dl = dres["losses"]
     drafter_log = {"params": count_params(drafter), "steps": dres["steps"], "stopped_by": dres["stopped_by"],
                    "first_loss": round(dl[0], 4), "final_train_kl_last20": round(sum(dl[-20:]) / len(dl[-20:]), 4),
-                   **after, "pool": pool_info, "curve": dres["curve"]}
+                   **after, "pool": pool_info, "init": args.drafter_init or "random", "curve": dres["curve"]}
     seeds = {"split_and_prompts": run.seed, "target_init": run.seed, "target_batches": run.seed + 1,
              "drafter_init": run.seed + 2, "drafter_batches": run.seed + 3, "drafter_anchors": run.seed + 4,
              "drafter_pool": run.seed + 5}
