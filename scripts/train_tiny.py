@@ -760,7 +760,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("pool: %s (with the teacher-forced check, %.0fs)", pool_info, times["pool_s"])
     dcfg = drafter_config(dshape, cfg, mask_id)
     torch.manual_seed(run.seed + 2)
-    drafter = DFlashDrafter.load(args.drafter_init).train() if args.drafter_init else DFlashDrafter(dcfg)
+    drafter = DFlashDrafter.load(args.drafter_init).requires_grad_(True) if args.drafter_init else DFlashDrafter(dcfg)
     if drafter.c != dcfg:
         raise SystemExit(f"--drafter-init {args.drafter_init}: its config differs from this script's drafter shape")
     dgen = torch.Generator().manual_seed(run.seed + 3)
