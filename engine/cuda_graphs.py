@@ -65,10 +65,7 @@ class TablesKV:
         self.cache, self.write, self.tables = cache, write_slots, tables
 
     def store(self, layer: int, entries: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        stores = self.cache.layers[layer]
-        for store, new in zip(stores, entries, strict=True):
-            store.index_copy_(0, self.write, new.to(store.dtype))
-        return stores
+        return self.cache.write(layer, self.write, entries)
 
     def store_and_gather(self, layer, entries):
         raise NotImplementedError("a static step reads the cache through the paged kernels (tables)")
@@ -241,22 +238,28 @@ def random_model(device: torch.device, dtype: torch.dtype, **overrides) -> Causa
     return model.place(device)
 
 
+def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random n-node tree (root 0, parents before children): its ancestor mask ``[n, n]`` and depths ``[n]``."""
+    from spec_decode.tree import ancestor_mask
+
+    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+    depth = torch.zeros(n, dtype=torch.int64)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    return ancestor_mask(parents, n), depth
+
+
 def random_seqs(shape: StepShape, ctx: int, cache: PagedKVCache, gen: torch.Generator, vocab: int, first: int
                 ) -> list[StaticSeq]:
     """``shape.batch`` sequences of ``ctx`` cached keys + N new, on disjoint blocks after the ``first`` ones."""
-    from spec_decode.tree import ancestor_mask
-
     bs, n = cache.block_size, shape.nodes
     per_seq = -(-(ctx + n) // bs)
     seqs = []
     for b in range(shape.batch):
         table = list(range(first + b * per_seq, first + (b + 1) * per_seq))
         slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
-        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
-        depth = torch.zeros(n, dtype=torch.int64)
-        for i in range(1, n):
-            depth[i] = depth[parents[i]] + 1
-        mask = None if n == 1 else ancestor_mask(parents, n)
+        ancestors, depth = random_tree(n, gen)
+        mask = None if n == 1 else ancestors
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         seqs.append(StaticSeq(ids, (ctx + depth).tolist(), slots, table, ctx + n, mask))
     return seqs

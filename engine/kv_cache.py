@@ -77,6 +77,13 @@ class PagedKVCache:
         self.layers = [tuple(torch.zeros(slots, *shape, dtype=spec.dtype, device=device)
                              for shape in spec.entry_shapes) for _ in range(spec.num_layers)]
 
+    def write(self, layer: int, slots: torch.Tensor, entries: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Stores ``entries`` (tokens in dim 0) at ``slots [T]`` of ``layer``; returns that layer's tensors."""
+        stores = self.layers[layer]
+        for store, new in zip(stores, entries, strict=True):
+            store.index_copy_(0, slots, new.to(store.dtype))
+        return stores
+
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slot ids of token positions ``[start, end)`` of a sequence (host ints: cheap for step planning)."""
         bs = self.block_size
@@ -97,6 +104,8 @@ class PagedKV:
     """KVContext over a PagedKVCache for one forward: writes this step's entries, reads each sequence's
     cached prefix + new entries."""
 
+    tables = None  # the dynamic path gathers entries itself; no paged-kernel tables
+
     def __init__(self, cache: PagedKVCache, seqs: list[SeqSlots]):
         self.cache, self.seqs = cache, seqs
         self.device = dev = cache.layers[0][0].device if cache.layers else torch.device("cpu")
@@ -113,24 +122,20 @@ class PagedKV:
         longest, n = max(len(r) for r in reads), max(s.query_len for s in self.seqs)
         dev = self.device
         self.read_padded = torch.tensor([r + [0] * (longest - len(r)) for r in reads], dtype=torch.int64, device=dev)
+        lens = torch.tensor([len(r) for r in reads], device=dev)
+        query_lens = torch.tensor([s.query_len for s in self.seqs], device=dev)
         mask = torch.zeros(len(reads), n, longest, dtype=torch.bool, device=dev)
+        mask[:, 0] = torch.arange(longest, device=dev)[None, :] < lens[:, None]  # a causal token sees its context
+        mask[:, :, 0] |= torch.arange(n, device=dev)[None, :] >= query_lens[:, None]  # padding queries: entry 0
         for b, (s, r) in enumerate(zip(self.seqs, reads, strict=True)):
-            if s.mask is None:  # one causal token sees its whole context
-                mask[b, 0, :len(r)] = True
-            else:
+            if s.mask is not None:  # a tree's own mask
                 mask[b, :s.query_len, :len(r)] = s.mask
-            mask[b, s.query_len:, 0] = True
         self.padded_mask = mask
         self.to_padded = None if all(s.query_len == n for s in self.seqs) else torch.tensor(
             [b * n + i for b, s in enumerate(self.seqs) for i in range(s.query_len)], dtype=torch.int64, device=dev)
 
-    tables = None
-
     def store(self, layer, entries):
-        stores = self.cache.layers[layer]
-        for store, new in zip(stores, entries, strict=True):
-            store.index_copy_(0, self.write, new.to(store.dtype))
-        return stores
+        return self.cache.write(layer, self.write, entries)
 
     def store_and_gather(self, layer, entries):
         stores = self.store(layer, entries)

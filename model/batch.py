@@ -39,8 +39,8 @@ class PaddedContext:
 
 @dataclass
 class PagedTables:
-    """What the paged-attention kernels read (``model.kernel_select``): per layer the flat cache tensors, and
-    ``block_tables [B, max_blocks]`` int32, ``context_lens [B]`` int32 (cached keys incl. this step's
+    """What the paged-attention kernels read besides the layer's flat cache tensors (``KVContext.store``
+    returns those): ``block_tables [B, max_blocks]`` int32, ``context_lens [B]`` int32 (cached keys incl. this step's
     tokens, which are the last N of each sequence), ``tree_mask [B, N, N]`` bool (None: decode, N = 1).
     Fixed shapes, device tensors: a step built on these is CUDA-graph safe."""
 

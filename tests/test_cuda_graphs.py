@@ -5,13 +5,12 @@ padding touches only the scratch blocks. Capture itself needs CUDA: off it the r
 import pytest
 import torch
 
-from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape, random_model
+from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape, random_model, random_tree
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from model.batch import ForwardBatch
 from model.loader import load_model
 from parallelism.comm import build_groups
 from parallelism.layout import Layout
-from spec_decode.tree import ancestor_mask
 
 BLOCK, SCRATCH = 4, (0, 1)  # scratch blocks hold a padding tree of up to 8 nodes
 
@@ -44,14 +43,6 @@ def dynamic_logits(model, cache, work) -> torch.Tensor:
 def static_seq(cache, table, start, tokens, positions, tree_mask=None) -> StaticSeq:
     slots = cache.slots(table, start, start + len(tokens))
     return StaticSeq(tokens, positions, slots, table, start + len(tokens), tree_mask)
-
-
-def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
-    depth = torch.zeros(n, dtype=torch.int64)
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
-    return ancestor_mask(parents, n), depth
 
 
 def test_static_decode_matches_dynamic_with_padding_and_buffer_reuse(setup):
