@@ -67,12 +67,11 @@ def run_local_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.T
     ``inp.hidden [N, H]``, ``inp.slots [N, k]`` (local slot, −1 = not local), ``inp.weights [N, k]``.
     Returns the weighted sum over each row's local experts ``[N, H]``.
 
-    Tokens are sorted by expert. When every local expert has tokens (tree verify, prefill, wide decode)
-    the experts run as one padded grouped GEMM ``[E, C, H]`` (C = the busiest expert's rows), which
-    reads each weight once in a handful of ops; otherwise only the hit experts run, one at a time, so a
-    narrow decode step reads just their weights."""
+    Rows are sorted by expert and go through two grouped GEMMs (``F.grouped_mm`` over the per-expert
+    offsets): a fixed handful of ops whatever the number of experts hit, and an expert with no rows costs
+    nothing. Where grouped GEMM does not apply (rows not 16-byte aligned, e.g. a tiny model's intermediate
+    split 8 ways; CUDA in a dtype other than bf16) the hit experts run one at a time."""
     x, k, num_experts = inp.hidden, inp.slots.shape[1], w_gate_up.shape[0]
-    out = torch.zeros_like(x)
     flat = inp.slots.reshape(-1)
     valid = flat >= 0
     rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[valid]
@@ -80,27 +79,24 @@ def run_local_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.T
     order = torch.argsort(slots, stable=True)
     rows, slots, weights = rows[order], slots[order], weights[order, None].to(x.dtype)
     counts = torch.bincount(slots, minlength=num_experts)
-    if bool((counts > 0).all()):
-        return out.index_add_(0, rows, _grouped_experts(x[rows], slots, counts, w_gate_up, w_down) * weights)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            r = rows[start:start + n]
-            h = silu_and_mul(F.linear(x[r], w_gate_up[e]))
-            out.index_add_(0, r, F.linear(h, w_down[e]) * weights[start:start + n])
-        start += n
-    return out
+    if _grouped_gemm_supported(w_down):
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end row of each expert's group
+        h = silu_and_mul(F.grouped_mm(x[rows], w_gate_up.transpose(1, 2), offs=offs))  # [M, I]
+        y = F.grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
+    else:
+        parts, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                parts.append(F.linear(silu_and_mul(F.linear(x[rows[start:start + n]], w_gate_up[e])), w_down[e]))
+            start += n
+        y = torch.cat(parts) if parts else x.new_zeros(0, x.shape[1])
+    return torch.zeros_like(x).index_add_(0, rows, y * weights)
 
 
-def _grouped_experts(xs: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                     w_down: torch.Tensor) -> torch.Tensor:
-    """``xs [M, H]`` sorted by expert ``slots [M]`` → each row through its expert, ``[M, H]``."""
-    first = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each expert
-    col = torch.arange(xs.shape[0], device=xs.device) - first[slots]  # row index inside its expert
-    padded = xs.new_zeros(w_gate_up.shape[0], int(counts.max()), xs.shape[1])  # [E, C, H]
-    padded[slots, col] = xs
-    h = silu_and_mul(torch.bmm(padded, w_gate_up.transpose(1, 2)))  # [E, C, I]
-    return torch.bmm(h, w_down.transpose(1, 2))[slots, col]
+def _grouped_gemm_supported(w_down: torch.Tensor) -> bool:
+    """``F.grouped_mm`` wants 16-byte-aligned rows (hidden and intermediate dims) and, on CUDA, bf16."""
+    aligned = all(d * w_down.element_size() % 16 == 0 for d in w_down.shape[1:])
+    return aligned and (w_down.device.type == "cpu" or w_down.dtype == torch.bfloat16)
 
 
 class LocalExperts(ShardedModule):

@@ -1,8 +1,10 @@
 """Speculative decoding benchmark on held-out prompts, measured side by side in one run:
 τ (committed tokens per target forward, bonus included) and decode tokens/s for ``none``, ``dflash`` and
-``ddtree`` at several budgets, single rank, greedy.
+``ddtree`` at several budgets, single rank, greedy. Last, what bounds the wall-clock gain on this machine: the
+time of one matmul over the target's LM-head weight at 1 row (a decode step) and at a verify step's row counts.
 
     python scripts/bench_spec.py [--target DIR] [--drafter DIR] [--prompts N] [--new-tokens N] [--threads N]
+                                 [--budgets 4,8,...] [--block-size B]
 """
 
 from __future__ import annotations
@@ -48,13 +50,29 @@ def run(model, prompts, spec: SpecConfig, new_tokens: int) -> dict:
             "tokens": [outputs[str(i)] for i in range(len(prompts))]}
 
 
+def matmul_cost(weight: torch.Tensor, row_counts: list[int], reps: int = 200) -> dict[int, float]:
+    """Milliseconds of ``x [n, H] @ weight.T`` for n = 1 and each of ``row_counts`` (best of 3 timings)."""
+    out = {}
+    for n in [1, *row_counts]:
+        x = torch.randn(n, weight.shape[1], dtype=weight.dtype)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.nn.functional.linear(x, weight)
+            best = min(best, (time.perf_counter() - t0) / reps)
+        out[n] = 1e3 * best
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=str(ZOO / "target"))
     ap.add_argument("--drafter", default=str(ZOO / "drafter"))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--budgets", default="8,16,32,64,128,256")
+    ap.add_argument("--budgets", default="4,8,16,32,64,128,256")
+    ap.add_argument("--block-size", type=int, default=16, help="drafter block (its checkpoint was trained at 16)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the same for every method)")
     ap.add_argument("--output", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
@@ -63,17 +81,23 @@ def main() -> None:
     prompts = [p["ids"] for p in doc["prompts"]]
     prompts = prompts[: args.prompts]
     model = load_model(args.target, build_groups(Layout()))
-    specs = [SpecConfig(), SpecConfig("dflash", drafter_path=args.drafter)]
-    specs += [SpecConfig("ddtree", budget=int(b), drafter_path=args.drafter) for b in args.budgets.split(",")]
+    blk = args.block_size
+    specs = [SpecConfig(), SpecConfig("dflash", block_size=blk, drafter_path=args.drafter)]
+    specs += [SpecConfig("ddtree", budget=int(b), block_size=blk, drafter_path=args.drafter)
+              for b in args.budgets.split(",")]
     rows = [run(model, prompts, s, args.new_tokens) for s in specs]
     base, chain = rows[0], rows[1]
-    print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, {args.threads} thread(s)\n")
+    print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, {args.threads} thread(s), "
+          f"drafter block {blk}\n")
     print("| method | budget | τ | τ / τ(dflash) | decode tok/s | × none | draft ms/step | verify ms/step | lossless |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tau'] / chain['tau']:.2f} | "
               f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f} | "
               f"{r['draft_ms_per_step']:.1f} | {r['verify_ms_per_step']:.1f} | {r['tokens'] == base['tokens']} |")
+    rows_cost = matmul_cost(model.lm_head.weight, [1 + int(b) for b in args.budgets.split(",")[:3]])
+    print("\nLM-head matmul (the same weight) by rows: " + ", ".join(
+        f"{n} rows {ms:.3f} ms ({ms / rows_cost[1]:.1f}×)" for n, ms in rows_cost.items()))
     if args.output:
         Path(args.output).write_text(json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in rows],
                                                 indent=1))

@@ -40,6 +40,12 @@ class SpecConfig:
         return self.block_size - 1
 
     @property
+    def draft_rows(self) -> int:
+        """Block rows whose draft distribution is used: every depth for the chain; for a ``budget``-node tree
+        at most ``budget`` (a node at depth d needs its d - 1 ancestors in the tree too)."""
+        return self.depth if self.method == "dflash" else min(self.depth, self.budget)
+
+    @property
     def num_nodes(self) -> int:
         """Tree size including the root."""
         return 1 + (self.depth if self.method == "dflash" else self.budget)

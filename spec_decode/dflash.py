@@ -103,12 +103,10 @@ class DraftLayer(nn.Module):
         q = rotary.apply(rms(self.q_proj(hx).view(-1, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps),
                          cos, sin)
         bk, bv = self.kv(hx, cos, sin, rotary)
-        k, v = torch.cat([ctx_k, bk]), torch.cat([ctx_v, bv])
-        rep = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("nhd,mhd->hnm", q, k) * c.head_dim ** -0.5
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        x = x + self.o_proj(torch.einsum("hnm,mhd->nhd", probs, v).reshape(x.shape[0], -1))
+        k, v = torch.cat([ctx_k, bk]).transpose(0, 1), torch.cat([ctx_v, bv]).transpose(0, 1)  # [kvh, S+N, d]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None],
+                                           enable_gqa=True)[0]  # [h, N, d]
+        x = x + self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
         hx = rms(x, self.post_attention_layernorm, c.rms_norm_eps)
         return x + self.down_proj(F.silu(self.gate_proj(hx)) * self.up_proj(hx))
 

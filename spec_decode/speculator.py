@@ -65,9 +65,10 @@ class Speculator:
         visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
         kv = kvs[0] if len(work) == 1 else [(torch.cat([r[i][0] for r in kvs]), torch.cat([r[i][1] for r in kvs]))
                                             for i in range(len(kvs[0]))]
-        hidden = self.drafter(emb, pos, kv, visible)[:, 1:]  # [J, D, H]
+        used = self.cfg.draft_rows  # a B-node tree is at most B deep: deeper rows never reach the LM head
+        hidden = self.drafter(emb, pos, kv, visible)[:, 1:1 + used]  # [J, D', H]
         logq = self.model.logits_everywhere(hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype))
-        logq = logq.float().log_softmax(dim=-1).view(len(work), d, -1)  # [J, D, V]
+        logq = logq.float().log_softmax(dim=-1).view(len(work), used, -1)  # [J, D', V]
         if self.cfg.method == "dflash":
             return {w.request_id: build_chain(logq[j], w.token_ids[0]) for j, w in enumerate(work)}
         return {w.request_id: build_tree(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.sampler import SamplingBatch, SamplingParams, sample
+from spec_decode.config import SpecConfig
 from spec_decode.tree import DraftTree, ancestor_mask, build_chain, build_tree, build_tree_heap, tree_paths, walk
 
 
@@ -19,6 +20,19 @@ def test_vectorised_builder_selects_the_heaps_nodes(budget):
         assert tree.size == budget + 1 and int(tree.tokens[0]) == 11
         assert bool((tree.parents[1:] < torch.arange(1, tree.size)).all()), "parents must precede children"
         assert bool((tree.depth[1:] == tree.depth[tree.parents[1:]] + 1).all())
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8])
+def test_rows_below_the_budget_depth_never_matter(budget):
+    """A budget-B tree is at most B deep, so the speculator drafts only ``SpecConfig.draft_rows`` rows."""
+    logits = torch.randn(15, 5, generator=torch.Generator().manual_seed(budget))
+    logits[:, 0] += 12.0  # one near-certain token per depth: the best tree is the chain as deep as B allows
+    logq = logits.log_softmax(dim=-1)
+    rows = SpecConfig("ddtree", budget=budget, drafter_path="unused").draft_rows
+    full = build_tree(logq, 0, budget)
+    assert rows == budget and int(full.depth.max()) == budget
+    assert tree_paths(build_tree(logq[:rows], 0, budget)) == tree_paths(full)
+    assert SpecConfig("dflash", budget=budget, drafter_path="unused").draft_rows == 15
 
 
 def test_budget_larger_than_all_prefixes_marks_padding_invalid():
