@@ -109,9 +109,10 @@ class StaticStep:
         return StaticSeq([0] * n, list(range(n)), slots, table, n, mask)
 
     def load(self, seqs: list[StaticSeq]) -> None:
-        """Copies ``seqs`` (at most ``batch``) into the buffers, padding the rest with :meth:`padding_seq`."""
+        """Copies ``seqs`` (at most ``batch``; none for an idle attention-DP rank) into the buffers, padding the
+        rest with :meth:`padding_seq`."""
         b, n = self.shape.batch, self.shape.nodes
-        if not 0 < len(seqs) <= b:
+        if len(seqs) > b:
             raise ValueError(f"a {b}-sequence static step got {len(seqs)} sequences")
         seqs = seqs + [self.padding_seq()] * (b - len(seqs))
         for s in seqs:
@@ -141,9 +142,9 @@ class StaticStep:
 class GraphRunner:
     """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
 
-    ``run(seqs, nodes)`` picks the smallest batch size ≥ ``len(seqs)``, captures that shape on its first use,
-    loads the inputs, replays (or runs eagerly, recording why) and returns the real rows' logits
-    ``[len(seqs)*N, V]`` and features."""
+    ``run(seqs, nodes, batch)`` picks the smallest batch size ≥ ``max(len(seqs), batch)``, captures that shape
+    on its first use, loads the inputs, replays (or runs eagerly, recording why) and returns the real rows'
+    logits ``[len(seqs)*N, V]`` and features."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...] = (1, 2, 4, 8), capture: tuple[int, ...] = (),
@@ -195,8 +196,10 @@ class GraphRunner:
             self.reasons[shape] = f"capture failed: {type(exc).__name__}: {exc}"
             return self.reasons[shape]
 
-    def run(self, seqs: list[StaticSeq], nodes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        shape = self.shape_for(len(seqs), nodes)
+    def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``batch`` > ``len(seqs)`` pads to that shape (attention-DP ranks run one shape; an idle rank pads
+        everything)."""
+        shape = self.shape_for(max(len(seqs), batch, 1), nodes)
         if shape not in self.graphs and shape not in self.reasons:
             self.capture(shape)  # first use of a shape: capture it (or learn why not) before loading inputs
         step = self.step(shape)

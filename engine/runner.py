@@ -57,42 +57,54 @@ class ModelRunner:
         return ForwardBatch(ids_t, pos_t, [s.query_len for s in seqs], PagedKV(self.cache, seqs))
 
     @torch.no_grad()
-    def execute(self, work: list[SeqWork], finished: tuple[str, ...] = ()) -> dict[str, StepResult] | None:
+    def execute(self, work: list[SeqWork], finished: tuple[str, ...] = (),
+                dp_work: list[list[SeqWork]] | None = None) -> dict[str, StepResult] | None:
         """Collective over the layout (idle DP ranks pass ``[]`` and still enter every MoE collective).
-        Returns each sampling request's StepResult on the rank that holds the logits, None on the others."""
+        ``dp_work``: every attention-DP rank's work this step (the whole plan; default ``[work]``), from which
+        all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
+        holds the logits, None on the others."""
         spec = self.speculator
         if spec is not None:
             spec.drop(finished)
         t0 = time.perf_counter()
         trees = spec.propose([w for w in work if w.spec]) if spec is not None else {}
         t1 = time.perf_counter()
-        static = self._static_nodes(work, trees)
-        if static:
-            results = self._execute_static(work, trees, static)
+        shape = self._static_shape([work] if dp_work is None else dp_work)
+        if shape:
+            results = self._execute_static(work, trees, *shape)
         else:
             results = self._execute_dynamic(work, trees)
         self.timing["draft_s"] += t1 - t0
         self.timing["verify_s"] += time.perf_counter() - t1
         return results
 
-    def _static_nodes(self, work: list[SeqWork], trees: dict) -> int:
-        """Query tokens per sequence when this step can run as a static step (0: it cannot; why in last_graph)."""
+    def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[int, int] | None:
+        """``(batch, nodes)`` when this step runs as a static step on every rank, else None (why: last_graph).
+
+        Decided from every attention-DP rank's work, so all ranks agree without a collective: each busy rank
+        must hold only plain decodes or only tree verifies (the same kind everywhere), the batch is the busiest
+        rank's, and idle or less busy ranks pad to it — every rank then runs (replays) the same shape and its
+        MoE collectives line up, as DeepEP's low-latency kernels inside a graph require."""
         if self.graphs is None:
-            return 0
-        sizes = self.graphs.batch_sizes
-        if not work:
-            self.last_graph = (False, "idle rank (dummy step)")
-        elif len(work) > sizes[-1]:
-            self.last_graph = (False, f"batch {len(work)} above the largest static batch size {sizes[-1]}")
-        elif all(w.spec for w in work):
-            return trees[work[0].request_id].size
-        elif all(w.decode and w.sample and not w.spec and len(w.token_ids) == 1 for w in work):
-            return 1
+            return None
+        busy = [w for w in dp_work if w]
+        sizes, batch = self.graphs.batch_sizes, max(len(w) for w in dp_work)
+        verify = [all(x.spec for x in w) for w in busy]
+        decode = [all(x.decode and x.sample and not x.spec and len(x.token_ids) == 1 for x in w) for w in busy]
+        if not busy:
+            self.last_graph = (False, "no work on any rank")
+        elif batch > sizes[-1]:
+            self.last_graph = (False, f"batch {batch} above the largest static batch size {sizes[-1]}")
+        elif all(verify):
+            return batch, self.speculator.cfg.num_nodes
+        elif all(decode):
+            return batch, 1
         else:
             self.last_graph = (False, "prefill or mixed step (variable shapes)")
-        return 0
+        return None
 
-    def _execute_static(self, work: list[SeqWork], trees: dict, nodes: int) -> dict[str, StepResult] | None:
+    def _execute_static(self, work: list[SeqWork], trees: dict, batch: int, nodes: int
+                        ) -> dict[str, StepResult] | None:
         seqs = []
         for w in work:
             if w.spec:
@@ -103,8 +115,8 @@ class ModelRunner:
                 tokens, positions, mask = w.token_ids, [w.start], None
             seqs.append(StaticSeq(tokens, positions, self.cache.slots(w.block_table, w.start, w.start + nodes),
                                   w.block_table, w.start + nodes, mask))
-        logits, feats = self.graphs.run(seqs, nodes)
-        shape = self.graphs.shape_for(len(work), nodes)
+        logits, feats = self.graphs.run(seqs, nodes, batch)
+        shape = self.graphs.shape_for(batch, nodes)
         self.last_graph = (shape in self.graphs.graphs, self.graphs.reasons.get(shape, ""))
         if self.speculator is not None and nodes == 1:  # plain decodes extend the drafter's context
             for i, w in enumerate(work):

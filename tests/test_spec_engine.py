@@ -60,37 +60,47 @@ def test_seeded_sampling_speculation_equals_plain(pool, tiny_ckpts, random_draft
 
 
 def _static_job(ctx, lay, path, prompts, spec_list, params):
-    """Like ``_job`` with static steps on and off; rank 0 returns per spec ((tokens, coverage) on, tokens off)."""
+    """Like ``_job`` with static steps on and off. Rank 0 returns per spec ((tokens, coverage, blocks) on,
+    (…) off); every rank also returns, per spec, its static runner's step counts by kind."""
     if lay.world_size == 1 and ctx.rank != 0:
         return None
     model = load_model(path, ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
-    results = []
+    results, static_steps = [], []
     for spec in spec_list:
         pair = []
         for cfg in (dataclasses.replace(CFG, static_steps="on"), CFG):
             if ctx.rank != 0:
-                worker_loop(make_runner(model, cfg, spec))
-                continue
-            engine = Engine(model, cfg, spec=spec)
-            res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-            pair.append((res, engine.graphs.summary(), engine.scheduler.blocks_in_use()))
-            engine.shutdown()
+                runner = make_runner(model, cfg, spec)
+                worker_loop(runner)
+            else:
+                engine = Engine(model, cfg, spec=spec)
+                res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
+                pair.append((res, engine.graphs.summary(), engine.scheduler.blocks_in_use()))
+                engine.shutdown()
+                runner = engine.runner
+            if runner.graphs is not None:
+                static_steps.append({k: v["steps"] for k, v in runner.graphs.coverage.summary().items()})
         results.append(pair)
-    return results
+    return (results if ctx.rank == 0 else None), static_steps
 
 
 @pytest.mark.parametrize(("preset", "model"), [("single", "tiny_deepseek"), ("single", "tiny_qwen3_moe"),
                                                ("tp8", "tiny_deepseek"), ("dp8_ep8", "tiny_deepseek")])
 def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, preset, model):
     """Decode and verify through the fixed-shape static steps (the CUDA-graph path, run eagerly here) give the
-    dynamic forward's tokens for plain, DFlash and DDTree decoding; coverage says why nothing replayed."""
+    dynamic forward's tokens for plain, DFlash and DDTree decoding; coverage says why nothing replayed. Every
+    rank runs the same static steps — under dp8_ep8 the five attention-DP ranks without a request too (they
+    pad a whole batch), so a graph replay on one rank never meets a dynamic step on another."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    out = pool.run(_static_job, layout(preset), tiny_ckpts[model], PROMPTS, specs(random_drafter), params)[0]
+    per_rank = pool.run(_static_job, layout(preset), tiny_ckpts[model], PROMPTS, specs(random_drafter), params)
+    out, rank0_steps = per_rank[0]
     for ((static, coverage, blocks), (dynamic, _, _)), kind in zip(out, ("decode", "verify", "verify"), strict=True):
         assert static == dynamic and blocks == 0
         assert coverage[kind]["steps"] > 0 and coverage[kind]["replays"] == 0
         assert coverage[kind]["eager_reason"] == "no CUDA device"
     assert out[1][0][0] == out[0][0][0]  # and speculation stays lossless on the static path
+    assert [s.get(k, 0) > 0 for s, k in zip(rank0_steps, ("decode", "verify", "verify"), strict=True)] == [True] * 3
+    assert all(r[1] == rank0_steps for r in per_rank if r is not None)
 
 
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
