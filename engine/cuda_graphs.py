@@ -243,7 +243,7 @@ def random_model(device: torch.device, dtype: torch.dtype, **overrides) -> Causa
 
 def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A random n-node tree (root 0, parents before children): its ancestor mask ``[n, n]`` and depths ``[n]``."""
-    from spec_decode.tree import ancestor_mask
+    from model.tree_mask import ancestor_mask
 
     parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
     depth = torch.zeros(n, dtype=torch.int64)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.tree_mask import ancestor_mask
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -124,19 +126,6 @@ def tree_paths(tree: DraftTree) -> set[tuple[int, ...]]:
             j = par[j]
         paths.append(tuple(reversed(path)))
     return {p for i, p in enumerate(paths) if i > 0 and valid[i]}
-
-
-def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """``parents [N]`` → ``[N, N]`` bool: row i is True at i and every ancestor of i (fixed D steps)."""
-    n = parents.shape[0]
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
-    rows = torch.arange(n, device=parents.device)
-    cur = parents.clone()
-    for _ in range(max_depth):
-        has = cur >= 0
-        mask[rows[has], cur[has]] = True
-        cur = torch.where(has, parents[cur.clamp(min=0)], -1)
-    return mask
 
 
 def walk(tree: DraftTree, picks: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine.sampler import SamplingBatch, SamplingParams, sample
+from model.tree_mask import ancestor_mask
 from spec_decode.config import SpecConfig
-from spec_decode.tree import DraftTree, ancestor_mask, build_chain, build_tree, build_tree_heap, tree_paths, walk
+from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_heap, tree_paths, walk
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512])

@@ -29,6 +29,7 @@ from model.batch import PaddedContext
 from model.config import MLAConfig, MoEConfig
 from model.kernel_select import OPS, select_kernels
 from model.moe import LocalExperts
+from model.tree_mask import ancestor_mask
 from model.triton import cases, reference
 from parallelism.layout import ExpertPlacement
 
@@ -69,8 +70,8 @@ def test_moe_align_block_size_hand_worked():
 
 def test_ancestor_mask_hand_worked():
     parents = torch.tensor([[-1, 0, 1, 0, 3, 4, 5, 6, 7], [-1, 0, 0, 0, 0, 0, 0, 0, 0]])
-    mask = reference.ancestor_mask_from_parents(parents)
-    assert mask[0, 8].nonzero().flatten().tolist() == [0, 3, 4, 5, 6, 7, 8]  # depth 6: needs 3 squarings
+    mask = ancestor_mask(parents)
+    assert mask[0, 8].nonzero().flatten().tolist() == [0, 3, 4, 5, 6, 7, 8]  # depth 6
     assert mask[0, 2].nonzero().flatten().tolist() == [0, 1, 2]
     assert (mask[1].sum(dim=1) == torch.tensor([1] + [2] * 8)).all()
     with pytest.raises(ValueError, match="exactly one"):
@@ -156,7 +157,7 @@ def test_tree_verify_gqa():
     ref = reference.tree_verify_gqa(**case)
     torch.testing.assert_close(attention.tree_verify_gqa(**case, num_splits=2), ref, **TOL)
     by_mask = {k: v for k, v in case.items() if k != "parents"}
-    mask = reference.ancestor_mask_from_parents(case["parents"])
+    mask = ancestor_mask(case["parents"])
     torch.testing.assert_close(attention.tree_verify_gqa(**by_mask, tree_mask=mask), ref, **TOL)
 
 
@@ -165,7 +166,7 @@ def test_tree_verify_mla():
     ref = reference.tree_verify_mla(**case)
     torch.testing.assert_close(attention.tree_verify_mla(**case, num_splits=2), ref, **TOL)
     by_mask = {k: v for k, v in case.items() if k != "parents"}
-    mask = reference.ancestor_mask_from_parents(case["parents"])
+    mask = ancestor_mask(case["parents"])
     torch.testing.assert_close(attention.tree_verify_mla(**by_mask, tree_mask=mask), ref, **TOL)
 
 
@@ -246,7 +247,7 @@ def test_model_static_steps_on_the_triton_kernel_set(preset, tiny_ckpts):
     model(ForwardBatch(ids, torch.arange(7), [4, 3], PagedKV(cache, [SeqSlots(t, 0, n) for t, n in
                                                                     zip(tables, (4, 3), strict=True)])))
     parents = torch.tensor([-1, 0, 0, 1])
-    tree = reference.ancestor_mask_from_parents(parents[None])[0]
+    tree = ancestor_mask(parents[None])[0]
     cases_ = {StepShape(2, 1): [([9], [4], None), ([11], [3], None)],
               StepShape(2, 4): [([9, 3, 4, 5], [4, 5, 5, 6], tree), ([11, 6, 7, 8], [3, 4, 4, 5], tree)]}
     for shape, rows in cases_.items():

@@ -12,11 +12,10 @@ function the prefill path uses; they loop over the batch in Python and are meant
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from model.kernels import attention, rms_norm
+from model.tree_mask import ancestor_mask
 from parallelism.dispatch import ExpertInput
 
 
@@ -28,25 +27,11 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int, bl
     return cache.index_select(0, slots)
 
 
-def ancestor_mask_from_parents(parents: torch.Tensor) -> torch.Tensor:
-    """``parents [B, N]`` (−1 for a root, parents before children not required) → ``[B, N, N]`` bool, row i
-    True at i and at every ancestor of i. Pointer doubling: ``ceil(log2 N)`` boolean matrix squarings, fixed
-    shapes and no host synchronisation (graph-safe)."""
-    b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
-    parent_of = torch.zeros(b, n, n + 1, dtype=torch.bool, device=parents.device)
-    parent_of.scatter_(2, torch.where(parents >= 0, parents, n).long()[..., None], True)  # column n: no parent
-    reach = (eye | parent_of[..., :n]).float()
-    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
-        reach = (reach + torch.bmm(reach, reach)).clamp(max=1.0)
-    return reach > 0
-
-
 def resolve_tree_mask(tree_mask: torch.Tensor | None, parents: torch.Tensor | None) -> torch.Tensor:
     """Exactly one of ``tree_mask [B, N, N]`` bool or ``parents [B, N]`` → the ``[B, N, N]`` bool mask."""
     if (tree_mask is None) == (parents is None):
         raise ValueError("give exactly one of tree_mask [B, N, N] bool or parents [B, N] int")
-    mask = ancestor_mask_from_parents(parents) if tree_mask is None else tree_mask
+    mask = ancestor_mask(parents) if tree_mask is None else tree_mask
     if mask.dim() != 3 or mask.shape[1] != mask.shape[2]:
         raise ValueError(f"tree_mask must be [B, N, N], got {tuple(mask.shape)}")
     return mask.bool()
