@@ -4,7 +4,7 @@
 time of one matmul over the target's LM-head weight at 1 row (a decode step) and at a verify step's row counts.
 
     python scripts/bench_spec.py [--target DIR] [--drafter DIR] [--prompts N] [--new-tokens N] [--threads N]
-                                 [--budgets 4,8,...] [--block-size B]
+                                 [--budgets 4,8,...] [--block-size B] [--tree-temperatures 1,0.33]
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def run(model, prompts, spec: SpecConfig, new_tokens: int) -> dict:
             for o in engine.step():
                 outputs.setdefault(o.request_id, []).extend(o.new_tokens)
     s = engine.stats
-    return {"method": spec.method, "budget": spec.budget if spec.method == "ddtree" else None,
+    tree = spec.method == "ddtree"
+    return {"method": spec.method, "budget": spec.budget if tree else None,
+            "tree_temperature": spec.tree_temperature if tree else None,
             "tau": s.acceptance_length if spec.enabled else 1.0,
             "decode_tok_s": s.decode_tokens / s.decode_s, "wall_s": time.perf_counter() - t0,
             "draft_ms_per_step": 1e3 * engine.runner.timing["draft_s"] / s.steps,
@@ -73,6 +75,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="4,8,16,32,64,128,256")
     ap.add_argument("--block-size", type=int, default=16, help="drafter block (its checkpoint was trained at 16)")
+    ap.add_argument("--tree-temperatures", default="1,0.33",
+                    help="ddtree rows for each: prefixes ranked by the drafter's logits / this (conf default 0.33)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the same for every method)")
     ap.add_argument("--output", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
@@ -83,16 +87,18 @@ def main() -> None:
     model = load_model(args.target, build_groups(Layout()))
     blk = args.block_size
     specs = [SpecConfig(), SpecConfig("dflash", block_size=blk, drafter_path=args.drafter)]
-    specs += [SpecConfig("ddtree", budget=int(b), block_size=blk, drafter_path=args.drafter)
-              for b in args.budgets.split(",")]
+    specs += [SpecConfig("ddtree", budget=int(b), block_size=blk, drafter_path=args.drafter, tree_temperature=float(t))
+              for t in args.tree_temperatures.split(",") for b in args.budgets.split(",")]
     rows = [run(model, prompts, s, args.new_tokens) for s in specs]
     base, chain = rows[0], rows[1]
     print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, {args.threads} thread(s), "
           f"drafter block {blk}\n")
-    print("| method | budget | τ | τ / τ(dflash) | decode tok/s | × none | draft ms/step | verify ms/step | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | budget | tree temp. | τ | τ / τ(dflash) | decode tok/s | × none | draft ms/step | "
+          "verify ms/step | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tau'] / chain['tau']:.2f} | "
+        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tree_temperature'] or '-'} | {r['tau']:.2f} | "
+              f"{r['tau'] / chain['tau']:.2f} | "
               f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f} | "
               f"{r['draft_ms_per_step']:.1f} | {r['verify_ms_per_step']:.1f} | {r['tokens'] == base['tokens']} |")
     rows_cost = matmul_cost(model.lm_head.weight, [1 + int(b) for b in args.budgets.split(",")[:3]])

@@ -14,12 +14,16 @@ class SpecConfigError(ValueError):
 @dataclass(frozen=True)
 class SpecConfig:
     """``dflash``: chain of the drafter's argmax at each of ``block_size - 1`` depths. ``ddtree``: the
-    ``budget`` most probable prefixes over those depths. ``drafter_path``: a z-lab-layout DFlash checkpoint."""
+    ``budget`` most probable prefixes over those depths. ``drafter_path``: a z-lab-layout DFlash checkpoint.
+    ``tree_temperature``: DDTree ranks prefixes by the drafter's log-probs divided by it (below 1 sharpens them,
+    so the tree goes deeper and narrower); it only chooses which candidates are verified, never what is
+    accepted, so any value is lossless."""
 
     method: str = "none"
     budget: int = 16
     block_size: int = 16
     drafter_path: str | None = None
+    tree_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -28,6 +32,8 @@ class SpecConfig:
             raise SpecConfigError(f"spec_decode.block_size must be >= 2, got {self.block_size}")
         if self.budget < 1:
             raise SpecConfigError(f"spec_decode.budget must be >= 1, got {self.budget}")
+        if not self.tree_temperature > 0:
+            raise SpecConfigError(f"spec_decode.tree_temperature must be > 0, got {self.tree_temperature}")
         if self.enabled and not self.drafter_path:
             raise SpecConfigError(f"spec_decode={self.method} needs spec_decode.drafter_path (a DFlash checkpoint)")
 

@@ -67,10 +67,11 @@ class Speculator:
                                             for i in range(len(kvs[0]))]
         used = self.cfg.draft_rows  # a B-node tree is at most B deep: deeper rows never reach the LM head
         hidden = self.drafter(emb, pos, kv, visible)[:, 1:1 + used]  # [J, D', H]
-        logq = self.model.logits_everywhere(hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype))
-        logq = logq.float().log_softmax(dim=-1).view(len(work), used, -1)  # [J, D', V]
+        hidden = hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype)
+        logits = self.model.logits_everywhere(hidden).float().view(len(work), used, -1)  # [J, D', V]
         if self.cfg.method == "dflash":
-            return {w.request_id: build_chain(logq[j], w.token_ids[0]) for j, w in enumerate(work)}
+            return {w.request_id: build_chain(logits[j], w.token_ids[0]) for j, w in enumerate(work)}
+        logq = (logits / self.cfg.tree_temperature).log_softmax(dim=-1)
         return {w.request_id: build_tree(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}
 
     @staticmethod
