@@ -39,7 +39,7 @@ def _job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
 
 def specs(drafter):
     return [SpecConfig(), SpecConfig("dflash", block_size=5, drafter_path=drafter),
-            SpecConfig("ddtree", budget=12, block_size=5, drafter_path=drafter)]
+            SpecConfig("ddtree", budget=12, block_size=5, drafter_path=drafter, tree_temperature=0.5)]
 
 
 @pytest.mark.parametrize("preset", ["single", "tp8", "dp8_ep8"])

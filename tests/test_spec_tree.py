@@ -7,7 +7,7 @@ import torch
 
 from engine.sampler import SamplingBatch, SamplingParams, sample
 from model.tree_mask import ancestor_mask
-from spec_decode.config import SpecConfig
+from spec_decode.config import SpecConfig, SpecConfigError
 from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_heap, tree_paths, walk
 
 
@@ -164,3 +164,12 @@ def test_biased_acceptance_rule_is_detected():
     p = chi_square_p_value(first_two_tokens(greedy_biased_accept), exact_first_two())
     assert p < 1e-3, f"the chi-square test failed to detect a biased acceptance rule (p={p:.3f})"
     assert not math.isnan(p)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(method="medusa"), "spec_decode.method"), (dict(block_size=1), "spec_decode.block_size"),
+    (dict(budget=0), "spec_decode.budget"), (dict(tree_temperature=0.0), "spec_decode.tree_temperature"),
+    (dict(method="ddtree"), "spec_decode.drafter_path")])
+def test_bad_spec_config_names_the_field(kwargs, match):
+    with pytest.raises(SpecConfigError, match=match):
+        SpecConfig(**kwargs)
