@@ -30,26 +30,34 @@ from spec_decode.config import SpecConfig  # noqa: E402
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 
 
-def run(model, prompts, spec: SpecConfig, new_tokens: int) -> dict:
-    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
-                          num_blocks=512)
-    engine = Engine(model, cfg, spec=spec)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    outputs, t0 = {}, time.perf_counter()
-    for i, p in enumerate(prompts):  # batch 1: one request at a time
-        engine.add_request(str(i), p, params)
-        while engine.has_work():
-            for o in engine.step():
-                outputs.setdefault(o.request_id, []).extend(o.new_tokens)
-    s = engine.stats
-    tree = spec.method == "ddtree"
-    return {"method": spec.method, "budget": spec.budget if tree else None,
-            "tree_temperature": spec.tree_temperature if tree else None,
-            "tau": s.acceptance_length if spec.enabled else 1.0,
-            "decode_tok_s": s.decode_tokens / s.decode_s, "wall_s": time.perf_counter() - t0,
-            "draft_ms_per_step": 1e3 * engine.runner.timing["draft_s"] / s.steps,
-            "verify_ms_per_step": 1e3 * engine.runner.timing["verify_s"] / s.steps,
-            "tokens": [outputs[str(i)] for i in range(len(prompts))]}
+class Arm:
+    """One method's engine; prompts run through every arm in turn (round robin), so a machine whose speed
+    drifts during the run (this shared box does) slows every arm alike and the ratios stay side by side."""
+
+    def __init__(self, model, spec: SpecConfig, new_tokens: int):
+        cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
+                              num_blocks=512)
+        self.spec, self.engine = spec, Engine(model, cfg, spec=spec)
+        self.params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        self.tokens: list[list[int]] = []
+
+    def generate(self, prompt: list[int]) -> None:
+        """Batch 1: one request at a time."""
+        rid, out = str(len(self.tokens)), []
+        self.engine.add_request(rid, prompt, self.params)
+        while self.engine.has_work():
+            for o in self.engine.step():
+                out.extend(o.new_tokens)
+        self.tokens.append(out)
+
+    def row(self) -> dict:
+        s, spec, timing = self.engine.stats, self.spec, self.engine.runner.timing
+        tree = spec.method == "ddtree"
+        return {"method": spec.method, "budget": spec.budget if tree else None,
+                "tree_temperature": spec.tree_temperature if tree else None, "block_size": spec.block_size,
+                "tau": s.acceptance_length if spec.enabled else 1.0, "decode_tok_s": s.decode_tokens / s.decode_s,
+                "draft_ms_per_step": 1e3 * timing["draft_s"] / s.steps,
+                "verify_ms_per_step": 1e3 * timing["verify_s"] / s.steps, "tokens": self.tokens}
 
 
 def matmul_cost(weight: torch.Tensor, row_counts: list[int], reps: int = 200) -> dict[int, float]:
@@ -78,18 +86,26 @@ def main() -> None:
     ap.add_argument("--tree-temperatures", default="1,0.33",
                     help="ddtree rows for each: prefixes ranked by the drafter's logits / this (conf default 0.33)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the same for every method)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="target weights and activations (the drafter runs in float32)")
     ap.add_argument("--output", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     doc = json.loads((Path(args.target).parent / "eval_prompts.json").read_text())
     prompts = [p["ids"] for p in doc["prompts"]]
     prompts = prompts[: args.prompts]
-    model = load_model(args.target, build_groups(Layout()))
+    model = load_model(args.target, build_groups(Layout()), getattr(torch, args.dtype))
     blk = args.block_size
     specs = [SpecConfig(), SpecConfig("dflash", block_size=blk, drafter_path=args.drafter)]
     specs += [SpecConfig("ddtree", budget=int(b), block_size=blk, drafter_path=args.drafter, tree_temperature=float(t))
               for t in args.tree_temperatures.split(",") for b in args.budgets.split(",")]
-    rows = [run(model, prompts, s, args.new_tokens) for s in specs]
+    arms = [Arm(model, s, args.new_tokens) for s in specs]
+    for arm in arms:  # warm-up (allocator, drafter weights): one short prompt, not counted
+        Arm(model, arm.spec, 8).generate(prompts[0])
+    for p in prompts:
+        for arm in arms:
+            arm.generate(p)
+    rows = [arm.row() for arm in arms]
     base, chain = rows[0], rows[1]
     print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, {args.threads} thread(s), "
           f"drafter block {blk}\n")

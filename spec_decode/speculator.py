@@ -20,7 +20,7 @@ from engine.scheduler import SeqWork, StepResult
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
-from spec_decode.tree import DraftTree, build_chain, build_tree, walk
+from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, walk
 
 
 class Speculator:
@@ -72,7 +72,8 @@ class Speculator:
         if self.cfg.method == "dflash":
             return {w.request_id: build_chain(logits[j], w.token_ids[0]) for j, w in enumerate(work)}
         logq = (logits / self.cfg.tree_temperature).log_softmax(dim=-1)
-        return {w.request_id: build_tree(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}
+        build = build_tree_host if logq.device.type == "cpu" else build_tree  # no host sync off the CPU
+        return {w.request_id: build(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}
 
     @staticmethod
     def tree_inputs(w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int]]:

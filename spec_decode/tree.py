@@ -2,9 +2,10 @@
 
 Score of a prefix ``(t_1..t_d)`` = ``Σ_i log q_i(t_i)`` where ``q_i`` is the drafter's distribution at
 depth i. Only the top ``K = min(B, V)`` tokens per depth can appear. Two builders select the same node
-set (up to exact score ties): :func:`build_tree_heap` (best-first heap, the reference) and
-:func:`build_tree` (fixed-shape tensor ops, no host synchronisation: a per-depth beam of width B then a
-global top-B over all depths — exact because a child never scores above its parent).
+set and flatten it the same way (up to exact score ties): :func:`build_tree_host` (best-first heap on the
+host: the reference, and the builder on CPU) and :func:`build_tree` (fixed-shape tensor ops, no host
+synchronisation, for accelerators and captured graphs: a per-depth beam of width B then a global top-B
+over all depths — exact because a child never scores above its parent).
 
 A :class:`DraftTree` is flattened with the root (the bonus token) at index 0, parents before
 children, ordered by depth then score; position of node i = start + depth[i].
@@ -93,26 +94,44 @@ def build_chain(logq: torch.Tensor, root_token: int | torch.Tensor) -> DraftTree
                      depth=torch.arange(d_max + 1, device=dev), valid=every[0], ancestors=every.tril())
 
 
-def build_tree_heap(logq: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
-    """Reference best-first selection: the set of selected prefixes (token tuples), root excluded.
+def build_tree_host(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) -> DraftTree:
+    """The same selection by a best-first heap on the host: the reference for :func:`build_tree`, and the CPU
+    builder (where there is no device to synchronise with, a few dozen heap operations beat D rounds of
+    tensor ops). ``logq [D, V]`` → a DraftTree flattened as :func:`build_tree` flattens it (depth, then score
+    descending); prefixes scoring −inf, and padding when fewer than ``budget`` exist, are invalid.
 
-    Seed (depth 1, rank 0); each pop adds a node and pushes its next sibling (rank+1) and its first
-    child (depth+1, rank 0)."""
+    Seed (depth 1, rank 0); each pop adds a node and pushes its next sibling (rank + 1) and its first child
+    (depth + 1, rank 0): a child never scores above its parent, so pops come in score order."""
     d_max, vocab = logq.shape
     k = min(budget, vocab)
     top_lp, top_tok = logq.topk(k, dim=-1)
     lp, tok = top_lp.tolist(), top_tok.tolist()
-    heap = [(-lp[0][0], 0, 0, ())]  # (-score, depth index, rank, parent path)
-    selected: set[tuple[int, ...]] = set()
-    while heap and len(selected) < budget:
+    heap = [(-lp[0][0], 0, 0, -1)]  # (-score, depth index, rank, pop index of the parent; -1 = root)
+    popped: list[tuple[int, float, int, int]] = []  # (depth index, -score, token, parent pop index)
+    while heap and len(popped) < budget:
         neg_score, d, r, parent = heapq.heappop(heap)
-        path = (*parent, tok[d][r])
-        selected.add(path)
+        if neg_score == float("inf"):
+            break  # everything left scores -inf
+        popped.append((d, neg_score, tok[d][r], parent))
         if r + 1 < k:
             heapq.heappush(heap, (neg_score + lp[d][r] - lp[d][r + 1], d, r + 1, parent))
         if d + 1 < d_max:
-            heapq.heappush(heap, (neg_score - lp[d + 1][0], d + 1, 0, path))
-    return selected
+            heapq.heappush(heap, (neg_score - lp[d + 1][0], d + 1, 0, len(popped) - 1))
+    order = sorted(range(len(popped)), key=lambda i: (popped[i][0], popped[i][1], i))
+    node_of = {p: n + 1 for n, p in enumerate(order)}
+    pad = budget - len(order)
+    tokens = [int(root_token)] + [popped[p][2] for p in order] + [0] * pad
+    parents = [-1] + [node_of.get(popped[p][3], 0) for p in order] + [0] * pad
+    depth = [0] + [popped[p][0] + 1 for p in order] + [1] * pad
+    rows: list[list[int]] = [[0]]  # each node's ancestors and itself (parents come first)
+    for i in range(1, budget + 1):
+        rows.append([*rows[parents[i]], i])
+    ancestors = torch.zeros(budget + 1, budget + 1, dtype=torch.bool)
+    ancestors[[i for i, r in enumerate(rows) for _ in r], [j for r in rows for j in r]] = True
+    dev = logq.device
+    return DraftTree(tokens=torch.tensor(tokens, device=dev), parents=torch.tensor(parents, device=dev),
+                     depth=torch.tensor(depth, device=dev),
+                     valid=torch.arange(budget + 1, device=dev) <= len(order), ancestors=ancestors.to(dev))
 
 
 def tree_paths(tree: DraftTree) -> set[tuple[int, ...]]:

@@ -8,16 +8,20 @@ import torch
 from engine.sampler import SamplingBatch, SamplingParams, sample
 from model.tree_mask import ancestor_mask
 from spec_decode.config import SpecConfig, SpecConfigError
-from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_heap, tree_paths, walk
+from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, tree_paths, walk
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512])
-def test_vectorised_builder_selects_the_heaps_nodes(budget):
+def test_vectorised_builder_builds_the_heaps_tree(budget):
+    """Same node set and the same flattening (tokens, parents, depths, mask) from both builders."""
     gen = torch.Generator().manual_seed(budget)
     for vocab, depth in ((600, 7), (7, 4)):
         logq = (torch.randn(depth, vocab, generator=gen) * 3).log_softmax(dim=-1)
-        tree = build_tree(logq, root_token=11, budget=budget)
-        assert tree_paths(tree) == build_tree_heap(logq, budget)
+        tree, heap = build_tree(logq, root_token=11, budget=budget), build_tree_host(logq, 11, budget)
+        assert tree_paths(tree) == tree_paths(heap)
+        for field in ("tokens", "parents", "depth", "valid", "ancestors"):
+            assert torch.equal(getattr(tree, field), getattr(heap, field)), field
+        assert torch.equal(heap.ancestors, ancestor_mask(heap.parents))
         assert tree.size == budget + 1 and int(tree.tokens[0]) == 11
         assert bool((tree.parents[1:] < torch.arange(1, tree.size)).all()), "parents must precede children"
         assert bool((tree.depth[1:] == tree.depth[tree.parents[1:]] + 1).all())
@@ -38,9 +42,16 @@ def test_rows_below_the_budget_depth_never_matter(budget):
 
 def test_budget_larger_than_all_prefixes_marks_padding_invalid():
     logq = torch.tensor([[0.7, 0.3], [0.6, 0.4]]).log()
-    tree = build_tree(logq, 0, budget=8)  # only 2 + 4 prefixes exist
-    assert int(tree.valid.sum()) == 1 + 6
-    assert tree_paths(tree) == build_tree_heap(logq, 8)
+    tree, heap = build_tree(logq, 0, budget=8), build_tree_host(logq, 0, budget=8)  # only 2 + 4 prefixes exist
+    assert int(tree.valid.sum()) == int(heap.valid.sum()) == 1 + 6
+    assert tree_paths(tree) == tree_paths(heap) and len(tree_paths(heap)) == 6
+    assert torch.equal(tree.tokens[:7], heap.tokens[:7]) and torch.equal(tree.parents[:7], heap.parents[:7])
+
+
+def test_minus_inf_prefixes_are_never_valid():
+    logq = torch.tensor([[0.0, float("-inf"), float("-inf")], [-0.1, -2.4, float("-inf")]])
+    tree, heap = build_tree(logq, 0, budget=4), build_tree_host(logq, 0, budget=4)
+    assert tree_paths(tree) == tree_paths(heap) == {(0,), (0, 0), (0, 1)}
 
 
 def test_ancestor_mask_and_walk_hand_worked():
