@@ -48,6 +48,19 @@ class KernelSet:
     reasons: dict[str, str] = field(default_factory=dict)
 
 
+def native_bf16_matmul(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies bf16 natively (faster than fp32): any CUDA device, or a CPU whose flags
+    (Linux ``/proc/cpuinfo``) include ``avx512_bf16`` or ``amx_bf16``; False where that cannot be read."""
+    if torch.device(device).type == "cuda":
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def triton_unavailable(device: torch.device | str) -> str | None:
     """Why the Triton kernels cannot run on ``device``, or None when they can."""
     device = torch.device(device)

@@ -98,9 +98,10 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @torch.no_grad()
-    def logits_everywhere(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits on every attention-TP rank (speculative steps: every rank walks the tree)."""
-        return self.lm_head.forward_all(hidden)
+    def logits_everywhere(self, hidden: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Full-vocab logits on every attention-TP rank (speculative steps: every rank walks the tree);
+        ``head_weight``: this rank's LM-head shard in another dtype (drafting)."""
+        return self.lm_head.forward_all(hidden, head_weight)
 
     @torch.no_grad()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -221,8 +221,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             return None
         return gathered[: self.vocab_size].t()
 
-    def forward_all(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, vocab] on every rank
-        local = F.linear(x, self.weight)
+    def forward_all(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, hidden]`` → ``[T, vocab]`` on every rank; ``weight``: a copy of this shard to use instead
+        (e.g. in another dtype, matching ``x``)."""
+        local = F.linear(x, self.weight if weight is None else weight)
         if self.comm.size == 1:
             return local[:, : self.vocab_size]
         return self.comm.all_gather(local.t().contiguous())[: self.vocab_size].t()

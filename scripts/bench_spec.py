@@ -4,7 +4,7 @@
 time of one matmul over the target's LM-head weight at 1 row (a decode step) and at a verify step's row counts.
 
     python scripts/bench_spec.py [--target DIR] [--drafter DIR] [--prompts N] [--new-tokens N] [--threads N]
-                                 [--budgets 4,8,...] [--block-size B] [--tree-temperatures 1,0.33]
+                                 [--budgets 4,8,...] [--block-sizes 16,9] [--tree-temperatures 1,0.33]
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="4,8,16,32,64,128,256")
-    ap.add_argument("--block-size", type=int, default=16, help="drafter block (its checkpoint was trained at 16)")
+    ap.add_argument("--block-sizes", default="16",
+                    help="drafter blocks: dflash and ddtree rows for each (the checkpoint was trained at 16; a block "
+                         "of budget + 1 drafts every depth a budget-B tree can reach)")
     ap.add_argument("--tree-temperatures", default="1,0.33",
                     help="ddtree rows for each: prefixes ranked by the drafter's logits / this (conf default 0.33)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the same for every method)")
@@ -95,10 +97,10 @@ def main() -> None:
     prompts = [p["ids"] for p in doc["prompts"]]
     prompts = prompts[: args.prompts]
     model = load_model(args.target, build_groups(Layout()), getattr(torch, args.dtype))
-    blk = args.block_size
-    specs = [SpecConfig(), SpecConfig("dflash", block_size=blk, drafter_path=args.drafter)]
+    blocks = [int(b) for b in args.block_sizes.split(",")]
+    specs = [SpecConfig()] + [SpecConfig("dflash", block_size=blk, drafter_path=args.drafter) for blk in blocks]
     specs += [SpecConfig("ddtree", budget=int(b), block_size=blk, drafter_path=args.drafter, tree_temperature=float(t))
-              for t in args.tree_temperatures.split(",") for b in args.budgets.split(",")]
+              for blk in blocks for t in args.tree_temperatures.split(",") for b in args.budgets.split(",")]
     arms = [Arm(model, s, args.new_tokens) for s in specs]
     for arm in arms:  # warm-up (allocator, drafter weights): one short prompt, not counted
         Arm(model, arm.spec, 8).generate(prompts[0])
@@ -108,12 +110,13 @@ def main() -> None:
     rows = [arm.row() for arm in arms]
     base, chain = rows[0], rows[1]
     print(f"{len(prompts)} held-out prompts, {args.new_tokens} greedy tokens each, batch 1, {args.threads} thread(s), "
-          f"drafter block {blk}\n")
-    print("| method | budget | tree temp. | τ | τ / τ(dflash) | decode tok/s | × none | draft ms/step | "
+          f"drafter blocks {args.block_sizes}\n")
+    print("| method | block | budget | tree temp. | τ | τ / τ(dflash) | decode tok/s | × none | draft ms/step | "
           "verify ms/step | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tree_temperature'] or '-'} | {r['tau']:.2f} | "
+        block = r["block_size"] if r["method"] != "none" else "-"
+        print(f"| {r['method']} | {block} | {r['budget'] or '-'} | {r['tree_temperature'] or '-'} | {r['tau']:.2f} | "
               f"{r['tau'] / chain['tau']:.2f} | "
               f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f} | "
               f"{r['draft_ms_per_step']:.1f} | {r['verify_ms_per_step']:.1f} | {r['tokens'] == base['tokens']} |")

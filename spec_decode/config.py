@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("none", "dflash", "ddtree")
+DRAFT_HEAD_DTYPES = ("auto", "target", "bfloat16")
 
 
 class SpecConfigError(ValueError):
@@ -17,13 +18,17 @@ class SpecConfig:
     ``budget`` most probable prefixes over those depths. ``drafter_path``: a z-lab-layout DFlash checkpoint.
     ``tree_temperature``: DDTree ranks prefixes by the drafter's log-probs divided by it (below 1 sharpens them,
     so the tree goes deeper and narrower); it only chooses which candidates are verified, never what is
-    accepted, so any value is lossless."""
+    accepted, so any value is lossless. ``draft_head_dtype``: the precision of the LM-head matmul over the
+    drafter's rows — ``target`` (the target's weight as is), ``bfloat16`` (a bf16 copy when the target is
+    wider), ``auto`` (bf16 where the device multiplies bf16 natively: CUDA, or a CPU with AVX512-BF16 / AMX);
+    drafting only, so lossless either way."""
 
     method: str = "none"
     budget: int = 16
     block_size: int = 16
     drafter_path: str | None = None
     tree_temperature: float = 1.0
+    draft_head_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -34,6 +39,9 @@ class SpecConfig:
             raise SpecConfigError(f"spec_decode.budget must be >= 1, got {self.budget}")
         if not self.tree_temperature > 0:
             raise SpecConfigError(f"spec_decode.tree_temperature must be > 0, got {self.tree_temperature}")
+        if self.draft_head_dtype not in DRAFT_HEAD_DTYPES:
+            raise SpecConfigError(f"spec_decode.draft_head_dtype must be one of {DRAFT_HEAD_DTYPES}, "
+                                  f"got {self.draft_head_dtype!r}")
         if self.enabled and not self.drafter_path:
             raise SpecConfigError(f"spec_decode={self.method} needs spec_decode.drafter_path (a DFlash checkpoint)")
 

@@ -97,14 +97,16 @@ class DraftLayer(nn.Module):
         return rotary.apply(k, cos, sin), self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
 
     def forward(self, x, cos, sin, rotary, ctx_k, ctx_v, mask):
-        """Block rows ``x [N, H]`` against context K/V ``[S, kvh, d]`` and themselves; ``mask [N, S+N]``."""
+        """Block rows ``x [N, H]`` against context K/V ``[S, kvh, d]`` and themselves; ``mask [N, S+N]`` (None:
+        every row sees every key)."""
         c = self.c
         hx = rms(x, self.input_layernorm, c.rms_norm_eps)
         q = rotary.apply(rms(self.q_proj(hx).view(-1, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps),
                          cos, sin)
         bk, bv = self.kv(hx, cos, sin, rotary)
         k, v = torch.cat([ctx_k, bk]).transpose(0, 1), torch.cat([ctx_v, bv]).transpose(0, 1)  # [kvh, S+N, d]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None],
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                           attn_mask=None if mask is None else mask[None, None],
                                            enable_gqa=True)[0]  # [h, N, d]
         x = x + self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
         hx = rms(x, self.post_attention_layernorm, c.rms_norm_eps)
@@ -129,15 +131,21 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         return [layer.kv(ctx, cos, sin, self.rotary) for layer in self.layers]
 
-    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_kv, ctx_visible: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_kv,
+                ctx_visible: torch.Tensor | None = None) -> torch.Tensor:
         """J blocks at once: ``block_emb [J, B, H]`` (the target's embeddings of ``[bonus, MASK...]``),
         ``block_pos [J, B]``, shared context K/V (``context_kv``) of S rows, ``ctx_visible [J, S]`` bool
-        (which context rows block j sees). Returns normed hidden states ``[J, B, H]``; rows 1..B-1 feed the
-        target's LM head. Attention is non-causal inside a block; blocks do not see each other."""
+        (which context rows block j sees; None: one block that sees all of them, attention runs unmasked).
+        Returns normed hidden states ``[J, B, H]``; rows 1..B-1 feed the target's LM head. Attention is
+        non-causal inside a block; blocks do not see each other."""
         j, b, h = block_emb.shape
-        own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)  # [J*B, J*B]
-        mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)
+        if ctx_visible is None:
+            if j != 1:
+                raise ValueError(f"{j} draft blocks need ctx_visible: blocks must not see each other's context")
+            mask = None
+        else:
+            own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)
+            mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)  # [J*B, S + J*B]
         cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), block_emb.dtype)
         x = block_emb.reshape(j * b, h)
         for layer, (ck, cv) in zip(self.layers, ctx_kv, strict=True):

@@ -17,6 +17,7 @@ import torch
 from engine.kv_cache import PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SeqWork, StepResult
+from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
@@ -32,6 +33,18 @@ class Speculator:
         self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
         self.capture = tuple(drafter.c.target_layer_ids)
         self.ctx_kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.draft_head = self._draft_head_weight()
+
+    def _draft_head_weight(self) -> torch.Tensor | None:
+        """A bf16 copy of this rank's LM-head shard for the drafter's rows (``SpecConfig.draft_head_dtype``), or
+        None to use the target's weight as is. On this CPU box the LM head streams its weight from memory
+        for every draft, so half the bytes is most of half the time."""
+        weight, want = self.model.lm_head.weight, self.cfg.draft_head_dtype
+        if want == "target" or weight.element_size() <= 2:
+            return None
+        if want == "auto" and not native_bf16_matmul(weight.device):
+            return None
+        return weight.to(torch.bfloat16)
 
     # ---- drafter context ---------------------------------------------------------------------------
     def drop(self, request_ids) -> None:
@@ -60,15 +73,19 @@ class Speculator:
         emb = self.model.embed(ids.reshape(-1)).float().view(len(work), d + 1, -1)  # [J, B, H]
         pos = torch.tensor([w.start for w in work], device=dev)[:, None] + torch.arange(d + 1, device=dev)
         kvs = [self.ctx_kv[w.request_id] for w in work]
-        lens = torch.tensor([kv[0][0].shape[0] for kv in kvs], device=dev)
-        owner = torch.repeat_interleave(torch.arange(len(work), device=dev), lens)  # [S] request of each row
-        visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
-        kv = kvs[0] if len(work) == 1 else [(torch.cat([r[i][0] for r in kvs]), torch.cat([r[i][1] for r in kvs]))
-                                            for i in range(len(kvs[0]))]
+        if len(work) == 1:
+            kv, visible = kvs[0], None  # one block, its own context: unmasked attention
+        else:
+            lens = torch.tensor([kv[0][0].shape[0] for kv in kvs], device=dev)
+            owner = torch.repeat_interleave(torch.arange(len(work), device=dev), lens)  # [S] request of each row
+            visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
+            kv = [(torch.cat([r[i][0] for r in kvs]), torch.cat([r[i][1] for r in kvs])) for i in range(len(kvs[0]))]
         used = self.cfg.draft_rows  # a B-node tree is at most B deep: deeper rows never reach the LM head
         hidden = self.drafter(emb, pos, kv, visible)[:, 1:1 + used]  # [J, D', H]
-        hidden = hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype)
-        logits = self.model.logits_everywhere(hidden).float().view(len(work), used, -1)  # [J, D', V]
+        head = self.draft_head
+        hidden = hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype if head is None
+                                                           else head.dtype)
+        logits = self.model.logits_everywhere(hidden, head).float().view(len(work), used, -1)  # [J, D', V]
         if self.cfg.method == "dflash":
             return {w.request_id: build_chain(logits[j], w.token_ids[0]) for j, w in enumerate(work)}
         logq = (logits / self.cfg.tree_temperature).log_softmax(dim=-1)

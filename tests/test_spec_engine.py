@@ -38,8 +38,10 @@ def _job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
 
 
 def specs(drafter):
-    return [SpecConfig(), SpecConfig("dflash", block_size=5, drafter_path=drafter),
-            SpecConfig("ddtree", budget=12, block_size=5, drafter_path=drafter, tree_temperature=0.5)]
+    """Plain, DFlash drafting through the target's fp32 LM head, DDTree drafting through a bf16 copy of it."""
+    return [SpecConfig(), SpecConfig("dflash", block_size=5, drafter_path=drafter, draft_head_dtype="target"),
+            SpecConfig("ddtree", budget=12, block_size=5, drafter_path=drafter, tree_temperature=0.5,
+                       draft_head_dtype="bfloat16")]
 
 
 @pytest.mark.parametrize("preset", ["single", "tp8", "dp8_ep8"])
@@ -143,6 +145,7 @@ def test_batched_drafting_equals_one_request_at_a_time(tiny_ckpts, random_drafte
 
     from engine.kv_cache import KVSpec, PagedKVCache
     from engine.scheduler import SeqWork
+    from model.kernel_select import native_bf16_matmul
     from spec_decode.dflash import DFlashDrafter
     from spec_decode.speculator import Speculator
 
@@ -156,6 +159,8 @@ def test_batched_drafting_equals_one_request_at_a_time(tiny_ckpts, random_drafte
         feats = torch.randn(n, len(spec.capture) * model.cfg.hidden_size, generator=gen)
         spec.add_context(str(i), feats, torch.arange(n))
         work.append(SeqWork(str(i), [7 + i], n, [0], True, SamplingParams(), 0, 1, True, spec=True))
+    head = spec.draft_head  # draft_head_dtype "auto" on an fp32 target: a bf16 copy iff this CPU has bf16 matmul
+    assert (head.dtype if head is not None else None) == (torch.bfloat16 if native_bf16_matmul("cpu") else None)
     together = spec.propose(work)
     for w in work:
         alone = spec.propose([w])[w.request_id]

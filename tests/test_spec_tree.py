@@ -180,7 +180,8 @@ def test_biased_acceptance_rule_is_detected():
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(method="medusa"), "spec_decode.method"), (dict(block_size=1), "spec_decode.block_size"),
     (dict(budget=0), "spec_decode.budget"), (dict(tree_temperature=0.0), "spec_decode.tree_temperature"),
-    (dict(method="ddtree"), "spec_decode.drafter_path")])
+    (dict(method="ddtree"), "spec_decode.drafter_path"),
+    (dict(draft_head_dtype="fp8"), "spec_decode.draft_head_dtype")])
 def test_bad_spec_config_names_the_field(kwargs, match):
     with pytest.raises(SpecConfigError, match=match):
         SpecConfig(**kwargs)
