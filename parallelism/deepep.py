@@ -211,14 +211,15 @@ def packed_to_expert_input(packed: torch.Tensor, counts: torch.Tensor) -> Expert
     ``packed [E_local, R, H]`` (rows ``[0, counts[e])`` of expert ``e`` are valid, the rest is garbage),
     ``counts [E_local]`` → ``hidden [E_local * R, H]`` (a view), ``slots [E_local * R, 1]`` = ``e`` on valid
     rows and ``-1`` elsewhere, ``weights`` all 1: the experts return each row's *unweighted* output and
-    ``low_latency_combine`` applies the routing weights."""
+    ``low_latency_combine`` applies the routing weights. ``packed_counts = counts`` lets the Triton experts
+    run a masked grouped GEMM on the packed layout itself (:func:`model.triton.moe.masked_moe`)."""
     e, r, h = packed.shape
     pos = torch.arange(r, device=packed.device)
     valid = pos[None, :] < counts.to(pos.device, torch.int64)[:, None]  # [E_local, R]
     expert = torch.arange(e, device=packed.device)[:, None].expand(e, r)
     slots = torch.where(valid, expert, -1).reshape(e * r, 1)
     weights = torch.ones(e * r, 1, dtype=torch.float32, device=packed.device)
-    return ExpertInput(packed.reshape(e * r, h), slots, weights)
+    return ExpertInput(packed.reshape(e * r, h), slots, weights, counts)
 
 
 def expert_output_to_packed(y: torch.Tensor, packed_shape: tuple[int, int, int]) -> torch.Tensor:

@@ -31,11 +31,15 @@ from parallelism.layout import ExpertPlacement
 
 @dataclass(frozen=True)
 class ExpertInput:
-    """Rows for the local experts."""
+    """Rows for the local experts. ``packed_counts`` (DeepEP low latency): ``hidden`` is the packed layout
+    ``[E_local, R, H]`` viewed ``[E_local * R, H]`` and expert ``e``'s valid rows are ``[0, packed_counts[e])``
+    (``slots`` says the same: ``e`` there, −1 elsewhere); the experts' outputs on the other rows are
+    unspecified (whatever reads them must not)."""
 
     hidden: torch.Tensor   # [N, H]
     slots: torch.Tensor    # [N, k] int64 local expert slot, -1 = not on this rank
     weights: torch.Tensor  # [N, k] float32 routing weights
+    packed_counts: torch.Tensor | None = None  # [E_local] int, on hidden's device
 
 
 @dataclass(frozen=True)

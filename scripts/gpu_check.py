@@ -9,7 +9,8 @@ Sections, each recorded even when another fails (the report is rewritten after e
 - ``correctness``: each Triton kernel against its torch reference on fresh random inputs — on a GPU in bf16 at
   model-like sizes, on CPU in fp32 and fp16 under ``TRITON_INTERPRET=1`` at tiny sizes (pass rule:
   :func:`model.triton.cases.compare`);
-- ``moe_timing`` (GPU): fused MoE vs the torch reference (``LocalExperts.forward``), decode and prefill;
+- ``moe_timing`` (GPU): fused MoE vs the torch reference (``LocalExperts.forward``), decode and prefill, and
+  on DeepEP's low-latency packed layout the masked grouped GEMM vs the sorted fused MoE vs the reference;
 - ``bandwidth`` (GPU): device copy bandwidth of a 4 GiB copy, and the achieved bandwidth of paged decode
   attention (GQA and MLA) on memory-bound sizes as a fraction of it;
 - ``power``: NVML power during the timed sections when ``pynvml`` (nvidia-ml-py) imports;
@@ -23,6 +24,7 @@ without CUDA the GPU sections say that they were skipped and why.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -196,6 +198,11 @@ def checks(tiny: bool) -> list[Check]:
         out.append(Check(f"fused_moe ({routing})", moe.fused_moe, reference.local_experts,
                          lambda g, dt, dev, r=routing: cases.expert_case(**expert, routing=r, gen=g, dtype=dt,
                                                                          device=dev)))
+    counts, packed_rows = ([0, 7, 16, 3], 16) if tiny else ([0, 1, 16, 17, 64, 300, 512, 40], 512)
+    out.append(Check("masked_moe (DeepEP packed)", cases.valid_rows_only(moe.fused_moe),
+                     cases.valid_rows_only(reference.local_experts),
+                     lambda g, dt, dev: cases.packed_expert_case(counts, packed_rows, expert["hidden"], expert["inter"],
+                                                                 g, dt, dev)))
     return out
 
 
@@ -247,6 +254,18 @@ def moe_timing(power: PowerSampler) -> list[dict] | str:
             ref = cuda_time_s(lambda c=case: reference.local_experts(**c), iters=5)
         rows.append(dict(phase=phase, tokens=tokens, fused_ms=fused * 1e3, reference_ms=ref * 1e3,
                          speedup=ref / fused))
+    # DeepEP low latency on the same experts: 64 tokens on each of 8 ranks, top-8 of 256 → 16 rows per local
+    # expert on average, in a [32, 128 * 8, H] packed buffer; the masked GEMM vs sorting the buffer's rows
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.randint(0, 33, (32,), generator=gen).tolist()
+    case = cases.packed_expert_case(counts, 128 * 8, 7168, 2048, gen, torch.bfloat16, "cuda")
+    sorted_case = dict(case, inp=dataclasses.replace(case["inp"], packed_counts=None))
+    with power.phase("moe deepep packed"):
+        masked = cuda_time_s(lambda: moe.fused_moe(**case))
+        fused = cuda_time_s(lambda: moe.fused_moe(**sorted_case))
+        ref = cuda_time_s(lambda: reference.local_experts(**case), iters=5)
+    rows.append(dict(phase="decode, DeepEP packed", tokens=sum(counts), masked_ms=masked * 1e3, fused_ms=fused * 1e3,
+                     reference_ms=ref * 1e3, speedup=ref / masked, masked_vs_sorted=fused / masked))
     return rows
 
 

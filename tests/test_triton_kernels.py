@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -85,6 +86,33 @@ def test_fused_moe_matches_local_experts(routing):
     torch.testing.assert_close(out, reference.local_experts(**case), **TOL)
     if routing == "none_local":
         assert not out.any()
+
+
+@pytest.mark.parametrize("counts", [[0, 5, 32], [32, 32, 32], [0, 0, 0], [17, 1, 16]],
+                         ids=["empty_partial_full", "all_full", "all_empty", "ragged"])
+def test_masked_moe_on_deepep_packed_rows(counts):
+    """DeepEP's low-latency layout (3 experts × 32 rows, NaN garbage past each count): the masked grouped GEMM
+    equals the reference on every valid row (2 row blocks of 16: full, partial and skipped blocks)."""
+    case = cases.packed_expert_case(counts, 32, hidden=24, inter=20, gen=gen(3))
+    inp = case["inp"]
+    valid = (inp.slots >= 0).flatten()
+    want = reference.local_experts(**case)
+    direct = moe.masked_moe(inp.hidden.view(3, 32, 24), inp.packed_counts, case["w_gate_up"], case["w_down"])
+    assert direct.shape == (3, 32, 24)
+    for got in (direct.view(96, 24), moe.fused_moe(**case)):
+        torch.testing.assert_close(got[valid], want[valid], **TOL)
+        assert not got[valid].isnan().any()
+
+
+def test_fused_moe_takes_the_masked_path_for_packed_rows():
+    """With ``packed_counts`` set, fused_moe runs the masked GEMM, which reads the counts, not the slots: with
+    every slot −1 (the sorted path would compute nothing) the valid rows still come out right."""
+    case = cases.packed_expert_case([4, 9], 16, hidden=24, inter=20, gen=gen(4))
+    inp = case["inp"]
+    valid = (inp.slots >= 0).flatten()
+    no_slots = dataclasses.replace(inp, slots=torch.full_like(inp.slots, -1))
+    out = moe.fused_moe(no_slots, case["w_gate_up"], case["w_down"])
+    torch.testing.assert_close(out[valid], reference.local_experts(**case)[valid], **TOL)
 
 
 def test_local_experts_reference_is_the_module():
@@ -213,6 +241,9 @@ HALF_CASES = [  # (kernel, reference, inputs(generator)) in fp16
                  id="tree_verify_mla"),
     pytest.param(moe.fused_moe, reference.local_experts,
                  lambda g: cases.expert_case(40, 3, 24, 20, 4, "spread", g, dtype=torch.float16), id="fused_moe"),
+    pytest.param(cases.valid_rows_only(moe.fused_moe), cases.valid_rows_only(reference.local_experts),
+                 lambda g: cases.packed_expert_case([0, 7, 16, 3], 16, 24, 20, g, dtype=torch.float16),
+                 id="masked_moe"),
     pytest.param(norm.add_rms_norm, reference.add_rms_norm,
                  lambda g: cases.norm_case(6, 40, g, residual=True, dtype=torch.float16), id="add_rms_norm"),
 ]

@@ -62,7 +62,8 @@ def _attention_specs() -> list[Spec]:
 
 
 def _moe_specs() -> list[Spec]:
-    """DeepSeek-V3 experts (H = 7168, I = 2048) with the decode and the prefill tiles."""
+    """DeepSeek-V3 experts (H = 7168, I = 2048) with the decode and the prefill tiles, and the masked GEMM on
+    DeepEP's low-latency layout."""
     specs = []
     for kind, pairs in (("decode", 64 * 8), ("prefill", 4096 * 8)):
         t = moe.default_tiles(pairs, 7168, 2048)
@@ -72,6 +73,11 @@ def _moe_specs() -> list[Spec]:
         specs.append(Spec(f"moe gate_up {kind}", moe._gate_up_kernel, tiles, ids, t.num_warps, core))
         specs.append(Spec(f"moe down {kind}", moe._down_kernel, tiles,
                           dict(ids, out_ptr="fp32", weight_ptr="fp32"), t.num_warps, core))
+    t = moe.default_tiles(128 * 8, 7168, 2048)  # DeepEP low latency: 128 tokens per rank × 8 ranks per expert
+    tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+    specs.append(Spec("moe masked gate_up", moe._masked_gate_up_kernel, tiles, dict(counts_ptr="i32"), t.num_warps,
+                      True))
+    specs.append(Spec("moe masked down", moe._masked_down_kernel, tiles, dict(counts_ptr="i32"), t.num_warps, True))
     return specs
 
 

@@ -8,8 +8,11 @@ would index out of bounds instead of passing silently.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from parallelism.deepep import packed_to_expert_input
 from parallelism.dispatch import ExpertInput
 
 
@@ -95,6 +98,28 @@ def expert_case(rows: int, top_k: int, hidden: int, inter: int, local_experts: i
                 w_down=_randn((local_experts, hidden, inter), gen, dtype, device, inter ** -0.5))
 
 
+def packed_expert_case(counts: list[int], rows_per_expert: int, hidden: int, inter: int, gen: torch.Generator,
+                       dtype=torch.float32, device="cpu") -> dict:
+    """Arguments ``inp, w_gate_up, w_down`` of ``fused_moe`` / ``reference.local_experts`` in DeepEP's
+    low-latency layout: ``len(counts)`` local experts × ``rows_per_expert`` rows, expert ``e``'s first
+    ``counts[e]`` rows valid and every other row NaN (garbage that must never be read)."""
+    experts = len(counts)
+    packed = _randn((experts, rows_per_expert, hidden), gen, dtype, device)
+    for e, n in enumerate(counts):
+        packed[e, n:] = float("nan")
+    inp = packed_to_expert_input(packed, torch.tensor(counts, dtype=torch.int32, device=device))
+    return dict(inp=inp, w_gate_up=_randn((experts, 2 * inter, hidden), gen, dtype, device, hidden ** -0.5),
+                w_down=_randn((experts, hidden, inter), gen, dtype, device, inter ** -0.5))
+
+
+def valid_rows_only(experts):
+    """``experts(inp, w_gate_up, w_down)`` with the rows no expert owns zeroed: outputs there are unspecified
+    for the packed layout, so a comparison must not look at them."""
+    def run(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return experts(inp, w_gate_up, w_down).masked_fill((inp.slots < 0).all(dim=1, keepdim=True), 0.0)
+    return run
+
+
 def norm_case(rows: int, dim: int, gen: torch.Generator, residual: bool, dtype=torch.float32, device="cpu") -> dict:
     """Arguments of ``rms_norm`` (``x, weight, eps``) or, with ``residual``, of ``add_rms_norm``."""
     case = dict(x=_randn((rows, dim), gen, dtype, device), weight=_randn((dim,), gen, dtype, device), eps=1e-6)
@@ -108,7 +133,7 @@ def _to_fp32(value):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.float()
     if isinstance(value, ExpertInput):
-        return ExpertInput(value.hidden.float(), value.slots, value.weights)
+        return dataclasses.replace(value, hidden=value.hidden.float())
     return value
 
 

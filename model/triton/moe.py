@@ -9,6 +9,11 @@ sorted order belongs to one expert. Two kernels then walk those blocks:
 
 The intermediate stays in sorted order, so no gather or scatter happens between the GEMMs. The number of
 blocks is bounded from shapes alone (padding blocks exit at once), which keeps the launch graph-safe.
+
+DeepEP's low-latency dispatch already groups rows by expert (``[E_local, R, H]``, expert ``e``'s rows
+``[0, counts[e])`` valid): :func:`masked_moe` runs on that layout directly — a masked grouped GEMM, the
+shape of DeepGEMM's ``m_grouped_*_masked`` — with no sort, no atomics, and its output in the layout
+``low_latency_combine`` reads.
 """
 
 from __future__ import annotations
@@ -116,6 +121,63 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_
                   mask=ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _masked_gate_up_kernel(x_ptr, w_ptr, h_ptr, counts_ptr, rows_per_expert, hidden, inter,
+                           stride_xe, stride_x, stride_we, stride_wn, stride_he, stride_h,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid ``(E, cdiv(R, BLOCK_M), cdiv(I, BLOCK_N))``: ``h[e, r] = silu(x[e, r] @ Wg[e].T) * (x[e, r] @ Wu[e].T)``
+    for ``r < counts[e]``; blocks past the count exit at once. ``x [E, R, H]``, ``w [E, 2I, H]``, ``h [E, R, I]``."""
+    e = tl.program_id(0).to(tl.int64)
+    count = tl.load(counts_ptr + e)
+    if tl.program_id(1) * BLOCK_M >= count:
+        return
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < tl.minimum(count, rows_per_expert)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    x_rows = x_ptr + e * stride_xe + rows[:, None].to(tl.int64) * stride_x
+    w_gate = w_ptr + e * stride_we + n[None, :] * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < hidden
+        a = tl.load(x_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        gate += tl.dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0))
+        up += tl.dot(a, tl.load(w_gate + inter * stride_wn + kk[:, None], mask=w_mask, other=0.0))
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + e * stride_he + rows[:, None].to(tl.int64) * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _masked_down_kernel(h_ptr, w_ptr, out_ptr, counts_ptr, rows_per_expert, hidden, inter,
+                        stride_he, stride_h, stride_we, stride_wn, stride_oe, stride_o,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid ``(E, cdiv(R, BLOCK_M), cdiv(H, BLOCK_N))``: ``out[e, r] = h[e, r] @ Wd[e].T`` for ``r < counts[e]``
+    (unweighted: DeepEP's combine applies the routing weights); ``w [E, H, I]``, ``out [E, R, H]``."""
+    e = tl.program_id(0).to(tl.int64)
+    count = tl.load(counts_ptr + e)
+    if tl.program_id(1) * BLOCK_M >= count:
+        return
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < tl.minimum(count, rows_per_expert)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    h_rows = h_ptr + e * stride_he + rows[:, None].to(tl.int64) * stride_h
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < inter
+        a = tl.load(h_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        acc += tl.dot(a, w)
+    tl.store(out_ptr + e * stride_oe + rows[:, None].to(tl.int64) * stride_o + n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+
 @dataclass(frozen=True)
 class MoETiles:
     """Tile sizes of both GEMMs (every dim ≥ 16 for ``tl.dot``)."""
@@ -139,8 +201,13 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
     ``inp.hidden [N, H]``, ``inp.slots [N, k]`` int (−1 = not local), ``inp.weights [N, k]`` fp32;
     ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]`` in hidden's dtype. Returns ``[N, H]`` in hidden's dtype
-    (accumulated in fp32). Reference: :func:`model.triton.reference.local_experts`.
+    (accumulated in fp32). Reference: :func:`model.triton.reference.local_experts`. Rows in DeepEP's packed
+    layout (``inp.packed_counts`` set) go to :func:`masked_moe`.
     """
+    if inp.packed_counts is not None:
+        e = inp.packed_counts.shape[0]
+        return masked_moe(inp.hidden.view(e, -1, inp.hidden.shape[1]), inp.packed_counts, w_gate_up, w_down,
+                          tiles).view(inp.hidden.shape)
     x = inp.hidden.contiguous()
     (n, hidden), (experts, two_inter, _) = x.shape, w_gate_up.shape
     inter, pairs = two_inter // 2, inp.slots.numel()
@@ -161,3 +228,32 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         h, w_down, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), **tile)
     return out.to(x.dtype)
+
+
+def masked_moe(packed: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+               tiles: MoETiles | None = None) -> torch.Tensor:
+    """Each local expert over its own rows of DeepEP's low-latency layout, unweighted.
+
+    ``packed [E, R, H]`` (expert ``e``'s rows ``[0, counts[e])`` valid, the rest never read), ``counts [E]`` int
+    (on the device: no host sync, the grid depends on shapes only, so it is graph-safe), ``w_gate_up [E, 2I, H]``,
+    ``w_down [E, H, I]``. Returns ``[E, R, H]`` in packed's dtype: ``down(silu(gate) * up)`` of every valid row;
+    rows past the count are left unwritten (unspecified; ``low_latency_combine`` reads valid rows only).
+    Reference: :func:`model.triton.reference.local_experts` on :func:`parallelism.deepep.packed_to_expert_input`.
+    """
+    (experts, rows_per_expert, hidden), inter = packed.shape, w_gate_up.shape[1] // 2
+    out = torch.empty_like(packed)
+    if experts == 0 or rows_per_expert == 0:
+        return out
+    t = tiles or default_tiles(rows_per_expert, hidden, inter)
+    packed, w_gate_up, w_down = packed.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    counts = counts.to(torch.int32).contiguous()
+    h = torch.empty(experts, rows_per_expert, inter, dtype=packed.dtype, device=packed.device)
+    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps)
+    m_blocks = triton.cdiv(rows_per_expert, t.block_m)
+    _masked_gate_up_kernel[(experts, m_blocks, triton.cdiv(inter, t.block_n))](
+        packed, w_gate_up, h, counts, rows_per_expert, hidden, inter, packed.stride(0), packed.stride(1),
+        w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), h.stride(1), **tile)
+    _masked_down_kernel[(experts, m_blocks, triton.cdiv(hidden, t.block_n))](
+        h, w_down, out, counts, rows_per_expert, hidden, inter, h.stride(0), h.stride(1), w_down.stride(0),
+        w_down.stride(1), out.stride(0), out.stride(1), **tile)
+    return out
