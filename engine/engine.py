@@ -88,7 +88,7 @@ class Engine:
     def _execute(self, plan: StepPlan) -> dict[str, StepResult]:
         world = self.groups.world
         world.broadcast_object(plan)
-        mine = self.runner.execute(plan.work[self.groups.coords.attn_dp_rank], plan.finished, plan.work)
+        mine = self.runner.execute(plan.work[self.groups.coords.attn_dp_rank], plan.work)
         merged: dict[str, StepResult] = {}
         for part in world.gather_objects(mine) or [mine]:
             if part:
@@ -153,5 +153,5 @@ def worker_loop(runner: ModelRunner) -> None:
         if plan == HEARTBEAT:
             groups.world.gather_objects(None)
             continue
-        mine = runner.execute(plan.work[groups.coords.attn_dp_rank], plan.finished, plan.work)
+        mine = runner.execute(plan.work[groups.coords.attn_dp_rank], plan.work)
         groups.world.gather_objects(mine)

@@ -89,6 +89,14 @@ class PagedKVCache:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def slot_tensor(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """:meth:`slots` as an int64 tensor ``[end - start]`` on the cache's device, computed there (long
+        contexts: no per-token host loop)."""
+        bs, dev = self.block_size, self.layers[0][0].device if self.layers else torch.device("cpu")
+        table = torch.tensor(block_table[:-(-end // bs)], dtype=torch.int64, device=dev)
+        pos = torch.arange(start, end, device=dev)
+        return table[pos // bs] * bs + pos % bs
+
 
 @dataclass
 class SeqSlots:

@@ -57,15 +57,13 @@ class ModelRunner:
         return ForwardBatch(ids_t, pos_t, [s.query_len for s in seqs], PagedKV(self.cache, seqs))
 
     @torch.no_grad()
-    def execute(self, work: list[SeqWork], finished: tuple[str, ...] = (),
-                dp_work: list[list[SeqWork]] | None = None) -> dict[str, StepResult] | None:
+    def execute(self, work: list[SeqWork], dp_work: list[list[SeqWork]] | None = None
+                ) -> dict[str, StepResult] | None:
         """Collective over the layout (idle DP ranks pass ``[]`` and still enter every MoE collective).
         ``dp_work``: every attention-DP rank's work this step (the whole plan; default ``[work]``), from which
         all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
         holds the logits, None on the others."""
         spec = self.speculator
-        if spec is not None:
-            spec.drop(finished)
         t0 = time.perf_counter()
         trees = spec.propose([w for w in work if w.spec]) if spec is not None else {}
         t1 = time.perf_counter()
@@ -120,7 +118,7 @@ class ModelRunner:
         self.last_graph = (shape in self.graphs.graphs, self.graphs.reasons.get(shape, ""))
         if self.speculator is not None and nodes == 1:  # plain decodes extend the drafter's context
             for i, w in enumerate(work):
-                self.speculator.add_context(w.request_id, feats[i:i + 1], torch.tensor([w.start], device=self.device))
+                self.speculator.add_context(w, feats[i:i + 1], w.start)
         out = {}
         if nodes > 1:  # every rank walks its tree (and compacts its KV shard)
             for i, w in enumerate(work):
@@ -142,8 +140,7 @@ class ModelRunner:
         if spec is not None:  # prefill chunks extend the drafter's context
             for i, w in enumerate(work):
                 if not w.spec:
-                    spec.add_context(w.request_id, feats[starts[i]:starts[i + 1]],
-                                     torch.arange(w.start, w.start + len(w.token_ids), device=self.device))
+                    spec.add_context(w, feats[starts[i]:starts[i + 1]], w.start)
         plain = [i for i, w in enumerate(work) if w.sample and not w.spec]
         ends = torch.tensor([starts[i + 1] - 1 for i in plain], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[ends])

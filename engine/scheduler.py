@@ -85,7 +85,6 @@ class SeqWork:
 class StepPlan:
     step_id: int
     work: list[list[SeqWork]]  # per attention-DP rank
-    finished: tuple[str, ...] = ()  # requests that ended since the last plan (ranks drop their state)
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +119,6 @@ class Scheduler:
         request reserves that many extra KV slots for its tree."""
         self.cfg, self.dp_size, self.vocab_size, self.eos = cfg, dp_size, vocab_size, set(eos_token_ids)
         self.spec_scratch = spec_scratch
-        self._finished: list[str] = []
         self.allocators = [BlockAllocator(cfg.num_blocks) for _ in range(dp_size)]
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_size)]
         self.running: list[list[Request]] = [[] for _ in range(dp_size)]
@@ -187,10 +185,7 @@ class Scheduler:
                                      req.num_computed, req.blocks, done, req.params, req.seed, len(req.output),
                                      decode, spec=decode and self.spec_scratch > 0))
             work.append(items)
-        plan = StepPlan(next(self._steps), work, tuple(self._finished))
-        if plan.num_tokens:  # an empty plan is not executed: keep the list for the next one that is
-            self._finished = []
-        return plan
+        return StepPlan(next(self._steps), work)
 
     def update(self, plan: StepPlan, results: dict[str, StepResult]) -> list[RequestOutput]:
         """Applies a finished step: advances computed tokens, appends tokens (stopping at the first stop
@@ -240,7 +235,6 @@ class Scheduler:
         self.allocators[dp].release(req.blocks)
         req.blocks = []
         del self.requests[req.request_id]
-        self._finished.append(req.request_id)
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput:
         """Ends a request now (client cancel, deadline, error) and frees its blocks."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import PagedKVCache, SeqSlots
+from engine.kv_cache import KVSpec, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SeqWork, StepResult
 from model.kernel_select import native_bf16_matmul
@@ -32,7 +32,10 @@ class Speculator:
             raise ValueError(f"drafter mask_token_id {drafter.c.mask_token_id} outside the target vocab")
         self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
         self.capture = tuple(drafter.c.target_layer_ids)
-        self.ctx_kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        c = drafter.c
+        self.context = PagedKVCache(KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers,
+                                           next(drafter.parameters()).dtype),
+                                    cache.num_blocks, cache.block_size, device=cache.layers[0][0].device)
         self.draft_head = self._draft_head_weight()
 
     def _draft_head_weight(self) -> torch.Tensor | None:
@@ -47,50 +50,57 @@ class Speculator:
         return weight.to(torch.bfloat16)
 
     # ---- drafter context ---------------------------------------------------------------------------
-    def drop(self, request_ids) -> None:
-        for rid in request_ids:
-            self.ctx_kv.pop(rid, None)
-
     @torch.no_grad()
-    def add_context(self, rid: str, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        """Appends the drafter K/V of target features ``[n, k*H]`` at ``positions [n]``."""
-        new = self.drafter.context_kv(feats.float(), positions)
-        old = self.ctx_kv.get(rid)
-        self.ctx_kv[rid] = new if old is None else [(torch.cat([ok, nk]), torch.cat([ov, nv]))
-                                                     for (ok, ov), (nk, nv) in zip(old, new, strict=True)]
+    def add_context(self, w: SeqWork, feats: torch.Tensor, start: int) -> None:
+        """Stores the drafter K/V of target features ``[n, k*H]`` at positions ``start .. start+n-1`` of ``w``.
+
+        The drafter's context lives in its own paged store (``self.context``) with the target's block size and
+        block count, at the slots of the request's block table: it comes and goes with the request's KV
+        blocks (nothing to free, nothing to leak) and appending never copies what is already there."""
+        n = feats.shape[0]
+        slots = self.cache.slot_tensor(w.block_table, start, start + n)
+        for layer, kv in enumerate(self.drafter.context_kv(feats.float(), torch.arange(start, start + n,
+                                                                                        device=slots.device))):
+            self.context.write(layer, slots, kv)
 
     # ---- draft -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def propose(self, work: list[SeqWork]) -> dict[str, DraftTree]:
         """One drafter forward for every request's ``[bonus, MASK × depth]`` block → a DFlash chain or DDTree
-        per request, rooted at its bonus. The requests' context K/V are concatenated; each block sees only its
-        own request's rows (as in training), so batching does not change any request's draft."""
+        per request, rooted at its bonus (:meth:`draft_logits`)."""
         if not work:
             return {}
-        c, d = self.drafter.c, self.cfg.depth
-        dev = self.cache.layers[0][0].device
-        ids = torch.tensor([[w.token_ids[0]] + [c.mask_token_id] * d for w in work], dtype=torch.int64, device=dev)
-        emb = self.model.embed(ids.reshape(-1)).float().view(len(work), d + 1, -1)  # [J, B, H]
-        pos = torch.tensor([w.start for w in work], device=dev)[:, None] + torch.arange(d + 1, device=dev)
-        kvs = [self.ctx_kv[w.request_id] for w in work]
-        if len(work) == 1:
-            kv, visible = kvs[0], None  # one block, its own context: unmasked attention
-        else:
-            lens = torch.tensor([kv[0][0].shape[0] for kv in kvs], device=dev)
-            owner = torch.repeat_interleave(torch.arange(len(work), device=dev), lens)  # [S] request of each row
-            visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
-            kv = [(torch.cat([r[i][0] for r in kvs]), torch.cat([r[i][1] for r in kvs])) for i in range(len(kvs[0]))]
-        used = self.cfg.draft_rows  # a B-node tree is at most B deep: deeper rows never reach the LM head
-        hidden = self.drafter(emb, pos, kv, visible)[:, 1:1 + used]  # [J, D', H]
-        head = self.draft_head
-        hidden = hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype if head is None
-                                                           else head.dtype)
-        logits = self.model.logits_everywhere(hidden, head).float().view(len(work), used, -1)  # [J, D', V]
+        logits = self.draft_logits(work)
         if self.cfg.method == "dflash":
             return {w.request_id: build_chain(logits[j], w.token_ids[0]) for j, w in enumerate(work)}
         logq = (logits / self.cfg.tree_temperature).log_softmax(dim=-1)
         build = build_tree_host if logq.device.type == "cpu" else build_tree  # no host sync off the CPU
         return {w.request_id: build(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}
+
+    def draft_logits(self, work: list[SeqWork]) -> torch.Tensor:
+        """The drafter's full-vocab logits ``[J, D', V]`` (fp32) for depths 1..D' of each request's block
+        (``D' = SpecConfig.draft_rows``). The requests' context K/V are gathered from the paged store through
+        their block tables and concatenated; each block sees only its own request's rows (as in training), so
+        batching does not change any request's draft."""
+        c, d = self.drafter.c, self.cfg.depth
+        dev = self.cache.layers[0][0].device
+        ids = torch.tensor([[w.token_ids[0]] + [c.mask_token_id] * d for w in work], dtype=torch.int64, device=dev)
+        emb = self.model.embed(ids.reshape(-1)).float().view(len(work), d + 1, -1)  # [J, B, H]
+        pos = torch.tensor([w.start for w in work], device=dev)[:, None] + torch.arange(d + 1, device=dev)
+        rows = torch.cat([self.cache.slot_tensor(w.block_table, 0, w.start) for w in work])  # [S] all contexts
+        kv = [tuple(store.index_select(0, rows) for store in stores) for stores in self.context.layers]
+        if len(work) == 1:
+            visible = None  # one block, its own context: unmasked attention
+        else:
+            lens = torch.tensor([w.start for w in work], device=dev)
+            owner = torch.repeat_interleave(torch.arange(len(work), device=dev), lens)  # [S] request of each row
+            visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
+        used = self.cfg.draft_rows  # a B-node tree is at most B deep: deeper rows never reach the LM head
+        hidden = self.drafter(emb, pos, kv, visible)[:, 1:1 + used]  # [J, D', H]
+        head = self.draft_head
+        hidden = hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype if head is None
+                                                           else head.dtype)
+        return self.model.logits_everywhere(hidden, head).float().view(len(work), used, -1)
 
     @staticmethod
     def tree_inputs(w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int]]:
@@ -120,7 +130,7 @@ class Speculator:
         accepted = walk(tree, out.tokens)
         path = accepted.nonzero().flatten()  # increasing node ids = increasing depth
         self._compact(w, path)
-        self.add_context(w.request_id, feats[path], w.start + torch.arange(path.shape[0], device=path.device))
+        self.add_context(w, feats[path], w.start)
         last = int(path[-1])
         tokens = tree.tokens[path[1:]].tolist() + [int(out.tokens[last])]
         lps = out.logprobs[path].tolist()

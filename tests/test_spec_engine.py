@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from layouts import layout
 from test_engine import run_requests
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.scheduler import SchedulerConfig, SeqWork
+from model.kernel_select import native_bf16_matmul
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
@@ -127,42 +129,61 @@ def test_trained_pair_is_lossless_on_held_out_code(pool, preset):
     assert b0 == b1 == b2 == 0
 
 
-def test_drafter_state_is_dropped_after_requests_end(tiny_ckpts, random_drafter):
+def _speculator(tiny_ckpts, drafter_path, num_blocks=12):
+    """A Speculator (DDTree, budget 10, block 5) over the tiny DeepSeek target with a paged cache of 4-token
+    blocks, and a seeded generator for target features."""
+    from engine.kv_cache import KVSpec, PagedKVCache
+    from spec_decode.dflash import DFlashDrafter
+    from spec_decode.speculator import Speculator
+
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
-    engine = Engine(model, CFG, spec=specs(random_drafter)[2])
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    run_requests(engine, [("a", PROMPTS[0], params), ("b", PROMPTS[1], params)])
-    assert set(engine.runner.speculator.ctx_kv) == {"a", "b"}  # the last step's finishes are not shipped yet
-    run_requests(engine, [("c", PROMPTS[2], params)])
-    assert set(engine.runner.speculator.ctx_kv) == {"c"}
-    assert engine.scheduler.blocks_in_use() == 0
+    cache = PagedKVCache(KVSpec.for_model(model), num_blocks, 4)
+    spec = Speculator(model, DFlashDrafter.load(drafter_path), SpecConfig("ddtree", budget=10, block_size=5,
+                                                                         drafter_path=drafter_path), cache)
+    return spec, torch.Generator().manual_seed(3)
+
+
+def _work(rid: str, bonus: int, start: int, blocks: list[int]) -> SeqWork:
+    return SeqWork(rid, [bonus], start, blocks, True, SamplingParams(), 0, 1, True, spec=True)
+
+
+def _same_tree(a, b) -> bool:
+    return torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
 
 
 def test_batched_drafting_equals_one_request_at_a_time(tiny_ckpts, random_drafter):
     """One drafter forward over several requests (concatenated contexts, each block seeing its own) drafts the
     same trees as drafting each request alone."""
-    import torch
 
-    from engine.kv_cache import KVSpec, PagedKVCache
-    from engine.scheduler import SeqWork
-    from model.kernel_select import native_bf16_matmul
-    from spec_decode.dflash import DFlashDrafter
-    from spec_decode.speculator import Speculator
-
-    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
-    cache = PagedKVCache(KVSpec.for_model(model), 8, 4)
-    spec = Speculator(model, DFlashDrafter.load(random_drafter), SpecConfig("ddtree", budget=10, block_size=5,
-                                                                           drafter_path=random_drafter), cache)
-    gen = torch.Generator().manual_seed(3)
+    spec, gen = _speculator(tiny_ckpts, random_drafter)
     work = []
     for i, n in enumerate((3, 9, 5)):
-        feats = torch.randn(n, len(spec.capture) * model.cfg.hidden_size, generator=gen)
-        spec.add_context(str(i), feats, torch.arange(n))
-        work.append(SeqWork(str(i), [7 + i], n, [0], True, SamplingParams(), 0, 1, True, spec=True))
+        w = _work(str(i), 7 + i, n, [3 * i, 3 * i + 1, 3 * i + 2])
+        spec.add_context(w, torch.randn(n, len(spec.capture) * spec.model.cfg.hidden_size, generator=gen), 0)
+        work.append(w)
     head = spec.draft_head  # draft_head_dtype "auto" on an fp32 target: a bf16 copy iff this CPU has bf16 matmul
     assert (head.dtype if head is not None else None) == (torch.bfloat16 if native_bf16_matmul("cpu") else None)
     together = spec.propose(work)
     for w in work:
-        alone = spec.propose([w])[w.request_id]
-        assert torch.equal(alone.tokens, together[w.request_id].tokens)
-        assert torch.equal(alone.parents, together[w.request_id].parents)
+        assert _same_tree(spec.propose([w])[w.request_id], together[w.request_id])
+
+
+def test_drafter_context_follows_the_block_table(tiny_ckpts, random_drafter):
+    """The drafter's context is paged like the target's KV: the same 9 features written at once into blocks
+    [2, 0, 6], or in three chunks (prefill 5, decode 1, an accepted path of 3) into blocks [5, 1, 3] whose
+    slots held another request's rows before (blocks reused after it ended), while a third request writes
+    its own blocks — the draft logits are bit-identical, so only the request's own slots are ever read."""
+    spec_a, gen = _speculator(tiny_ckpts, random_drafter)
+    spec_b, _ = _speculator(tiny_ckpts, random_drafter)
+    width = len(spec_a.capture) * spec_a.model.cfg.hidden_size
+    feats = torch.randn(9, width, generator=gen)
+    alone = _work("a", 11, 9, [2, 0, 6])
+    spec_a.add_context(alone, feats, 0)
+    reused = _work("a", 11, 9, [5, 1, 3])
+    spec_b.add_context(_work("old", 4, 12, [5, 1, 3]), torch.randn(12, width, generator=gen), 0)  # ended since
+    for lo, hi in ((0, 5), (5, 6), (6, 9)):
+        spec_b.add_context(reused, feats[lo:hi], lo)
+        spec_b.add_context(_work("other", 9, 0, [7, 8, 9]), torch.randn(hi - lo, width, generator=gen), lo)
+    assert torch.equal(spec_a.draft_logits([alone]), spec_b.draft_logits([reused]))
+    assert _same_tree(spec_a.propose([alone])["a"], spec_b.propose([reused])["a"])
+
