@@ -18,7 +18,9 @@ relies on — padding, buffer reuse across steps, equality with the dynamic forw
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +28,8 @@ from engine.graphs import GraphCoverage
 from engine.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,22 @@ class StaticStep:
         return self.model.logits_everywhere(hidden), feats
 
 
+def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Two warm-up calls of ``run`` on a side stream (Triton compiles and autotunes outside the capture), then
+    one captured into a CUDA graph that shares the memory ``pool``. Returns the graph and ``run``'s outputs:
+    static tensors that every replay overwrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph, outputs
+
+
 class GraphRunner:
     """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
 
@@ -180,15 +200,7 @@ class GraphRunner:
             return self.reasons[shape]
         try:
             step.load([step.padding_seq()])
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
-                    step.run()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = step.run()
+            graph, outputs = capture_graph(step.run, self.pool)
             self.pool = graph.pool()
             self.graphs[shape] = (graph, outputs)
             return ""
@@ -309,13 +321,14 @@ def _check_shape(runner: GraphRunner, shape: StepShape, seqs: list[StaticSeq]) -
     if not reason:
         replay = runner.run(seqs, shape.nodes)[0].float()
         row["max_abs_diff_vs_eager"] = float((replay - eager).abs().max())
-        row["eager_ms"] = 1e3 * _time(lambda: (step.load(seqs), step.run()))
-        row["replay_ms"] = 1e3 * _time(lambda: runner.run(seqs, shape.nodes))
+        row["eager_ms"] = 1e3 * seconds_per_call(lambda: (step.load(seqs), step.run()))
+        row["replay_ms"] = 1e3 * seconds_per_call(lambda: runner.run(seqs, shape.nodes))
         row["speedup"] = row["eager_ms"] / row["replay_ms"]
     return row
 
 
-def _time(fn, iters: int = 20) -> float:
+def seconds_per_call(fn, iters: int = 20) -> float:
+    """Mean wall seconds of ``fn()`` on CUDA (one warm-up call; synchronised before and after)."""
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()

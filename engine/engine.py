@@ -54,7 +54,7 @@ class Engine:
         self.spec = spec or SpecConfig()
         self.runner = make_runner(model, cfg, self.spec)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
-                                   spec_scratch=self.spec.num_nodes if self.spec.enabled else 0)
+                                   spec_scratch=self.spec.scratch_slots if self.spec.enabled else 0)
         self.stats = EngineStats()
         self.graphs = GraphCoverage()
         self._eager_reason = eager_reason(self._dispatcher_graph_safe())
@@ -108,6 +108,9 @@ class Engine:
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
         replayed, reason = (False, self._eager_reason) if self.runner.graphs is None else self.runner.last_graph
         self.graphs.record("verify" if spec and kind == "decode" else kind, replayed=replayed, reason=reason)
+        if self.runner.last_draft is not None:  # rank 0's draft, like its step
+            replayed, reason = (False, self._eager_reason) if self.runner.graphs is None else self.runner.last_draft
+            self.graphs.record("draft", replayed=replayed, reason=reason)
         s.prefill_tokens += prefill
         s.decode_tokens += decode
         if kind == "decode":
@@ -131,14 +134,14 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, spec: SpecConfig | None =
     on_cuda = model.model.norm.weight.device.type == "cuda"
     static = cfg.static_steps == "on" or (cfg.static_steps == "auto" and on_cuda)
     sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()
-    nodes = spec.num_nodes if spec is not None and spec.enabled else 1
+    nodes = spec.scratch_slots if spec is not None and spec.enabled else 1
     kw = dict(static_batch_sizes=sizes, max_model_len=cfg.max_model_len, max_nodes=nodes)
     if spec is None or not spec.enabled:
         return ModelRunner(model, cfg.num_blocks, cfg.block_size, **kw)
     from spec_decode.dflash import DFlashDrafter
     from spec_decode.speculator import Speculator
 
-    drafter = DFlashDrafter.load(spec.drafter_path).to(model.model.norm.weight.device)
+    drafter = DFlashDrafter.load(spec.drafter_path).place(model.model.norm.weight.device)
     return ModelRunner(model, cfg.num_blocks, cfg.block_size,
                        speculator_factory=lambda m, cache: Speculator(m, drafter, spec, cache), **kw)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-STEP_KINDS = ("prefill", "decode", "verify", "mixed")
+STEP_KINDS = ("prefill", "decode", "verify", "mixed", "draft")  # draft: the drafter step of a verify step
 
 
 def eager_reason(dispatcher_graph_safe: bool) -> str:

@@ -33,13 +33,18 @@ class ModelRunner:
         self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, block_size, device=device)
         self.speculator = speculator_factory(model, self.cache) if speculator_factory else None
         self.timing = {"draft_s": 0.0, "verify_s": 0.0}
-        self.graphs = None
+        self.graphs = self.drafts = None
         if static_batch_sizes:
             max_blocks = -(-(max_model_len + max_nodes) // block_size)
             capture = self.speculator.capture if self.speculator else ()
-            self.graphs = GraphRunner(model, self.cache, max_blocks, tuple(range(num_blocks, num_blocks + scratch)),
-                                      static_batch_sizes, capture)
+            scratch_blocks = tuple(range(num_blocks, num_blocks + scratch))
+            self.graphs = GraphRunner(model, self.cache, max_blocks, scratch_blocks, static_batch_sizes, capture)
+            if self.speculator is not None:
+                from spec_decode.static_draft import DraftGraphs  # engine/ knows spec_decode only when it is on
+
+                self.drafts = DraftGraphs(self.speculator, max_blocks, scratch_blocks, static_batch_sizes)
         self.last_graph: tuple[bool, str] = (False, "static steps off")
+        self.last_draft: tuple[bool, str] | None = None  # (replayed, why not) of this step's draft; None: none
 
     def _batch(self, work: list[SeqWork], trees: dict) -> ForwardBatch:
         ids, pos, seqs = [], [], []
@@ -63,11 +68,10 @@ class ModelRunner:
         ``dp_work``: every attention-DP rank's work this step (the whole plan; default ``[work]``), from which
         all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
         holds the logits, None on the others."""
-        spec = self.speculator
-        t0 = time.perf_counter()
-        trees = spec.propose([w for w in work if w.spec]) if spec is not None else {}
-        t1 = time.perf_counter()
         shape = self._static_shape([work] if dp_work is None else dp_work)
+        t0 = time.perf_counter()
+        trees = self._draft([w for w in work if w.spec], shape)
+        t1 = time.perf_counter()
         if shape:
             results = self._execute_static(work, trees, *shape)
         else:
@@ -75,6 +79,19 @@ class ModelRunner:
         self.timing["draft_s"] += t1 - t0
         self.timing["verify_s"] += time.perf_counter() - t1
         return results
+
+    def _draft(self, items: list[SeqWork], shape: tuple[int, int] | None) -> dict:
+        """This rank's draft trees: a static draft when the step is a static tree verify, else the dynamic
+        ``Speculator.propose``; ``last_draft`` says which and why."""
+        if not items:
+            self.last_draft = None
+            return {}
+        if shape is not None and shape[1] > 1 and self.drafts is not None:
+            trees = self.drafts.run(items)
+            self.last_draft = self.drafts.last
+            return trees
+        self.last_draft = (False, self.last_graph[1])
+        return self.speculator.propose(items)
 
     def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[int, int] | None:
         """``(batch, nodes)`` when this step runs as a static step on every rank, else None (why: last_graph).

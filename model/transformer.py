@@ -10,7 +10,7 @@ from torch import nn
 from model.attention import GQAAttention, MLAAttention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernel_select import KernelSet
+from model.kernel_select import KernelSet, reference_kernels
 from model.layers import GatedMLP, RMSNorm
 from model.moe import MoE
 from model.rope import Rotary
@@ -61,6 +61,7 @@ class CausalLM(nn.Module):
         self.cfg, self.groups = cfg, groups
         self.model = Backbone(cfg, groups, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
+        self.kernels: KernelSet = reference_kernels()  # the set every module calls (use_kernels), for callers
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, capture: tuple[int, ...] = ()):

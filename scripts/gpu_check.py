@@ -15,7 +15,8 @@ Sections, each recorded even when another fails (the report is rewritten after e
   attention (GQA and MLA) on memory-bound sizes as a fraction of it;
 - ``power``: NVML power during the timed sections when ``pynvml`` (nvidia-ml-py) imports;
 - ``cuda_graphs``: ``engine.cuda_graphs.gpu_check(device, budget_s) -> dict`` when that module exists, else
-  "not built".
+  "not built";
+- ``draft_graphs`` (GPU): ``spec_decode.static_draft.gpu_check``, the drafter step's graphs at budgets 8…256.
 
 Writes ``gpu_report.json`` and ``gpu_report.md`` to ``--out``, else ``$OUT``, else ``./gpu_report``. On a box
 without CUDA the GPU sections say that they were skipped and why.
@@ -377,6 +378,16 @@ def cuda_graphs(budget_s: float) -> dict | str:
     return module.gpu_check(device=torch.device("cuda"), budget_s=budget_s)
 
 
+def draft_graphs(budget_s: float) -> dict | str:
+    """``spec_decode.static_draft.gpu_check``: the drafter step (paged context, device tree builder) captured per
+    batch size at budgets 8…256, replayed against the eager static draft, and timed."""
+    if not CUDA:
+        return NO_GPU
+    from spec_decode.static_draft import gpu_check
+
+    return gpu_check(device=torch.device("cuda"), budget_s=budget_s)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -390,9 +401,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = Report(Path(args.out), args.budget_s)
     report.sections["gpu_parts"] = "run on " + torch.cuda.get_device_name(0) if CUDA else (
-        "SKIPPED — no CUDA device here, so moe_timing, bandwidth, power and cuda_graphs did not run; correctness "
-        "ran the Triton kernels under TRITON_INTERPRET=1 at tiny fp32 shapes, and aot_compile built them for "
-        "sm_90/sm_100 without a GPU")
+        "SKIPPED — no CUDA device here, so moe_timing, bandwidth, power, cuda_graphs and draft_graphs did not run; "
+        "correctness ran the Triton kernels under TRITON_INTERPRET=1 at tiny fp32 shapes, and aot_compile built "
+        "them for sm_90/sm_100 without a GPU")
     report.run("environment", environment)
     report.run("kernel_select", kernel_selection)
     report.run("aot_compile", aot_compile, args.aot)
@@ -401,7 +412,8 @@ def main() -> None:
     report.run("moe_timing", moe_timing, power)
     report.run("bandwidth", bandwidth, power)
     report.run("power", power.summary if power else lambda: NO_GPU)
-    report.run("cuda_graphs", cuda_graphs, max(0.0, report.left_s()))
+    report.run("cuda_graphs", cuda_graphs, max(0.0, report.left_s() - 60))
+    report.run("draft_graphs", draft_graphs, max(0.0, report.left_s()))
     failed = [r["kernel"] for r in report.sections["correctness"] if not r.get("ok")] \
         if isinstance(report.sections["correctness"], list) else ["correctness section failed"]
     report.sections["verdict"] = "all kernels within tolerance" if not failed else f"FAILED: {failed}"

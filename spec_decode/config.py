@@ -63,3 +63,9 @@ class SpecConfig:
     def num_nodes(self) -> int:
         """Tree size including the root."""
         return 1 + (self.depth if self.method == "dflash" else self.budget)
+
+    @property
+    def scratch_slots(self) -> int:
+        """KV slots from a request's next position on that one speculative step writes: the tree's nodes (target
+        KV) and the drafter's block (static drafting stores the block's drafter K/V at its own positions)."""
+        return max(self.num_nodes, self.block_size)

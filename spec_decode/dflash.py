@@ -14,6 +14,7 @@ draft distributions of positions ``p+1 .. p+B-1``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,10 @@ class DFlashConfig:
         }
 
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A draft layer's attention: ``(q [N, h, d], block k [N, kvh, d], block v [N, kvh, d]) → [N, h, d]``."""
+
+
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
@@ -96,21 +101,28 @@ class DraftLayer(nn.Module):
         k = rms(self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_norm_eps)
         return rotary.apply(k, cos, sin), self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
 
-    def forward(self, x, cos, sin, rotary, ctx_k, ctx_v, mask):
-        """Block rows ``x [N, H]`` against context K/V ``[S, kvh, d]`` and themselves; ``mask [N, S+N]`` (None:
-        every row sees every key)."""
+    def forward(self, x, cos, sin, rotary, attend: Attend):
+        """Block rows ``x [N, H]`` → ``[N, H]``; ``attend`` is the block's attention over its context and itself
+        (:data:`Attend`)."""
         c = self.c
         hx = rms(x, self.input_layernorm, c.rms_norm_eps)
         q = rotary.apply(rms(self.q_proj(hx).view(-1, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps),
                          cos, sin)
-        bk, bv = self.kv(hx, cos, sin, rotary)
-        k, v = torch.cat([ctx_k, bk]).transpose(0, 1), torch.cat([ctx_v, bv]).transpose(0, 1)  # [kvh, S+N, d]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
-                                           attn_mask=None if mask is None else mask[None, None],
-                                           enable_gqa=True)[0]  # [h, N, d]
-        x = x + self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
+        o = attend(q, *self.kv(hx, cos, sin, rotary))
+        x = x + self.o_proj(o.reshape(x.shape[0], -1))
         hx = rms(x, self.post_attention_layernorm, c.rms_norm_eps)
         return x + self.down_proj(F.silu(self.gate_proj(hx)) * self.up_proj(hx))
+
+
+def dense_attend(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None) -> Attend:
+    """Attention over context K/V ``[S, kvh, d]`` held as tensors, then the block's own keys; ``mask
+    [N, S+N]`` bool (None: every row sees every key)."""
+    def attend(q, bk, bv):
+        k, v = torch.cat([ctx_k, bk]).transpose(0, 1), torch.cat([ctx_v, bv]).transpose(0, 1)  # [kvh, S+N, d]
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                              attn_mask=None if mask is None else mask[None, None],
+                                              enable_gqa=True)[0].transpose(0, 1)  # [N, h, d]
+    return attend
 
 
 class DFlashDrafter(nn.Module):
@@ -124,6 +136,13 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.rotary = Rotary(RopeConfig(dim=c.head_dim, theta=c.rope_theta))
+
+    def place(self, device: torch.device | str) -> DFlashDrafter:
+        """Moves the weights and the rope table to ``device`` (a table left behind would be copied over on every
+        call, which a CUDA-graph capture refuses)."""
+        self.to(device)
+        self.rotary.inv_freq = self.rotary.inv_freq.to(device)
+        return self
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target features ``[S, k*H]`` at ``positions [S]`` → per layer (K, V) ``[S, kvh, d]`` (cacheable)."""
@@ -146,11 +165,17 @@ class DFlashDrafter(nn.Module):
         else:
             own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)
             mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)  # [J*B, S + J*B]
-        cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), block_emb.dtype)
-        x = block_emb.reshape(j * b, h)
-        for layer, (ck, cv) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, self.rotary, ck, cv, mask)
-        return rms(x, self.norm, self.c.rms_norm_eps).view(j, b, h)
+        attends = [dense_attend(ck, cv, mask) for ck, cv in ctx_kv]
+        return self.run_blocks(block_emb.reshape(j * b, h), block_pos.reshape(-1), attends).view(j, b, h)
+
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, attends: list[Attend]) -> torch.Tensor:
+        """Block rows ``x [N, H]`` at ``positions [N]`` through every layer, layer i attending by ``attends[i]``
+        (how the context is held is the caller's: tensors, :func:`dense_attend`; a paged store,
+        ``spec_decode.static_draft``). Returns the normed hidden states ``[N, H]``."""
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, attend in zip(self.layers, attends, strict=True):
+            x = layer(x, cos, sin, self.rotary, attend)
+        return rms(x, self.norm, self.c.rms_norm_eps)
 
     # ---- z-lab checkpoint layout -----------------------------------------------------------------
     _RENAMES = {"input_layernorm": "input_layernorm.weight", "post_attention_layernorm":

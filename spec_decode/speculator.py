@@ -97,10 +97,14 @@ class Speculator:
             visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
         used = self.cfg.draft_rows  # a B-node tree is at most B deep: deeper rows never reach the LM head
         hidden = self.drafter(emb, pos, kv, visible)[:, 1:1 + used]  # [J, D', H]
+        return self.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(len(work), used, -1)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over drafter rows ``[R, H]`` → fp32 logits ``[R, V]`` on every rank (in
+        ``draft_head``'s dtype when there is one)."""
         head = self.draft_head
-        hidden = hidden.reshape(-1, hidden.shape[-1]).to(self.model.model.norm.weight.dtype if head is None
-                                                           else head.dtype)
-        return self.model.logits_everywhere(hidden, head).float().view(len(work), used, -1)
+        hidden = hidden.to(self.model.model.norm.weight.dtype if head is None else head.dtype)
+        return self.model.logits_everywhere(hidden, head).float()
 
     @staticmethod
     def tree_inputs(w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int]]:

@@ -51,7 +51,7 @@ def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) 
     k = min(budget, vocab)
     top_lp, top_tok = logq.topk(k, dim=-1)  # [D, K] sorted descending
     dev = logq.device
-    neg = torch.tensor(float("-inf"), dtype=logq.dtype, device=dev)
+    neg = torch.full((), float("-inf"), dtype=logq.dtype, device=dev)  # made on the device: capture-safe
     beam_score = torch.full((budget,), float("-inf"), dtype=logq.dtype, device=dev)
     beam_score[0] = 0.0  # the root
     scores, parents, tokens = [], [], []
@@ -75,7 +75,7 @@ def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) 
     parent_node = torch.where(d_of == 0, 0, node_of[parent_flat.clamp(min=0)])
     valid = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), torch.isfinite(scores_t.reshape(-1)[chosen])])
     root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
-    parents_all = torch.cat([torch.tensor([-1], device=dev), parent_node])
+    parents_all = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=dev), parent_node])
     return DraftTree(
         tokens=torch.cat([root, torch.stack(tokens).reshape(-1)[chosen]]),
         parents=parents_all,

@@ -149,3 +149,21 @@ def test_gpu_check_shapes_run_on_cpu_at_every_budget():
                        "eager_reason": "no CUDA device"}
         logits, _ = runner.run(seqs, shape.nodes)
         assert logits.shape == (shape.batch * shape.nodes, 64) and torch.isfinite(logits).all()
+
+
+def test_draft_gpu_check_runs_on_cpu():
+    """The draft-graph check's own setup (random drafter, disjoint contexts, scratch padding) at budgets up to
+    256 on a small CPU model: the static draft runs, reports 'no CUDA device' instead of capturing, and its
+    logits are finite."""
+    from spec_decode.static_draft import check_draft, random_speculator
+
+    model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
+                         intermediate_size=32, vocab_size=64, num_hidden_layers=2)
+    ctx, scratch = 20, tuple(range(17))
+    per_seq = -(-(ctx + 257) // 16)
+    cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 2 * per_seq, 16)
+    gen = torch.Generator().manual_seed(0)
+    for batch, budget in ((1, 8), (2, 16), (1, 256)):
+        row = check_draft(random_speculator(model, cache, budget), batch, ctx, scratch, len(scratch), gen)
+        assert row == {"batch": batch, "budget": budget, "block": 16, "context": ctx, "captured": False,
+                       "eager_reason": "no CUDA device", "finite": True}

@@ -92,7 +92,8 @@ def _static_job(ctx, lay, path, prompts, spec_list, params):
                                                ("tp8", "tiny_deepseek"), ("dp8_ep8", "tiny_deepseek")])
 def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, preset, model):
     """Decode and verify through the fixed-shape static steps (the CUDA-graph path, run eagerly here) give the
-    dynamic forward's tokens for plain, DFlash and DDTree decoding; coverage says why nothing replayed. Every
+    dynamic forward's tokens for plain, DFlash and DDTree decoding, the drafts coming from the static draft
+    step (paged drafter context, tree built on the device); coverage says why nothing replayed. Every
     rank runs the same static steps — under dp8_ep8 the five attention-DP ranks without a request too (they
     pad a whole batch), so a graph replay on one rank never meets a dynamic step on another."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -102,6 +103,9 @@ def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, 
         assert static == dynamic and blocks == 0
         assert coverage[kind]["steps"] > 0 and coverage[kind]["replays"] == 0
         assert coverage[kind]["eager_reason"] == "no CUDA device"
+        if kind == "verify":  # every verify step drafted through the static draft (eager here)
+            assert coverage["draft"]["steps"] == coverage["verify"]["steps"], coverage
+            assert coverage["draft"]["eager_reason"] == "no CUDA device"
     assert out[1][0][0] == out[0][0][0]  # and speculation stays lossless on the static path
     assert [s.get(k, 0) > 0 for s, k in zip(rank0_steps, ("decode", "verify", "verify"), strict=True)] == [True] * 3
     assert all(r[1] == rank0_steps for r in per_rank if r is not None)
@@ -187,3 +191,29 @@ def test_drafter_context_follows_the_block_table(tiny_ckpts, random_drafter):
     assert torch.equal(spec_a.draft_logits([alone]), spec_b.draft_logits([reused]))
     assert _same_tree(spec_a.propose([alone])["a"], spec_b.propose([reused])["a"])
 
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_static_draft_equals_dynamic_propose(tiny_ckpts, random_drafter, method):
+    """The fixed-shape draft step (block K/V stored at the block's own slots, attention through the paged
+    tree-verify kernel with an all-ones block mask, the vectorised tree builder) drafts what the dynamic
+    propose drafts: 3 requests padded to a batch of 4, contexts of different lengths in scattered blocks."""
+    from spec_decode.static_draft import StaticDraft
+
+    spec, gen = _speculator(tiny_ckpts, random_drafter, num_blocks=16)
+    if method == "dflash":
+        spec.cfg = SpecConfig("dflash", block_size=5, drafter_path=random_drafter)
+    work = []
+    for i, (n, blocks) in enumerate(((3, [4, 9]), (9, [1, 12, 6, 0]), (6, [8, 3, 10]))):
+        w = _work(str(i), 20 + i, n, blocks)
+        spec.add_context(w, torch.randn(n, len(spec.capture) * spec.model.cfg.hidden_size, generator=gen), 0)
+        work.append(w)
+    want_logits, want = spec.draft_logits(work), spec.propose(work)
+    draft = StaticDraft(spec, batch=4, max_blocks=4, scratch_blocks=(15, 14))
+    draft.load(work)
+    logits, tokens, parents, depth, valid, _ = draft.run()
+    torch.testing.assert_close(logits[:3], want_logits, atol=1e-5, rtol=1e-5)
+    for j, w in enumerate(work):
+        tree = want[w.request_id]
+        assert torch.equal(tokens[j], tree.tokens) and torch.equal(parents[j], tree.parents)
+        assert torch.equal(depth[j], tree.depth) and torch.equal(valid[j], tree.valid)

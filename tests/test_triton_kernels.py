@@ -293,3 +293,39 @@ def test_model_static_steps_on_the_triton_kernel_set(preset, tiny_ckpts):
         finally:
             model.use_kernels(reference_kernels())
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
+    """The static draft step (the drafter's block attending through the paged tree-verify kernel) drafts the
+    same logits and trees with the Triton kernels (interpreted) as with the torch references."""
+    from engine.kv_cache import KVSpec, PagedKVCache
+    from engine.sampler import SamplingParams
+    from engine.scheduler import SeqWork
+    from model.kernel_select import KernelSet, reference_kernels
+    from model.loader import load_model
+    from parallelism.comm import build_groups
+    from parallelism.layout import Layout
+    from spec_decode.config import SpecConfig
+    from spec_decode.dflash import DFlashDrafter
+    from spec_decode.speculator import Speculator
+    from spec_decode.static_draft import StaticDraft
+
+    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
+    cache = PagedKVCache(KVSpec.for_model(model), 12, 4)
+    spec = Speculator(model, DFlashDrafter.load(random_drafter),
+                      SpecConfig("ddtree", budget=6, block_size=5, drafter_path=random_drafter), cache)
+    work = [SeqWork(str(i), [30 + i], n, t, True, SamplingParams(), 0, 1, True, spec=True)
+            for i, (n, t) in enumerate(((7, [3, 5, 1]), (2, [8, 2])))]
+    for w in work:
+        spec.add_context(w, torch.randn(w.start, len(spec.capture) * model.cfg.hidden_size, generator=gen(6)), 0)
+    draft = StaticDraft(spec, batch=2, max_blocks=3, scratch_blocks=(11, 10))
+    draft.load(work)
+    want = [t.clone() for t in draft.run()]
+    model.use_kernels(KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
+                                attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla))
+    try:
+        got = draft.run()
+    finally:
+        model.use_kernels(reference_kernels())
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(g, w) for g, w in zip(got[1:], want[1:], strict=True))

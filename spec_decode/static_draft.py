@@ -1,0 +1,253 @@
+"""Static drafting: the drafter step at a fixed (batch, block) shape over preallocated buffers, so that a
+CUDA graph can capture it (``engine/cuda_graphs.py`` does the same for the target's decode and verify steps).
+
+A :class:`StaticDraft` holds every input of one draft step — each sequence's bonus token, next position,
+block table, context length and the slots of its block's positions — in buffers of fixed shape ``[B, ...]``,
+and its forward reads nothing else: the block's drafter K/V are written into the paged drafter context
+(``Speculator.context``) at the block's own positions, and each layer attends through the kernel set's
+``tree_verify_gqa`` over the request's block table with an all-ones block mask (non-causal inside the
+block, every context key visible). Those slots lie in the request's reserved KV (``SpecConfig.scratch_slots``)
+and are rewritten with the accepted tokens' context before any later step reads them. The tree is built by
+the vectorised :func:`spec_decode.tree.build_tree` (no host synchronisation). Batches smaller than the shape
+are padded with dummy sequences in the runner's scratch blocks.
+
+Off CUDA nothing is captured: the step runs eagerly and the tests check it against the dynamic
+``Speculator.propose``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.cuda_graphs import capture_graph, seconds_per_call
+from engine.graphs import GraphCoverage
+from engine.scheduler import SeqWork
+from spec_decode.dflash import Attend
+from spec_decode.speculator import Speculator
+from spec_decode.tree import DraftTree, build_chain, build_tree
+
+
+class StaticDraft:
+    """The buffers and the forward of one draft batch size (see the module docstring).
+
+    ``run()`` → ``(logits [B, D', V], tokens, parents, depth [B, n] int64, valid [B, n] bool, ancestors
+    [B, n, n] bool)`` with ``n`` = ``SpecConfig.num_nodes``; buffers that the next ``run()`` overwrites."""
+
+    def __init__(self, spec: Speculator, batch: int, max_blocks: int, scratch_blocks: tuple[int, ...]):
+        self.spec, self.batch, self.max_blocks, self.scratch_blocks = spec, batch, max_blocks, scratch_blocks
+        self.rows = spec.cfg.depth + 1  # [bonus, MASK × depth]
+        dev = spec.context.layers[0][0].device
+        b, n = batch, self.rows
+        self.bonus = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.start = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.block_slots = torch.zeros(b * n, dtype=torch.int64, device=dev)
+        self.block_mask = torch.ones(b, n, n, dtype=torch.bool, device=dev)
+        self.offsets = torch.arange(n, device=dev)
+
+    def padding_seq(self) -> SeqWork:
+        """A dummy request in the scratch blocks: position 0, no context."""
+        bs = self.spec.cache.block_size
+        need = -(-self.rows // bs)
+        if need > len(self.scratch_blocks):
+            raise ValueError(f"a draft block of {self.rows} rows needs {need} scratch blocks of {bs} slots, "
+                             f"{len(self.scratch_blocks)} reserved")
+        return SeqWork("", [0], 0, list(self.scratch_blocks[:need]), False, None, 0, 0, True, spec=True)
+
+    def load(self, work: list[SeqWork]) -> None:
+        """Copies ``work`` (at most ``batch`` speculative items) into the buffers, padding the rest."""
+        if len(work) > self.batch:
+            raise ValueError(f"a {self.batch}-sequence static draft got {len(work)} sequences")
+        seqs = work + [self.padding_seq()] * (self.batch - len(work))
+        n, cache = self.rows, self.spec.cache
+        tables = torch.zeros(self.batch, self.max_blocks, dtype=torch.int32)
+        slots = []
+        for i, w in enumerate(seqs):
+            if len(w.block_table) > self.max_blocks:
+                raise ValueError(f"request {w.request_id!r} has {len(w.block_table)} blocks, the static draft "
+                                 f"holds {self.max_blocks}")
+            tables[i, :len(w.block_table)] = torch.tensor(w.block_table, dtype=torch.int32)
+            slots += cache.slots(w.block_table, w.start, w.start + n)
+        self.bonus.copy_(torch.tensor([w.token_ids[0] for w in seqs]))  # host → buffer copies
+        self.start.copy_(torch.tensor([w.start for w in seqs]))
+        self.block_tables.copy_(tables)
+        self.context_lens.copy_(torch.tensor([w.start + n for w in seqs], dtype=torch.int32))
+        self.block_slots.copy_(torch.tensor(slots))
+
+    def _paged_attend(self, layer: int) -> Attend:
+        """Layer ``layer``'s attention: store the block's K/V at its slots, then read context + block through
+        the block tables (``[B*N, h, d]`` rows in, the same out)."""
+        spec, b, n = self.spec, self.batch, self.rows
+        c = spec.drafter.c
+        k_store, v_store = spec.context.layers[layer]
+
+        def attend(q, bk, bv):
+            spec.context.write(layer, self.block_slots, (bk, bv))
+            out = spec.model.kernels.tree_verify_gqa(
+                q.view(b, n, c.num_heads, c.head_dim), k_store, v_store, self.block_tables, self.context_lens,
+                spec.cache.block_size, c.head_dim ** -0.5, tree_mask=self.block_mask)
+            return out.reshape(b * n, c.num_heads, c.head_dim).to(q.dtype)
+        return attend
+
+    @torch.no_grad()
+    def run(self) -> tuple[torch.Tensor, ...]:
+        spec, b, n = self.spec, self.batch, self.rows
+        cfg, c = spec.cfg, spec.drafter.c
+        ids = torch.where(self.offsets[None, :] == 0, self.bonus[:, None], c.mask_token_id)  # [B, N]
+        emb = spec.model.embed(ids.reshape(-1)).float()  # [B*N, H]
+        pos = (self.start[:, None] + self.offsets[None, :]).reshape(-1)
+        attends = [self._paged_attend(i) for i in range(c.num_layers)]
+        hidden = spec.drafter.run_blocks(emb, pos, attends).view(b, n, -1)[:, 1:1 + cfg.draft_rows]
+        logits = spec.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(b, cfg.draft_rows, -1)  # [B, D', V]
+        if cfg.method == "dflash":
+            trees = [build_chain(logits[j], self.bonus[j]) for j in range(b)]
+        else:
+            logq = (logits / cfg.tree_temperature).log_softmax(dim=-1)
+            trees = [build_tree(logq[j], self.bonus[j], cfg.budget) for j in range(b)]
+        fields = [torch.stack([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depth", "valid",
+                                                                          "ancestors")]
+        return (logits, *fields)
+
+
+class DraftGraphs:
+    """Static drafts per batch size, captured as CUDA graphs where possible; ``run(work)`` → one DraftTree per
+    request (copies: the buffers are reused by the next step) and records coverage under the "draft" kind."""
+
+    def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
+                 batch_sizes: tuple[int, ...], coverage: GraphCoverage | None = None):
+        self.spec, self.max_blocks, self.scratch_blocks = spec, max_blocks, scratch_blocks
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.coverage = coverage or GraphCoverage()
+        self.drafts: dict[int, StaticDraft] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.reasons: dict[int, str] = {}
+        self.pool = None
+        self.last: tuple[bool, str] = (False, "no draft yet")
+
+    def draft(self, batch: int) -> StaticDraft:
+        if batch not in self.drafts:
+            self.drafts[batch] = StaticDraft(self.spec, batch, self.max_blocks, self.scratch_blocks)
+        return self.drafts[batch]
+
+    def capture(self, batch: int) -> str:
+        """Captures the ``batch`` draft on a padding-only batch; returns "" or why it runs eagerly."""
+        draft = self.draft(batch)
+        if batch in self.graphs:
+            return ""
+        if draft.bonus.device.type != "cuda":
+            self.reasons[batch] = "no CUDA device"
+            return self.reasons[batch]
+        try:
+            draft.load([])
+            graph, outputs = capture_graph(draft.run, self.pool)
+            self.pool = graph.pool()
+            self.graphs[batch] = (graph, outputs)
+            return ""
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this size
+            self.reasons[batch] = f"capture failed: {type(exc).__name__}: {exc}"
+            return self.reasons[batch]
+
+    def run(self, work: list[SeqWork]) -> dict[str, DraftTree]:
+        fits = [b for b in self.batch_sizes if b >= len(work)]
+        if not work or not fits:
+            raise ValueError(f"{len(work)} requests for static draft sizes {self.batch_sizes}")
+        batch = fits[0]
+        if batch not in self.graphs and batch not in self.reasons:
+            self.capture(batch)
+        draft = self.draft(batch)
+        draft.load(work)
+        if batch in self.graphs:
+            graph, outputs = self.graphs[batch]
+            graph.replay()
+        else:
+            outputs = draft.run()
+        self.last = (batch in self.graphs, self.reasons.get(batch, ""))
+        self.coverage.record("draft", *self.last)
+        _, tokens, parents, depth, valid, ancestors = outputs
+        return {w.request_id: DraftTree(tokens[j].clone(), parents[j].clone(), depth[j].clone(), valid[j].clone(),
+                                        ancestors[j].clone()) for j, w in enumerate(work)}
+
+
+# ------------------------------------------------------------------------------------------------ GPU check
+
+
+def random_speculator(model, cache, budget: int, block_size: int = 16, **drafter_overrides) -> Speculator:
+    """A DDTree Speculator with a random DFlash drafter sized for ``model`` (2 layers; ``drafter_overrides``
+    change the config): no checkpoint needed on the GPU box."""
+    from spec_decode.config import SpecConfig
+    from spec_decode.dflash import DFlashConfig, DFlashDrafter
+
+    h = model.cfg.hidden_size
+    fields = dict(hidden_size=h, num_layers=2, num_heads=max(1, h // 128), num_kv_heads=max(1, h // 512),
+                  head_dim=min(128, h), intermediate_size=2 * h, target_layer_ids=(0, model.cfg.num_layers - 1),
+                  mask_token_id=1, block_size=block_size)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DFlashConfig(**{**fields, **drafter_overrides}))
+    for name, p in drafter.named_parameters():
+        p.data.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    drafter = drafter.place(cache.layers[0][0].device).eval().requires_grad_(False)
+    cfg = SpecConfig("ddtree", budget=budget, block_size=block_size, drafter_path="random", tree_temperature=0.33)
+    return Speculator(model, drafter, cfg, cache)
+
+
+def check_draft(spec: Speculator, batch: int, ctx: int, scratch: tuple[int, ...], first_block: int,
+                gen: torch.Generator) -> dict:
+    """One static draft size on ``batch`` requests with ``ctx`` context rows each (disjoint blocks from
+    ``first_block``): eager run, capture, replay on the same inputs — tree agreement, max |Δ logits|, eager and
+    replay times (ms). Off CUDA: the eager run and the reason nothing was captured."""
+    bs, n = spec.cache.block_size, spec.cfg.scratch_slots
+    per_seq = -(-(ctx + n) // bs)
+    width = len(spec.capture) * spec.model.cfg.hidden_size
+    work = []
+    for b in range(batch):
+        w = SeqWork(str(b), [int(torch.randint(2, spec.model.cfg.vocab_size, (1,), generator=gen))], ctx,
+                    list(range(first_block + b * per_seq, first_block + (b + 1) * per_seq)), True, None, 0, 1,
+                    True, spec=True)
+        spec.add_context(w, torch.randn(ctx, width, generator=gen).to(spec.context.layers[0][0].device), 0)
+        work.append(w)
+    graphs = DraftGraphs(spec, per_seq, scratch, (batch,))
+    draft = graphs.draft(batch)
+    draft.load(work)
+    eager = [t.clone() for t in draft.run()]
+    reason = graphs.capture(batch)
+    row = {"batch": batch, "budget": spec.cfg.budget, "block": spec.cfg.block_size, "context": ctx,
+           "captured": not reason, "eager_reason": reason, "finite": bool(torch.isfinite(eager[0]).all())}
+    if not reason:
+        graphs.run(work)
+        replay = graphs.graphs[batch][1]
+        row["same_trees"] = all(torch.equal(a, b) for a, b in zip(eager[1:], replay[1:], strict=True))
+        row["max_abs_diff_vs_eager"] = float((replay[0] - eager[0]).abs().max())
+        row["eager_ms"] = 1e3 * seconds_per_call(lambda: (draft.load(work), draft.run()))
+        row["replay_ms"] = 1e3 * seconds_per_call(lambda: graphs.run(work))
+        row["speedup"] = row["eager_ms"] / row["replay_ms"]
+    return row
+
+
+def gpu_check(device: torch.device, budget_s: float) -> dict:
+    """Draft graphs on a random bf16 target (``engine.cuda_graphs.random_model``) with a random drafter: batch 1
+    at budgets 8…256 and batch 8 at budget 16, context 1024, the selected kernels."""
+    from engine.cuda_graphs import random_model
+    from engine.kv_cache import KVSpec, PagedKVCache
+    from model.kernel_select import select_kernels
+
+    t0 = time.time()
+    model = random_model(device, torch.bfloat16, hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048,
+                         n_routed_experts=32, kv_lora_rank=256, q_lora_rank=512, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+    model.use_kernels(select_kernels(device))
+    block_size, ctx, scratch = 16, 1024, tuple(range(17))
+    per_seq = -(-(ctx + 257) // block_size)
+    cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 8 * per_seq, block_size, device=device)
+    gen, rows = torch.Generator().manual_seed(0), []
+    for batch, budget in [(1, b) for b in (8, 16, 32, 64, 128, 256)] + [(8, 16)]:
+        if time.time() - t0 > budget_s:
+            rows.append({"batch": batch, "budget": budget, "skipped": "time budget"})
+            continue
+        spec = random_speculator(model, cache, budget)
+        rows.append(check_draft(spec, batch, ctx, scratch, len(scratch), gen))
+    return {"model": "random tiny_kimi architecture at hidden 1024 + a random 2-layer DFlash drafter, bf16 target",
+            "rows": rows}
+
