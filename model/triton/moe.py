@@ -122,17 +122,24 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_
 
 
 @triton.jit
+def _masked_rows(counts_ptr, rows_per_expert, BLOCK_M: tl.constexpr):
+    """A masked-GEMM program's expert (grid dim 0), that expert's row count, and its BLOCK_M rows (grid dim 1)
+    with their validity."""
+    e = tl.program_id(0).to(tl.int64)
+    count = tl.load(counts_ptr + e)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, count, rows, rows < tl.minimum(count, rows_per_expert)
+
+
+@triton.jit
 def _masked_gate_up_kernel(x_ptr, w_ptr, h_ptr, counts_ptr, rows_per_expert, hidden, inter,
                            stride_xe, stride_x, stride_we, stride_wn, stride_he, stride_h,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid ``(E, cdiv(R, BLOCK_M), cdiv(I, BLOCK_N))``: ``h[e, r] = silu(x[e, r] @ Wg[e].T) * (x[e, r] @ Wu[e].T)``
     for ``r < counts[e]``; blocks past the count exit at once. ``x [E, R, H]``, ``w [E, 2I, H]``, ``h [E, R, I]``."""
-    e = tl.program_id(0).to(tl.int64)
-    count = tl.load(counts_ptr + e)
+    e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
     if tl.program_id(1) * BLOCK_M >= count:
         return
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = rows < tl.minimum(count, rows_per_expert)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     x_rows = x_ptr + e * stride_xe + rows[:, None].to(tl.int64) * stride_x
@@ -157,12 +164,9 @@ def _masked_down_kernel(h_ptr, w_ptr, out_ptr, counts_ptr, rows_per_expert, hidd
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid ``(E, cdiv(R, BLOCK_M), cdiv(H, BLOCK_N))``: ``out[e, r] = h[e, r] @ Wd[e].T`` for ``r < counts[e]``
     (unweighted: DeepEP's combine applies the routing weights); ``w [E, H, I]``, ``out [E, R, H]``."""
-    e = tl.program_id(0).to(tl.int64)
-    count = tl.load(counts_ptr + e)
+    e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
     if tl.program_id(1) * BLOCK_M >= count:
         return
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = rows < tl.minimum(count, rows_per_expert)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     h_rows = h_ptr + e * stride_he + rows[:, None].to(tl.int64) * stride_h
