@@ -159,7 +159,43 @@ def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph
     return graph, outputs
 
 
-class GraphRunner:
+class CapturedGraphs:
+    """CUDA graphs by key (a step shape, a batch size), each captured on first use into one shared memory pool;
+    a key that cannot be captured keeps the reason and runs eagerly from then on."""
+
+    def __init__(self):
+        self.graphs: dict = {}  # key → (graph, its static outputs)
+        self.reasons: dict = {}  # key → why it runs eagerly
+        self.pool = None
+
+    def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable) -> str:
+        """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
+        ``key`` runs eagerly. Later calls return the first answer."""
+        if key in self.graphs or key in self.reasons:
+            return self.reasons.get(key, "")
+        if device.type != "cuda":
+            self.reasons[key] = "no CUDA device"
+            return self.reasons[key]
+        try:
+            prepare()
+            graph, outputs = capture_graph(run, self.pool)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this key
+            self.reasons[key] = f"capture failed: {type(exc).__name__}: {exc}"
+            return self.reasons[key]
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, outputs)
+        return ""
+
+    def _replay_or_run(self, key, run: Callable):
+        """``(replayed, outputs)``: the replayed graph's static outputs, or ``run()``'s."""
+        if key in self.graphs:
+            graph, outputs = self.graphs[key]
+            graph.replay()
+            return True, outputs
+        return False, run()
+
+
+class GraphRunner(CapturedGraphs):
     """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
 
     ``run(seqs, nodes, batch)`` picks the smallest batch size ≥ ``max(len(seqs), batch)``, captures that shape
@@ -169,13 +205,11 @@ class GraphRunner:
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...] = (1, 2, 4, 8), capture: tuple[int, ...] = (),
                  coverage: GraphCoverage | None = None):
+        super().__init__()
         self.model, self.cache, self.max_blocks, self.scratch_blocks = model, cache, max_blocks, scratch_blocks
         self.batch_sizes, self.capture_layers = tuple(sorted(batch_sizes)), capture
         self.coverage = coverage or GraphCoverage()
         self.steps: dict[StepShape, StaticStep] = {}
-        self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self.reasons: dict[StepShape, str] = {}
-        self.pool = None
 
     def shape_for(self, batch: int, nodes: int) -> StepShape:
         fits = [b for b in self.batch_sizes if b >= batch]
@@ -193,37 +227,19 @@ class GraphRunner:
         """Captures ``shape``'s graph; returns "" or why it runs eagerly. The buffers hold a padding-only batch
         during capture, so the warm-up and capture launches touch just the scratch block."""
         step = self.step(shape)
-        if shape in self.graphs:
-            return ""
-        if self.cache.layers[0][0].device.type != "cuda":
-            self.reasons[shape] = "no CUDA device"
-            return self.reasons[shape]
-        try:
-            step.load([step.padding_seq()])
-            graph, outputs = capture_graph(step.run, self.pool)
-            self.pool = graph.pool()
-            self.graphs[shape] = (graph, outputs)
-            return ""
-        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this shape
-            self.reasons[shape] = f"capture failed: {type(exc).__name__}: {exc}"
-            return self.reasons[shape]
+        return self._capture(shape, self.cache.layers[0][0].device, lambda: step.load([step.padding_seq()]),
+                             step.run)
 
     def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``batch`` > ``len(seqs)`` pads to that shape (attention-DP ranks run one shape; an idle rank pads
         everything)."""
         shape = self.shape_for(max(len(seqs), batch, 1), nodes)
-        if shape not in self.graphs and shape not in self.reasons:
-            self.capture(shape)  # first use of a shape: capture it (or learn why not) before loading inputs
+        self.capture(shape)  # first use of a shape: capture it (or learn why not) before loading inputs
         step = self.step(shape)
         step.load(seqs)
+        replayed, (logits, feats) = self._replay_or_run(shape, step.run)
+        self.coverage.record(shape.kind, replayed, self.reasons.get(shape, ""))
         rows = len(seqs) * nodes
-        if shape in self.graphs:
-            graph, (logits, feats) = self.graphs[shape]
-            graph.replay()
-            self.coverage.record(shape.kind, True)
-        else:
-            logits, feats = step.run()
-            self.coverage.record(shape.kind, False, self.reasons.get(shape, "not captured"))
         return logits[:rows], None if feats is None else feats[:rows]
 
 
@@ -280,23 +296,42 @@ def random_seqs(shape: StepShape, ctx: int, cache: PagedKVCache, gen: torch.Gene
     return seqs
 
 
-def gpu_check(device: torch.device, budget_s: float) -> dict:
-    """Captures and replays decode (batch 1, 8) and tree verify (batch 1, budgets 8…256) graphs on a random
-    bf16 model with the selected kernels; per shape: capture result, max |replay − eager| logits, eager and
-    replay step times (ms). Stops starting shapes after ``budget_s``."""
+@dataclass(frozen=True)
+class CheckSetup:
+    """What the GPU checks run on: a random bf16 model with the selected kernels, a cache with ``scratch``
+    blocks (enough for a 257-node tree) and room for 8 sequences of ``context`` cached keys + 257 new ones
+    (``blocks_per_seq`` blocks each, after the scratch blocks)."""
+
+    model: CausalLM
+    cache: PagedKVCache
+    scratch: tuple[int, ...]
+    context: int
+    blocks_per_seq: int
+
+
+def check_setup(device: torch.device, context: int = 1024, block_size: int = 16) -> CheckSetup:
+    """The GPU checks' :class:`CheckSetup` on ``device``."""
     from engine.kv_cache import KVSpec
     from model.kernel_select import select_kernels
 
-    t0 = time.time()
     model = random_model(device, torch.bfloat16, hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048,
                          n_routed_experts=32, kv_lora_rank=256, q_lora_rank=512, num_attention_heads=16,
                          num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
-    kernels = select_kernels(device)
-    model.use_kernels(kernels)
-    block_size, ctx, scratch = 16, 1024, tuple(range(17))  # 17 scratch blocks hold the largest tree (257 nodes)
-    per_seq = -(-(ctx + 257) // block_size)
+    model.use_kernels(select_kernels(device))
+    scratch = tuple(range(-(-257 // block_size)))
+    per_seq = -(-(context + 257) // block_size)
     cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 8 * per_seq, block_size, device=device)
-    runner = GraphRunner(model, cache, max_blocks=per_seq, scratch_blocks=scratch, batch_sizes=(1, 8))
+    return CheckSetup(model, cache, scratch, context, per_seq)
+
+
+def gpu_check(device: torch.device, budget_s: float) -> dict:
+    """Captures and replays decode (batch 1, 8) and tree verify (batch 1, budgets 8…256) graphs on
+    :func:`check_setup`; per shape: capture result, max |replay − eager| logits, eager and replay step times
+    (ms). Stops starting shapes after ``budget_s``."""
+    t0 = time.time()
+    setup = check_setup(device)
+    model, cache, scratch = setup.model, setup.cache, setup.scratch
+    runner = GraphRunner(model, cache, max_blocks=setup.blocks_per_seq, scratch_blocks=scratch, batch_sizes=(1, 8))
     shapes = [StepShape(1, 1), StepShape(8, 1)] + [StepShape(1, b + 1) for b in (8, 16, 32, 64, 128, 256)]
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -304,10 +339,10 @@ def gpu_check(device: torch.device, budget_s: float) -> dict:
         if time.time() - t0 > budget_s:
             rows.append({"shape": str(shape), "skipped": "time budget"})
             continue
-        rows.append(_check_shape(runner, shape, random_seqs(shape, ctx, cache, gen, model.cfg.vocab_size,
+        rows.append(_check_shape(runner, shape, random_seqs(shape, setup.context, cache, gen, model.cfg.vocab_size,
                                                             len(scratch))))
-    return {"kernels": kernels.reasons, "model": "random tiny_kimi architecture at hidden 1024, 32 experts, bf16",
-            "context": ctx, "shapes": rows, "coverage": runner.coverage.summary()}
+    return {"kernels": model.kernels.reasons, "model": "random tiny_kimi architecture at hidden 1024, 32 experts, "
+            "bf16", "context": setup.context, "shapes": rows, "coverage": runner.coverage.summary()}
 
 
 def _check_shape(runner: GraphRunner, shape: StepShape, seqs: list[StaticSeq]) -> dict:

@@ -106,11 +106,10 @@ class Engine:
         s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
         kind = "prefill" if prefill and not decode else "decode" if decode and not prefill else "mixed"
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
-        replayed, reason = (False, self._eager_reason) if self.runner.graphs is None else self.runner.last_graph
-        self.graphs.record("verify" if spec and kind == "decode" else kind, replayed=replayed, reason=reason)
+        no_static = (False, self._eager_reason) if self.runner.graphs is None else None
+        self.graphs.record("verify" if spec and kind == "decode" else kind, *(no_static or self.runner.last_graph))
         if self.runner.last_draft is not None:  # rank 0's draft, like its step
-            replayed, reason = (False, self._eager_reason) if self.runner.graphs is None else self.runner.last_draft
-            self.graphs.record("draft", replayed=replayed, reason=reason)
+            self.graphs.record("draft", *(no_static or self.runner.last_draft))
         s.prefill_tokens += prefill
         s.decode_tokens += decode
         if kind == "decode":

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.cuda_graphs import capture_graph, seconds_per_call
+from engine.cuda_graphs import CapturedGraphs, seconds_per_call
 from engine.graphs import GraphCoverage
 from engine.scheduler import SeqWork
 from spec_decode.dflash import Attend
@@ -112,19 +112,17 @@ class StaticDraft:
         return (logits, *fields)
 
 
-class DraftGraphs:
+class DraftGraphs(CapturedGraphs):
     """Static drafts per batch size, captured as CUDA graphs where possible; ``run(work)`` → one DraftTree per
     request (copies: the buffers are reused by the next step) and records coverage under the "draft" kind."""
 
     def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...], coverage: GraphCoverage | None = None):
+        super().__init__()
         self.spec, self.max_blocks, self.scratch_blocks = spec, max_blocks, scratch_blocks
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.coverage = coverage or GraphCoverage()
         self.drafts: dict[int, StaticDraft] = {}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self.reasons: dict[int, str] = {}
-        self.pool = None
         self.last: tuple[bool, str] = (False, "no draft yet")
 
     def draft(self, batch: int) -> StaticDraft:
@@ -135,38 +133,19 @@ class DraftGraphs:
     def capture(self, batch: int) -> str:
         """Captures the ``batch`` draft on a padding-only batch; returns "" or why it runs eagerly."""
         draft = self.draft(batch)
-        if batch in self.graphs:
-            return ""
-        if draft.bonus.device.type != "cuda":
-            self.reasons[batch] = "no CUDA device"
-            return self.reasons[batch]
-        try:
-            draft.load([])
-            graph, outputs = capture_graph(draft.run, self.pool)
-            self.pool = graph.pool()
-            self.graphs[batch] = (graph, outputs)
-            return ""
-        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this size
-            self.reasons[batch] = f"capture failed: {type(exc).__name__}: {exc}"
-            return self.reasons[batch]
+        return self._capture(batch, draft.bonus.device, lambda: draft.load([]), draft.run)
 
     def run(self, work: list[SeqWork]) -> dict[str, DraftTree]:
         fits = [b for b in self.batch_sizes if b >= len(work)]
         if not work or not fits:
             raise ValueError(f"{len(work)} requests for static draft sizes {self.batch_sizes}")
         batch = fits[0]
-        if batch not in self.graphs and batch not in self.reasons:
-            self.capture(batch)
+        self.capture(batch)
         draft = self.draft(batch)
         draft.load(work)
-        if batch in self.graphs:
-            graph, outputs = self.graphs[batch]
-            graph.replay()
-        else:
-            outputs = draft.run()
-        self.last = (batch in self.graphs, self.reasons.get(batch, ""))
+        replayed, (_, tokens, parents, depth, valid, ancestors) = self._replay_or_run(batch, draft.run)
+        self.last = (replayed, self.reasons.get(batch, ""))
         self.coverage.record("draft", *self.last)
-        _, tokens, parents, depth, valid, ancestors = outputs
         return {w.request_id: DraftTree(tokens[j].clone(), parents[j].clone(), depth[j].clone(), valid[j].clone(),
                                         ancestors[j].clone()) for j, w in enumerate(work)}
 
@@ -227,27 +206,18 @@ def check_draft(spec: Speculator, batch: int, ctx: int, scratch: tuple[int, ...]
 
 
 def gpu_check(device: torch.device, budget_s: float) -> dict:
-    """Draft graphs on a random bf16 target (``engine.cuda_graphs.random_model``) with a random drafter: batch 1
-    at budgets 8…256 and batch 8 at budget 16, context 1024, the selected kernels."""
-    from engine.cuda_graphs import random_model
-    from engine.kv_cache import KVSpec, PagedKVCache
-    from model.kernel_select import select_kernels
+    """Draft graphs on ``engine.cuda_graphs.check_setup`` (random bf16 target, context 1024) with a random
+    drafter: batch 1 at budgets 8…256 and batch 8 at budget 16, the selected kernels."""
+    from engine.cuda_graphs import check_setup
 
     t0 = time.time()
-    model = random_model(device, torch.bfloat16, hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048,
-                         n_routed_experts=32, kv_lora_rank=256, q_lora_rank=512, num_attention_heads=16,
-                         num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
-    model.use_kernels(select_kernels(device))
-    block_size, ctx, scratch = 16, 1024, tuple(range(17))
-    per_seq = -(-(ctx + 257) // block_size)
-    cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 8 * per_seq, block_size, device=device)
+    setup = check_setup(device)
     gen, rows = torch.Generator().manual_seed(0), []
     for batch, budget in [(1, b) for b in (8, 16, 32, 64, 128, 256)] + [(8, 16)]:
         if time.time() - t0 > budget_s:
             rows.append({"batch": batch, "budget": budget, "skipped": "time budget"})
             continue
-        spec = random_speculator(model, cache, budget)
-        rows.append(check_draft(spec, batch, ctx, scratch, len(scratch), gen))
+        spec = random_speculator(setup.model, setup.cache, budget)
+        rows.append(check_draft(spec, batch, setup.context, setup.scratch, len(setup.scratch), gen))
     return {"model": "random tiny_kimi architecture at hidden 1024 + a random 2-layer DFlash drafter, bf16 target",
             "rows": rows}
-
