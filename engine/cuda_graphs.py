@@ -17,10 +17,11 @@ relies on — padding, buffer reuse across steps, equality with the dynamic forw
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -28,6 +29,9 @@ from engine.graphs import GraphCoverage
 from engine.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
+
+if TYPE_CHECKING:
+    from spec_decode.tree import DraftTree
 
 T = TypeVar("T")
 
@@ -45,18 +49,22 @@ class StepShape:
 
 
 @dataclass
-class StaticSeq:
-    """One sequence's share of a static step (host values, copied into the buffers by ``StaticStep.load``).
+class SeqLayout:
+    """Where one sequence's share of a static step lives in the cache (host values): the KV ``write_slots`` of
+    its ``nodes`` new tokens and a ``block_table`` covering ``context_len`` keys (the new ones last)."""
 
-    ``token_ids``/``positions``/``write_slots`` have ``nodes`` entries; ``block_table`` covers
-    ``context_len`` keys (this step's included, as the last ``nodes``); ``tree_mask [nodes, nodes]`` bool for
-    verify."""
-
-    token_ids: list[int]
-    positions: list[int]
     write_slots: list[int]
     block_table: list[int]
     context_len: int
+
+
+@dataclass
+class StaticSeq(SeqLayout):
+    """A :class:`SeqLayout` with its inputs, all on the host (copied into the buffers by ``StaticStep.load``):
+    ``token_ids``/``positions`` of ``nodes`` entries and, for verify, ``tree_mask [nodes, nodes]`` bool."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
     tree_mask: torch.Tensor | None = None
 
 
@@ -110,29 +118,45 @@ class StaticStep:
         table = list(self.scratch_blocks[:need])
         slots = [table[p // bs] * bs + p % bs for p in range(n)]
         mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
-        return StaticSeq([0] * n, list(range(n)), slots, table, n, mask)
+        return StaticSeq(slots, table, n, [0] * n, list(range(n)), mask)
 
     def load(self, seqs: list[StaticSeq]) -> None:
         """Copies ``seqs`` (at most ``batch``; none for an idle attention-DP rank) into the buffers, padding the
         rest with :meth:`padding_seq`."""
+        seqs = self.load_layout(seqs)
+        if any(len(s.token_ids) != self.shape.nodes for s in seqs):
+            raise ValueError(f"a sequence's token count does not fit shape {self.shape}")
+        self.load_inputs(torch.tensor([v for s in seqs for v in s.token_ids]),  # host → buffer copies
+                         torch.tensor([v for s in seqs for v in s.positions]),
+                         None if self.tables.tree_mask is None else torch.stack([s.tree_mask for s in seqs]))
+
+    def load_layout(self, seqs: list[SeqLayout]) -> list[SeqLayout]:
+        """Copies ``seqs``' write slots, block tables and context lengths (padded with :meth:`padding_seq`) into
+        the buffers; returns the padded list."""
         b, n = self.shape.batch, self.shape.nodes
         if len(seqs) > b:
             raise ValueError(f"a {b}-sequence static step got {len(seqs)} sequences")
         seqs = seqs + [self.padding_seq()] * (b - len(seqs))
         for s in seqs:
-            if len(s.token_ids) != n or len(s.block_table) > self.max_blocks:
-                raise ValueError(f"sequence with {len(s.token_ids)} nodes / {len(s.block_table)} blocks does not "
+            if len(s.write_slots) != n or len(s.block_table) > self.max_blocks:
+                raise ValueError(f"sequence with {len(s.write_slots)} nodes / {len(s.block_table)} blocks does not "
                                  f"fit shape {self.shape} with {self.max_blocks} blocks")
-        self.input_ids.copy_(torch.tensor([v for s in seqs for v in s.token_ids]))  # host → buffer copies
-        self.positions.copy_(torch.tensor([v for s in seqs for v in s.positions]))
         self.write_slots.copy_(torch.tensor([v for s in seqs for v in s.write_slots]))
         tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         self.tables.block_tables.copy_(tables)
         self.tables.context_lens.copy_(torch.tensor([s.context_len for s in seqs], dtype=torch.int32))
+        return seqs
+
+    def load_inputs(self, token_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> None:
+        """Copies the step's inputs for every row, padding included — ``token_ids, positions [B*N]``, ``tree_mask
+        [B, N, N]`` (verify) — into the buffers: from the host, or on the device from the static draft's
+        outputs (no host round trip between draft and verify)."""
+        self.input_ids.copy_(token_ids)
+        self.positions.copy_(positions)
         if self.tables.tree_mask is not None:
-            self.tables.tree_mask.copy_(torch.stack([s.tree_mask for s in seqs]))
+            self.tables.tree_mask.copy_(tree_mask)
 
     @torch.no_grad()
     def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -235,12 +259,32 @@ class GraphRunner(CapturedGraphs):
         everything)."""
         shape = self.shape_for(max(len(seqs), batch, 1), nodes)
         self.capture(shape)  # first use of a shape: capture it (or learn why not) before loading inputs
-        step = self.step(shape)
-        step.load(seqs)
-        replayed, (logits, feats) = self._replay_or_run(shape, step.run)
-        self.coverage.record(shape.kind, replayed, self.reasons.get(shape, ""))
+        self.step(shape).load(seqs)
+        logits, feats = self._launch(shape)
         rows = len(seqs) * nodes
         return logits[:rows], None if feats is None else feats[:rows]
+
+    def run_tree(self, seqs: list[SeqLayout], tree: DraftTree, start: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Tree verify of a static draft's whole batch: ``tree`` ``[B, N]`` and ``start [B]`` on the device
+        (padding rows included, B a static batch size) give the tokens (``tree.tokens``), positions (``start +
+        tree.depth``) and ancestor masks; ``seqs`` (the first rows) give the cache layout. Returns logits
+        ``[B*N, V]``, features and the write slots ``[B, N]`` (buffers the next step overwrites)."""
+        b, n = tree.tokens.shape
+        shape = self.shape_for(b, n)
+        if shape.batch != b:
+            raise ValueError(f"a tree batch of {b} is not a static batch size {self.batch_sizes}")
+        self.capture(shape)
+        step = self.step(shape)
+        step.load_layout(seqs)
+        step.load_inputs(tree.tokens.reshape(-1), (start[:, None] + tree.depth).reshape(-1), tree.ancestors)
+        logits, feats = self._launch(shape)
+        return logits, feats, step.write_slots.view(b, n)
+
+    def _launch(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor | None]:
+        replayed, outputs = self._replay_or_run(shape, self.step(shape).run)
+        self.coverage.record(shape.kind, replayed, self.reasons.get(shape, ""))
+        return outputs
 
 
 # ------------------------------------------------------------------------------------------------ GPU check
@@ -292,7 +336,7 @@ def random_seqs(shape: StepShape, ctx: int, cache: PagedKVCache, gen: torch.Gene
         ancestors, depth = random_tree(n, gen)
         mask = None if n == 1 else ancestors
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        seqs.append(StaticSeq(ids, (ctx + depth).tolist(), slots, table, ctx + n, mask))
+        seqs.append(StaticSeq(slots, table, ctx + n, ids, (ctx + depth).tolist(), mask))
     return seqs
 
 

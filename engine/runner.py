@@ -12,12 +12,13 @@ import time
 
 import torch
 
-from engine.cuda_graphs import GraphRunner, StaticSeq
+from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SeqWork, StepResult
 from model.batch import ForwardBatch
 from model.transformer import CausalLM
+from spec_decode.tree import DraftTree
 
 
 class ModelRunner:
@@ -70,26 +71,28 @@ class ModelRunner:
         holds the logits, None on the others."""
         shape = self._static_shape([work] if dp_work is None else dp_work)
         t0 = time.perf_counter()
-        trees = self._draft([w for w in work if w.spec], shape)
-        t1 = time.perf_counter()
-        if shape:
-            results = self._execute_static(work, trees, *shape)
+        if shape is not None and shape[1] > 1:  # a static tree verify drafts statically, trees stay on the device
+            drafted = self.drafts.run(work, shape[0])
+            self.last_draft = self.drafts.last
         else:
-            results = self._execute_dynamic(work, trees)
+            drafted = self._propose([w for w in work if w.spec])
+        t1 = time.perf_counter()
+        if shape is None:
+            results = self._execute_dynamic(work, drafted)
+        elif shape[1] > 1:
+            results = self._verify_static(work, *drafted)
+        else:
+            results = self._decode_static(work, shape[0])
         self.timing["draft_s"] += t1 - t0
         self.timing["verify_s"] += time.perf_counter() - t1
         return results
 
-    def _draft(self, items: list[SeqWork], shape: tuple[int, int] | None) -> dict:
-        """This rank's draft trees: a static draft when the step is a static tree verify, else the dynamic
-        ``Speculator.propose``; ``last_draft`` says which and why."""
+    def _propose(self, items: list[SeqWork]) -> dict[str, DraftTree]:
+        """The dynamic ``Speculator.propose`` for this rank's speculative items; ``last_draft`` says why it did
+        not run statically."""
         if not items:
             self.last_draft = None
             return {}
-        if shape is not None and shape[1] > 1 and self.drafts is not None:
-            trees = self.drafts.run(items)
-            self.last_draft = self.drafts.last
-            return trees
         self.last_draft = (False, self.last_graph[1])
         return self.speculator.propose(items)
 
@@ -118,32 +121,35 @@ class ModelRunner:
             self.last_graph = (False, "prefill or mixed step (variable shapes)")
         return None
 
-    def _execute_static(self, work: list[SeqWork], trees: dict, batch: int, nodes: int
-                        ) -> dict[str, StepResult] | None:
-        seqs = []
-        for w in work:
-            if w.spec:
-                tree = trees[w.request_id]
-                tokens, positions = self.speculator.tree_inputs(w, tree)
-                mask = tree.ancestors
-            else:
-                tokens, positions, mask = w.token_ids, [w.start], None
-            seqs.append(StaticSeq(tokens, positions, self.cache.slots(w.block_table, w.start, w.start + nodes),
-                                  w.block_table, w.start + nodes, mask))
-        logits, feats = self.graphs.run(seqs, nodes, batch)
-        shape = self.graphs.shape_for(batch, nodes)
-        self.last_graph = (shape in self.graphs.graphs, self.graphs.reasons.get(shape, ""))
-        if self.speculator is not None and nodes == 1:  # plain decodes extend the drafter's context
+    def _decode_static(self, work: list[SeqWork], batch: int) -> dict[str, StepResult] | None:
+        seqs = [StaticSeq(self.cache.slots(w.block_table, w.start, w.start + 1), w.block_table, w.start + 1,
+                          w.token_ids, [w.start]) for w in work]
+        logits, feats = self.graphs.run(seqs, 1, batch)
+        self._note_graph(batch, 1)
+        if self.speculator is not None:  # plain decodes extend the drafter's context
             for i, w in enumerate(work):
                 self.speculator.add_context(w, feats[i:i + 1], w.start)
-        out = {}
-        if nodes > 1:  # every rank walks its tree (and compacts its KV shard)
-            for i, w in enumerate(work):
-                rows = slice(i * nodes, (i + 1) * nodes)
-                out[w.request_id] = self.speculator.accept(w, trees[w.request_id], logits[rows], feats[rows])
         if self.model.groups.attn_tp.rank != 0:  # like the dynamic path: results live on attention-TP rank 0
             return None
-        return out if nodes > 1 else self._sample_plain(work, logits)
+        return self._sample_plain(work, logits)
+
+    def _verify_static(self, work: list[SeqWork], tree: DraftTree, start: torch.Tensor
+                       ) -> dict[str, StepResult] | None:
+        """Verifies the static draft's trees where they lie (no host round trip), then walks and compacts on the
+        device; every rank walks its trees (and compacts its KV shard)."""
+        n = tree.size
+        seqs = [SeqLayout(self.cache.slots(w.block_table, w.start, w.start + n), w.block_table, w.start + n)
+                for w in work]
+        logits, feats, slots = self.graphs.run_tree(seqs, tree, start)
+        self._note_graph(tree.tokens.shape[0], n)
+        results = self.speculator.accept(work, tree, logits, feats, slots, start) if work else []
+        if self.model.groups.attn_tp.rank != 0:
+            return None
+        return {w.request_id: r for w, r in zip(work, results, strict=True)}
+
+    def _note_graph(self, batch: int, nodes: int) -> None:
+        shape = self.graphs.shape_for(batch, nodes)
+        self.last_graph = (shape in self.graphs.graphs, self.graphs.reasons.get(shape, ""))
 
     def _execute_dynamic(self, work: list[SeqWork], trees: dict) -> dict[str, StepResult] | None:
         spec = self.speculator
@@ -167,16 +173,16 @@ class ModelRunner:
         return results
 
     def _speculative(self, work, trees, hidden, feats, starts) -> dict[str, StepResult]:
-        rows = [(i, w) for i, w in enumerate(work) if w.spec]
-        index = torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device) for i, _ in rows])
-        logits = self.model.logits_everywhere(hidden[index])
-        out, offset = {}, 0
-        for i, w in rows:
-            n = starts[i + 1] - starts[i]
-            out[w.request_id] = self.speculator.accept(w, trees[w.request_id], logits[offset:offset + n],
-                                                       feats[starts[i]:starts[i + 1]])
-            offset += n
-        return out
+        """The dynamic forward's tree rows → one batched walk over this rank's speculative items."""
+        items = [w for w in work if w.spec]
+        index = torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device)
+                           for i, w in enumerate(work) if w.spec])
+        n = self.speculator.cfg.num_nodes
+        slots = torch.stack([self.cache.slot_tensor(w.block_table, w.start, w.start + n) for w in items])
+        start = torch.tensor([w.start for w in items], device=self.device)
+        results = self.speculator.accept(items, DraftTree.stack([trees[w.request_id] for w in items]),
+                                         self.model.logits_everywhere(hidden[index]), feats[index], slots, start)
+        return {w.request_id: r for w, r in zip(items, results, strict=True)}
 
     def _sample_plain(self, chosen: list[SeqWork], logits: torch.Tensor) -> dict[str, StepResult]:
         if not chosen:

@@ -6,6 +6,7 @@ seeded request draws the same tokens whatever else is in its batch and in whatev
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -72,8 +73,9 @@ class SamplingBatch:
 
     ``temperature, top_p, min_p [B]`` float32; ``top_k, seed, step [B]`` int64 (top_k ``TOP_K_OFF`` = off, step =
     index of the output token being drawn). ``ban_rows, ban_ids [N]`` int64 are (row, token) pairs whose logit is
-    set to -inf (EOS/stop ids of rows still short of ``min_tokens``). ``num_logprobs`` is the batch's largest
-    ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work.
+    set to -inf (EOS/stop ids of rows still short of ``min_tokens``) while ``ban_left [N]`` int64 (tokens the row
+    must still produce first) is positive. ``num_logprobs`` is the batch's largest ``logprobs``; ``needs_sort`` /
+    ``all_greedy`` are host flags that let :func:`sample` skip work.
     """
 
     temperature: Tensor
@@ -84,6 +86,7 @@ class SamplingBatch:
     step: Tensor
     ban_rows: Tensor
     ban_ids: Tensor
+    ban_left: Tensor
     num_logprobs: int
     needs_sort: bool
     all_greedy: bool
@@ -106,12 +109,13 @@ class SamplingBatch:
                 f"params, seeds, steps, generated_counts must have equal lengths, got "
                 f"{len(params)}, {len(seeds)}, {len(steps)}, {len(generated_counts)}"
             )
-        ban_rows, ban_ids = [], []
+        ban_rows, ban_ids, ban_left = [], [], []
         for row, (p, count) in enumerate(zip(params, generated_counts, strict=True)):
             if count < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
                 ban_rows += [row] * len(banned)
                 ban_ids += sorted(banned)
+                ban_left += [p.min_tokens - count] * len(banned)
 
         def f32(xs):
             return torch.tensor(xs, dtype=torch.float32, device=device)
@@ -129,10 +133,19 @@ class SamplingBatch:
             step=i64(steps),
             ban_rows=i64(ban_rows),
             ban_ids=i64(ban_ids),
+            ban_left=i64(ban_left),
             num_logprobs=max((p.logprobs for p in params), default=0),
             needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
             all_greedy=not sampled,
         )
+
+
+    def advanced(self, by: Tensor) -> SamplingBatch:
+        """The same rows ``by [B]`` int64 output tokens later (a tree node at depth ``by`` draws the output index
+        ``step + by``): steps move on and bans lift where a row reaches ``min_tokens``. On the device, without
+        host synchronisation: the speculative walk builds the batch from host values once per request and
+        offsets it by the tree's depths."""
+        return dataclasses.replace(self, step=self.step + by, ban_left=self.ban_left - by[self.ban_rows])
 
 
 @dataclass(frozen=True)
@@ -201,7 +214,8 @@ def sample(logits: Tensor, sb: SamplingBatch) -> SampleOutput:
     filtered softmax. Banned ids (min_tokens) are masked for both. Returned log-probs ignore all of that.
     """
     raw = logits.log_softmax(dim=-1)  # [B, V]
-    banned = logits.index_put((sb.ban_rows, sb.ban_ids), torch.tensor(-math.inf, device=logits.device))
+    still = torch.where(sb.ban_left > 0, -math.inf, logits[sb.ban_rows, sb.ban_ids])
+    banned = logits.index_put((sb.ban_rows, sb.ban_ids), still)
     tokens = banned.argmax(dim=-1)  # [B]
     if not sb.all_greedy:
         is_sampled = sb.temperature > 0

@@ -21,7 +21,7 @@ from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
-from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, walk
+from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, walk
 
 
 class Speculator:
@@ -59,8 +59,12 @@ class Speculator:
         blocks (nothing to free, nothing to leak) and appending never copies what is already there."""
         n = feats.shape[0]
         slots = self.cache.slot_tensor(w.block_table, start, start + n)
-        for layer, kv in enumerate(self.drafter.context_kv(feats.float(), torch.arange(start, start + n,
-                                                                                        device=slots.device))):
+        self.write_context(slots, feats, torch.arange(start, start + n, device=slots.device))
+
+    def write_context(self, slots: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        """Stores the drafter K/V of target features ``feats [R, k*H]`` at token ``positions [R]``, in drafter
+        context ``slots [R]`` (any requests' rows at once)."""
+        for layer, kv in enumerate(self.drafter.context_kv(feats.float(), positions)):
             self.context.write(layer, slots, kv)
 
     # ---- draft -----------------------------------------------------------------------------------------
@@ -121,35 +125,39 @@ class Speculator:
 
     # ---- verify ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def accept(self, w: SeqWork, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor) -> StepResult:
-        """``logits [N, V]`` and target features ``[N, k*H]`` at the tree nodes → committed tokens.
+    def accept(self, work: list[SeqWork], tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
+               slots: torch.Tensor, start: torch.Tensor) -> list[StepResult]:
+        """Walks a batch of verified trees and commits each request's accepted path.
 
-        Walks the tree, compacts the accepted path's KV to positions ``start .. start+k`` and feeds the
-        path's features to the drafter context. Returns the k accepted drafts + the bonus."""
-        depth = tree.depth.tolist()
-        sb = SamplingBatch.build([w.params] * tree.size, [w.seed] * tree.size, [w.num_generated + x for x in depth],
-                                 self.model.cfg.eos_token_ids, [w.num_generated + x for x in depth],
-                                 device=logits.device)
-        out = sample(logits.float(), sb)
-        accepted = walk(tree, out.tokens)
-        path = accepted.nonzero().flatten()  # increasing node ids = increasing depth
-        self._compact(w, path)
-        self.add_context(w, feats[path], w.start)
-        last = int(path[-1])
-        tokens = tree.tokens[path[1:]].tolist() + [int(out.tokens[last])]
-        lps = out.logprobs[path].tolist()
-        n = w.params.logprobs
-        tops = [list(zip(i[:n], v[:n], strict=True)) for i, v in zip(out.top_ids[path].tolist(),
-                                                                       out.top_logprobs[path].tolist(), strict=True)]
-        return StepResult(tokens, lps, tops)
-
-    def _compact(self, w: SeqWork, path: torch.Tensor) -> None:
-        """Moves the KV of accepted node ``path[j]`` (slot of position start+path[j]) to position start+j."""
-        k = path.shape[0]
-        if bool((path == torch.arange(k, device=path.device)).all()):
-            return
-        slots = torch.tensor(self.cache.slots(w.block_table, w.start, w.start + int(path[-1]) + 1), device=path.device)
-        src, dst = slots[path], slots[:k]
+        ``tree``: a batched DraftTree ``[J', N]`` whose first J rows are ``work``'s requests (rows past J are
+        padding and ignored); ``logits [J'*N, V]`` and target features ``feats [J'*N, k*H]`` at its nodes;
+        ``slots [J', N]`` int64 the target KV slots of positions ``start .. start+N-1``; ``start [J']`` the
+        requests' first tree position. On the device with fixed shapes and no host synchronisation (what a
+        captured graph needs): samples every node, walks (:func:`walk`, :func:`path_by_depth`), moves the
+        accepted path's KV to positions ``start .. start+k`` and stores the path's drafter context there; the
+        L = ``draft_rows + 1`` entries past a path are self-copies and context rows that later steps overwrite
+        before reading. One readback at the end: each request's k accepted drafts + the bonus."""
+        j, n, length = len(work), tree.size, self.cfg.draft_rows + 1
+        tree = DraftTree(*(getattr(tree, f)[:j] for f in FIELDS))
+        sb = SamplingBatch.build([w.params for w in work for _ in range(n)], [w.seed for w in work for _ in range(n)],
+                                 [w.num_generated for w in work for _ in range(n)], self.model.cfg.eos_token_ids,
+                                 [w.num_generated for w in work for _ in range(n)], device=logits.device)
+        out = sample(logits[:j * n].float(), sb.advanced(tree.depth.reshape(-1)))
+        picks = out.tokens.view(j, n)
+        path, count = path_by_depth(tree, walk(tree, picks), length)  # [J, L], [J]
+        src, dst = slots[:j].gather(1, path).reshape(-1), slots[:j, :length].reshape(-1)
         for stores in self.cache.layers:
             for store in stores:
                 store.index_copy_(0, dst, store.index_select(0, src))
+        rows = (torch.arange(j, device=path.device)[:, None] * n + path).reshape(-1)  # flat node row of each entry
+        positions = (start[:j, None] + torch.arange(length, device=path.device)).reshape(-1)
+        self.write_context(dst, feats[rows], positions)
+        m = out.top_ids.shape[-1]
+        committed = (count, picks.gather(1, path), out.logprobs.view(j, n).gather(1, path),
+                     out.top_ids[rows].view(j, length, m), out.top_logprobs[rows].view(j, length, m))
+        results = []
+        for w, k, tokens, lps, ids, vals in zip(work, *(t.tolist() for t in committed), strict=True):
+            top = w.params.logprobs
+            tops = [list(zip(a[:top], b[:top], strict=True)) for a, b in zip(ids[:k], vals[:k], strict=True)]
+            results.append(StepResult(tokens[:k], lps[:k], tops))
+        return results

@@ -26,7 +26,7 @@ from engine.graphs import GraphCoverage
 from engine.scheduler import SeqWork
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
-from spec_decode.tree import DraftTree, build_chain, build_tree
+from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
 
 
 class StaticDraft:
@@ -107,14 +107,12 @@ class StaticDraft:
         else:
             logq = (logits / cfg.tree_temperature).log_softmax(dim=-1)
             trees = [build_tree(logq[j], self.bonus[j], cfg.budget) for j in range(b)]
-        fields = [torch.stack([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depth", "valid",
-                                                                          "ancestors")]
-        return (logits, *fields)
+        return (logits, *(torch.stack([getattr(t, f) for t in trees]) for f in FIELDS))
 
 
 class DraftGraphs(CapturedGraphs):
-    """Static drafts per batch size, captured as CUDA graphs where possible; ``run(work)`` → one DraftTree per
-    request (copies: the buffers are reused by the next step) and records coverage under the "draft" kind."""
+    """Static drafts per batch size, captured as CUDA graphs where possible; ``run(work, batch)`` → the batch's
+    trees on the device and records coverage under the "draft" kind."""
 
     def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...], coverage: GraphCoverage | None = None):
@@ -135,19 +133,22 @@ class DraftGraphs(CapturedGraphs):
         draft = self.draft(batch)
         return self._capture(batch, draft.bonus.device, lambda: draft.load([]), draft.run)
 
-    def run(self, work: list[SeqWork]) -> dict[str, DraftTree]:
-        fits = [b for b in self.batch_sizes if b >= len(work)]
-        if not work or not fits:
-            raise ValueError(f"{len(work)} requests for static draft sizes {self.batch_sizes}")
+    def run(self, work: list[SeqWork], batch: int = 0) -> tuple[DraftTree, torch.Tensor]:
+        """Drafts ``work`` (padded to the smallest batch size ≥ ``max(len(work), batch)``; none: an idle rank's
+        all-padding draft) → the batch's trees ``[B, N]`` and first tree positions ``start [B]``, on the device
+        and in buffers the next run overwrites: the step's tree verify reads them there
+        (``GraphRunner.run_tree``)."""
+        fits = [b for b in self.batch_sizes if b >= max(len(work), batch, 1)]
+        if not fits:
+            raise ValueError(f"{max(len(work), batch)} requests for static draft sizes {self.batch_sizes}")
         batch = fits[0]
         self.capture(batch)
         draft = self.draft(batch)
         draft.load(work)
-        replayed, (_, tokens, parents, depth, valid, ancestors) = self._replay_or_run(batch, draft.run)
+        replayed, (_, *fields) = self._replay_or_run(batch, draft.run)
         self.last = (replayed, self.reasons.get(batch, ""))
         self.coverage.record("draft", *self.last)
-        return {w.request_id: DraftTree(tokens[j].clone(), parents[j].clone(), depth[j].clone(), valid[j].clone(),
-                                        ancestors[j].clone()) for j, w in enumerate(work)}
+        return DraftTree(*fields), draft.start
 
 
 # ------------------------------------------------------------------------------------------------ GPU check

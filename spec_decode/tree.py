@@ -25,7 +25,8 @@ from model.tree_mask import ancestor_mask
 class DraftTree:
     """``tokens, parents, depth [N+1]`` int64 (root at 0, ``parents[0] = -1``); ``valid [N+1]`` bool
     (False for padding when fewer than B nodes exist); ``ancestors [N+1, N+1]`` bool, row i True at i and
-    its ancestors (the builders pass it; otherwise it is derived from ``parents``)."""
+    its ancestors (the builders pass it; otherwise it is derived from ``parents``). A batch of trees of one
+    size has a leading ``[J]`` on every field (:meth:`stack`, the static draft step)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -39,7 +40,15 @@ class DraftTree:
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return self.tokens.shape[-1]
+
+    @staticmethod
+    def stack(trees: list[DraftTree]) -> DraftTree:
+        """J trees of one size → one batched tree (fields ``[J, ...]``)."""
+        return DraftTree(*(torch.stack([getattr(t, f) for t in trees]) for f in FIELDS))
+
+
+FIELDS = ("tokens", "parents", "depth", "valid", "ancestors")
 
 
 def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) -> DraftTree:
@@ -150,9 +159,26 @@ def tree_paths(tree: DraftTree) -> set[tuple[int, ...]]:
 def walk(tree: DraftTree, picks: torch.Tensor) -> torch.Tensor:
     """Accepted nodes: from the root, follow the child whose token equals the target's pick at its parent.
 
-    ``picks [N]`` = the target's token at each node (argmax at T=0, a sample at T>0). A node is accepted
-    when it and all its ancestors below the root match. Returns ``[N]`` bool; the accepted nodes form one
-    root path (siblings carry distinct tokens)."""
-    match = (tree.tokens == picks[tree.parents.clamp(min=0)]) & tree.valid
-    match[0] = True
-    return ~(tree.ancestors & ~match[None, :]).any(dim=1)
+    ``picks [..., N]`` = the target's token at each node (argmax at T=0, a sample at T>0) of ``tree`` (one
+    tree, or a batch with the same leading dims). A node is accepted when it and all its ancestors below
+    the root match. Returns ``[..., N]`` bool; the accepted nodes form one root path (siblings carry distinct
+    tokens)."""
+    match = (tree.tokens == picks.gather(-1, tree.parents.clamp(min=0))) & tree.valid
+    match[..., 0] = True
+    return ~(tree.ancestors & ~match[..., None, :]).any(dim=-1)
+
+
+def path_by_depth(tree: DraftTree, accepted: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted root path (:func:`walk`) as fixed-shape indices: ``(path [..., L], count [...])`` with
+    ``path[..., d]`` the accepted node at depth d for ``d < count`` and ``d`` itself beyond (so a gather/scatter
+    over all L entries is a no-op past the path), ``count`` the path's length (root included). ``length`` L
+    must exceed the deepest node (``SpecConfig.draft_rows + 1``). No host synchronisation.
+
+    The committed tokens of a step are ``picks.gather(-1, path)[..., :count]``: the pick at each path node
+    is its accepted child's token, and at the last node the bonus."""
+    *lead, n = accepted.shape
+    spill = torch.full_like(tree.depth, length)  # not-accepted nodes scatter into a column that is dropped
+    path = torch.arange(length + 1, device=accepted.device).expand(*lead, length + 1).clone()
+    nodes = torch.arange(n, device=accepted.device).expand(*lead, n)
+    path.scatter_(-1, torch.where(accepted, tree.depth, spill), nodes)
+    return path[..., :length], accepted.sum(dim=-1)

@@ -42,7 +42,7 @@ def dynamic_logits(model, cache, work) -> torch.Tensor:
 
 def static_seq(cache, table, start, tokens, positions, tree_mask=None) -> StaticSeq:
     slots = cache.slots(table, start, start + len(tokens))
-    return StaticSeq(tokens, positions, slots, table, start + len(tokens), tree_mask)
+    return StaticSeq(slots, table, start + len(tokens), tokens, positions, tree_mask)
 
 
 def test_static_decode_matches_dynamic_with_padding_and_buffer_reuse(setup):

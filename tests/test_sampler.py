@@ -220,6 +220,32 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2).item()
 
 
+def test_advanced_batch_draws_what_a_batch_built_later_draws():
+    """A tree node at depth d draws output index ``num_generated + d``: offsetting a batch built at depth 0 on
+    the device (``advanced``) gives the tokens of a batch built on the host for each depth — bans included,
+    lifted exactly where a row reaches min_tokens (EOS dominates, so a banned row shows it)."""
+    gen = torch.Generator().manual_seed(5)
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(3,)),
+              SamplingParams(temperature=1.0, top_p=0.9, min_tokens=4, seed=1),
+              SamplingParams(temperature=0.7, top_k=5, min_tokens=2, ignore_eos=True, stop_token_ids=(3,), seed=2),
+              SamplingParams(temperature=1.0, seed=3)]
+    rows = [p for p in params for _ in range(4)]  # depths 0..3 of each request
+    depth = torch.arange(4).repeat(len(params))
+    logits = torch.randn(len(rows), 40, generator=gen)
+    logits[:, EOS[0]] += 30.0
+    logits[:, 3] += 25.0
+    for generated in (0, 1):
+        seeds = [p.seed or 0 for p in rows]
+        later = [generated + int(d) for d in depth]
+        want = sample(logits, SamplingBatch.build(rows, seeds, later, EOS, later)).tokens
+        got = sample(logits, SamplingBatch.build(rows, seeds, [generated] * len(rows), EOS, [generated] * len(rows))
+                     .advanced(depth)).tokens
+        assert torch.equal(got, want)
+        greedy = got[:4].tolist()  # request 0: EOS and the stop id banned while generated + d < 3
+        assert [t in (EOS[0], 3) for t in greedy] == [generated + d >= 3 for d in range(4)]
+
+
+
 @pytest.mark.parametrize(
     "p, seed",
     [

@@ -63,8 +63,8 @@ def test_seeded_sampling_speculation_equals_plain(pool, tiny_ckpts, random_draft
     assert chain == plain and tree == plain
 
 
-def _static_job(ctx, lay, path, prompts, spec_list, params):
-    """Like ``_job`` with static steps on and off. Rank 0 returns per spec ((tokens, coverage, blocks) on,
+def _static_job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
+    """Like ``_job`` with static steps on and off. Rank 0 returns per spec ((tokens, coverage, blocks, τ) on,
     (…) off); every rank also returns, per spec, its static runner's step counts by kind."""
     if lay.world_size == 1 and ctx.rank != 0:
         return None
@@ -72,14 +72,15 @@ def _static_job(ctx, lay, path, prompts, spec_list, params):
     results, static_steps = [], []
     for spec in spec_list:
         pair = []
-        for cfg in (dataclasses.replace(CFG, static_steps="on"), CFG):
+        for on_off in (dataclasses.replace(cfg, static_steps="on"), cfg):
             if ctx.rank != 0:
-                runner = make_runner(model, cfg, spec)
+                runner = make_runner(model, on_off, spec)
                 worker_loop(runner)
             else:
-                engine = Engine(model, cfg, spec=spec)
+                engine = Engine(model, on_off, spec=spec)
                 res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-                pair.append((res, engine.graphs.summary(), engine.scheduler.blocks_in_use()))
+                pair.append((res, engine.graphs.summary(), engine.scheduler.blocks_in_use(),
+                             engine.stats.acceptance_length))
                 engine.shutdown()
                 runner = engine.runner
             if runner.graphs is not None:
@@ -99,7 +100,7 @@ def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     per_rank = pool.run(_static_job, layout(preset), tiny_ckpts[model], PROMPTS, specs(random_drafter), params)
     out, rank0_steps = per_rank[0]
-    for ((static, coverage, blocks), (dynamic, _, _)), kind in zip(out, ("decode", "verify", "verify"), strict=True):
+    for ((static, coverage, blocks, _), (dynamic, *_)), kind in zip(out, ("decode", "verify", "verify"), strict=True):
         assert static == dynamic and blocks == 0
         assert coverage[kind]["steps"] > 0 and coverage[kind]["replays"] == 0
         assert coverage[kind]["eager_reason"] == "no CUDA device"
@@ -131,6 +132,26 @@ def test_trained_pair_is_lossless_on_held_out_code(pool, preset):
     assert chain == plain and tree == plain
     assert tau_chain > 1.3 and tau_tree > 1.3, (tau_chain, tau_tree)
     assert b0 == b1 == b2 == 0
+
+
+@pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
+def test_static_steps_walk_the_trained_pairs_deep_paths_at_t1(pool):
+    """Static steps with the trained drafter: trees verified where the static draft left them, then sampled,
+    walked and compacted on the device — several tokens per step, seeded T=1 with top-p, min_tokens bans
+    lifting mid-tree — give the dynamic path's tokens, which are plain decoding's."""
+    doc = json.loads((ZOO / "eval_prompts.json").read_text())
+    prompts = [p["ids"] for p in doc["prompts"][:2]]
+    drafter = str(ZOO / "drafter")
+    spec_list = [SpecConfig(), SpecConfig("dflash", block_size=9, drafter_path=drafter),
+                 SpecConfig("ddtree", budget=16, block_size=9, drafter_path=drafter, tree_temperature=0.33)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=20, min_tokens=10)
+    out, _ = pool.run(_static_job, layout("single"), str(ZOO / "target"), prompts, spec_list, params, ZOO_CFG)[0]
+    plain = out[0][1][0]
+    for (static, coverage, blocks, tau), (dynamic, *_) in out[1:]:
+        assert static == dynamic == plain and blocks == 0
+        assert coverage["verify"]["steps"] > 0 and coverage["draft"]["steps"] == coverage["verify"]["steps"]
+        assert tau > 1.2, tau  # multi-token paths: the compaction moves KV
+    assert all(len(toks) >= 10 for toks, _ in plain.values())
 
 
 def _speculator(tiny_ckpts, drafter_path, num_blocks=12):
@@ -217,3 +238,59 @@ def test_static_draft_equals_dynamic_propose(tiny_ckpts, random_drafter, method)
         tree = want[w.request_id]
         assert torch.equal(tokens[j], tree.tokens) and torch.equal(parents[j], tree.parents)
         assert torch.equal(depth[j], tree.depth) and torch.equal(valid[j], tree.valid)
+
+
+def test_accept_commits_the_walked_path_and_moves_its_kv(tiny_ckpts, random_drafter):
+    """``Speculator.accept`` on a padded batch of two trees: request a accepts the drafts down to a depth-3
+    node and takes a bonus, request b accepts none. Committed tokens and their log-probs, the target KV of
+    positions start..start+k (moved from the accepted nodes' slots, every other slot untouched — the padding
+    row's scratch slots too) and the drafter context rows written there are each checked against their
+    definition."""
+    from spec_decode.tree import DraftTree, build_tree_host
+
+    spec, gen = _speculator(tiny_ckpts, random_drafter, num_blocks=16)
+    n, vocab = spec.cfg.num_nodes, spec.model.cfg.vocab_size
+    for stores in spec.cache.layers:
+        for store in stores:
+            store.copy_(torch.randn(store.shape, generator=gen))
+    before = [tuple(s.clone() for s in stores) for stores in spec.cache.layers]
+    lp2 = SamplingParams(temperature=0.0, logprobs=2)
+    work = [SeqWork("a", [7], 5, [0, 1, 2, 3, 4], True, lp2, 0, 3, True, spec=True),
+            SeqWork("b", [9], 2, [6, 7, 8, 9], True, SamplingParams(temperature=0.0), 0, 1, True, spec=True)]
+    trees = [build_tree_host((torch.randn(spec.cfg.draft_rows, vocab, generator=gen) * 4).log_softmax(-1), root, 10)
+             for root in (7, 9, 0)]  # the third: a padding row
+    a = trees[0]
+    deep = int((a.depth == 3).nonzero()[0])
+    path_a = [i for i in range(n) if bool(a.ancestors[deep, i])]  # root → deep, in depth order
+    logits = torch.randn(3 * n, vocab, generator=gen) * 0.1
+    for parent, child in zip(path_a, path_a[1:], strict=False):
+        logits[parent, int(a.tokens[child])] = 10.0
+    children_of = {int(t) for t, p in zip(a.tokens.tolist(), a.parents.tolist(), strict=True) if p == deep}
+    bonus_a = next(t for t in range(vocab) if t not in children_of)
+    logits[deep, bonus_a] = 10.0
+    b = trees[1]
+    bonus_b = next(t for t in range(vocab) if t not in set(b.tokens[b.parents == 0].tolist()))
+    logits[n, bonus_b] = 10.0
+    feats = torch.randn(3 * n, len(spec.capture) * spec.model.cfg.hidden_size, generator=gen)
+    slots = torch.stack([spec.cache.slot_tensor(w.block_table, w.start, w.start + n) for w in work]
+                        + [torch.arange(40, 40 + n)])  # padding: blocks 10..12
+    start = torch.tensor([5, 2, 0])
+    res = spec.accept(work, DraftTree.stack(trees), logits, feats, slots, start)
+
+    assert res[0].tokens == [int(a.tokens[i]) for i in path_a[1:]] + [bonus_a] and res[1].tokens == [bonus_b]
+    raw = logits.log_softmax(-1)
+    assert res[0].logprobs == pytest.approx([float(raw[i, t]) for i, t in zip(path_a, res[0].tokens, strict=True)])
+    assert [t for t, _ in res[0].top[-1]] == raw[deep].topk(2).indices.tolist() and res[1].top == [[]]
+    moved = {int(slots[0, d]): int(slots[0, i]) for d, i in enumerate(path_a)}
+    moved[int(slots[1, 0])] = int(slots[1, 0])
+    for stores, old in zip(spec.cache.layers, before, strict=True):
+        for store, was in zip(stores, old, strict=True):
+            want = was.clone()
+            for dst, src in moved.items():
+                want[dst] = was[src]
+            assert torch.equal(store, want)
+    rows = torch.tensor(path_a)
+    dst = slots[0, :len(path_a)]
+    for layer, (k, v) in enumerate(spec.drafter.context_kv(feats[rows], torch.arange(5, 5 + len(path_a)))):
+        torch.testing.assert_close(spec.context.layers[layer][0][dst], k)
+        torch.testing.assert_close(spec.context.layers[layer][1][dst], v)

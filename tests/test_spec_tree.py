@@ -8,7 +8,7 @@ import torch
 from engine.sampler import SamplingBatch, SamplingParams, sample
 from model.tree_mask import ancestor_mask
 from spec_decode.config import SpecConfig, SpecConfigError
-from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, tree_paths, walk
+from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, tree_paths, walk
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512])
@@ -83,6 +83,31 @@ def test_walk_follows_matching_children_to_a_dead_end(seed):
     assert all(int(tree.tokens[c]) != int(picks[last]) for c in children)
 
 
+def test_path_by_depth_hand_worked():
+    """The walk's path as one node per depth; past its end each entry is its own depth (a no-op gather)."""
+    tree = DraftTree(tokens=torch.tensor([4, 5, 6, 7, 8, 9]), parents=torch.tensor([-1, 0, 0, 1, 3, 2]),
+                     depth=torch.tensor([0, 1, 1, 2, 3, 2]), valid=torch.ones(6, dtype=torch.bool))
+    both = DraftTree.stack([tree, tree])
+    picks = torch.tensor([[5, 7, 9, 1, 0, 0], [6, 7, 9, 8, 0, 0]])
+    path, count = path_by_depth(both, walk(both, picks), 4)
+    assert path.tolist() == [[0, 1, 3, 3], [0, 2, 5, 3]] and count.tolist() == [3, 3]
+    assert picks[0][path[0][:3]].tolist() == [5, 7, 1]  # committed: drafts 5, 7 and the bonus 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batched_walk_equals_one_tree_at_a_time(seed):
+    g = torch.Generator().manual_seed(seed)
+    trees = [build_tree(torch.randn(5, 3, generator=g).log_softmax(-1), i, budget=12) for i in range(4)]
+    picks = torch.randint(0, 3, (4, 13), generator=g)
+    batched = walk(DraftTree.stack(trees), picks)
+    path, count = path_by_depth(DraftTree.stack(trees), batched, 6)
+    for i, tree in enumerate(trees):
+        alone = walk(tree, picks[i])
+        assert torch.equal(batched[i], alone)
+        assert path[i][:count[i]].tolist() == alone.nonzero().flatten().tolist()
+        assert path[i][count[i]:].tolist() == list(range(int(count[i]), 6))
+
+
 def test_chain_is_the_argmax_path():
     logq = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]).log()
     chain = build_chain(logq, 3)
@@ -132,8 +157,8 @@ def sample_and_walk(tree, logits, seed, generated):
     params = SamplingParams(temperature=1.0)
     sb = SamplingBatch.build([params] * tree.size, [seed] * tree.size, steps, (), steps)
     picks = sample(logits, sb).tokens
-    path = walk(tree, picks).nonzero().flatten()
-    return tree.tokens[path[1:]].tolist() + [int(picks[path[-1]])]
+    path, count = path_by_depth(tree, walk(tree, picks), int(tree.depth.max()) + 1)
+    return picks[path[:count]].tolist()  # what Speculator.accept commits
 
 
 def greedy_biased_accept(tree, logits, seed, generated):

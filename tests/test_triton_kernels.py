@@ -282,7 +282,7 @@ def test_model_static_steps_on_the_triton_kernel_set(preset, tiny_ckpts):
     cases_ = {StepShape(2, 1): [([9], [4], None), ([11], [3], None)],
               StepShape(2, 4): [([9, 3, 4, 5], [4, 5, 5, 6], tree), ([11, 6, 7, 8], [3, 4, 4, 5], tree)]}
     for shape, rows in cases_.items():
-        seqs = [StaticSeq(tok, pos, cache.slots(t, start, start + len(tok)), t, start + len(tok), mask)
+        seqs = [StaticSeq(cache.slots(t, start, start + len(tok)), t, start + len(tok), tok, pos, mask)
                 for t, start, (tok, pos, mask) in zip(tables, (4, 3), rows, strict=True)]
         step = StaticStep(model, cache, shape, max_blocks=4, scratch_blocks=(0,))
         step.load(seqs)
