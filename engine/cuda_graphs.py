@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -167,6 +168,21 @@ class StaticStep:
         return self.model.logits_everywhere(hidden), feats
 
 
+@contextmanager
+def no_host_sync(enabled: bool = True) -> Iterator[None]:
+    """Inside, any operation that makes the host wait on a CUDA device raises (CUDA sync debug mode "error");
+    a no-op when not ``enabled`` or without CUDA."""
+    if not (enabled and torch.cuda.is_available()):
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Two warm-up calls of ``run`` on a side stream (Triton compiles and autotunes outside the capture), then
     one captured into a CUDA graph that shares the memory ``pool``. Returns the graph and ``run``'s outputs:
@@ -264,22 +280,27 @@ class GraphRunner(CapturedGraphs):
         rows = len(seqs) * nodes
         return logits[:rows], None if feats is None else feats[:rows]
 
-    def run_tree(self, seqs: list[SeqLayout], tree: DraftTree, start: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Tree verify of a static draft's whole batch: ``tree`` ``[B, N]`` and ``start [B]`` on the device
-        (padding rows included, B a static batch size) give the tokens (``tree.tokens``), positions (``start +
-        tree.depth``) and ancestor masks; ``seqs`` (the first rows) give the cache layout. Returns logits
-        ``[B*N, V]``, features and the write slots ``[B, N]`` (buffers the next step overwrites)."""
-        b, n = tree.tokens.shape
-        shape = self.shape_for(b, n)
-        if shape.batch != b:
-            raise ValueError(f"a tree batch of {b} is not a static batch size {self.batch_sizes}")
+    def load_tree_layout(self, seqs: list[SeqLayout], batch: int, nodes: int) -> StepShape:
+        """First half of a tree verify fed by a static draft: captures the ``(batch, nodes)`` shape on its first
+        use and loads ``seqs`` (the first rows; the rest pad) — the cache layout, all host values. ``batch``
+        must be a static batch size (the draft's)."""
+        shape = self.shape_for(batch, nodes)
+        if shape.batch != batch:
+            raise ValueError(f"a tree batch of {batch} is not a static batch size {self.batch_sizes}")
         self.capture(shape)
+        self.step(shape).load_layout(seqs)
+        return shape
+
+    def run_tree(self, shape: StepShape, tree: DraftTree, start: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Second half, on the device: ``tree`` ``[B, N]`` and ``start [B]`` (the static draft's outputs, padding
+        rows included) give the tokens (``tree.tokens``), positions (``start + tree.depth``) and ancestor
+        masks; then the replay. Returns logits ``[B*N, V]``, features and the write slots ``[B, N]`` (buffers
+        the next step overwrites)."""
         step = self.step(shape)
-        step.load_layout(seqs)
         step.load_inputs(tree.tokens.reshape(-1), (start[:, None] + tree.depth).reshape(-1), tree.ancestors)
         logits, feats = self._launch(shape)
-        return logits, feats, step.write_slots.view(b, n)
+        return logits, feats, step.write_slots.view(shape.batch, shape.nodes)
 
     def _launch(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor | None]:
         replayed, outputs = self._replay_or_run(shape, self.step(shape).run)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq
+from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, no_host_sync
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SeqWork, StepResult
@@ -46,6 +46,7 @@ class ModelRunner:
                 self.drafts = DraftGraphs(self.speculator, max_blocks, scratch_blocks, static_batch_sizes)
         self.last_graph: tuple[bool, str] = (False, "static steps off")
         self.last_draft: tuple[bool, str] | None = None  # (replayed, why not) of this step's draft; None: none
+        self.strict_sync = False  # static verify steps raise on a host sync between draft and commit (gpu_check)
 
     def _batch(self, work: list[SeqWork], trees: dict) -> ForwardBatch:
         ids, pos, seqs = [], [], []
@@ -70,19 +71,12 @@ class ModelRunner:
         all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
         holds the logits, None on the others."""
         shape = self._static_shape([work] if dp_work is None else dp_work)
+        if shape is not None and shape[1] > 1:
+            return self._verify_static(work, shape[0])
         t0 = time.perf_counter()
-        if shape is not None and shape[1] > 1:  # a static tree verify drafts statically, trees stay on the device
-            drafted = self.drafts.run(work, shape[0])
-            self.last_draft = self.drafts.last
-        else:
-            drafted = self._propose([w for w in work if w.spec])
+        trees = self._propose([w for w in work if w.spec])
         t1 = time.perf_counter()
-        if shape is None:
-            results = self._execute_dynamic(work, drafted)
-        elif shape[1] > 1:
-            results = self._verify_static(work, *drafted)
-        else:
-            results = self._decode_static(work, shape[0])
+        results = self._execute_dynamic(work, trees) if shape is None else self._decode_static(work, shape[0])
         self.timing["draft_s"] += t1 - t0
         self.timing["verify_s"] += time.perf_counter() - t1
         return results
@@ -133,16 +127,29 @@ class ModelRunner:
             return None
         return self._sample_plain(work, logits)
 
-    def _verify_static(self, work: list[SeqWork], tree: DraftTree, start: torch.Tensor
-                       ) -> dict[str, StepResult] | None:
-        """Verifies the static draft's trees where they lie (no host round trip), then walks and compacts on the
-        device; every rank walks its trees (and compacts its KV shard)."""
-        n = tree.size
+    def _verify_static(self, work: list[SeqWork], batch: int) -> dict[str, StepResult] | None:
+        """A static tree verify: every input goes into the draft's and the verify's buffers first (host values);
+        then draft → verify → walk and KV compaction run on the device, the trees read where the draft left
+        them (``strict_sync``: any host synchronisation in there raises); one readback at the end. Every rank
+        walks its trees (and compacts its KV shard)."""
+        spec = self.speculator
+        n = spec.cfg.num_nodes
         seqs = [SeqLayout(self.cache.slots(w.block_table, w.start, w.start + n), w.block_table, w.start + n)
                 for w in work]
-        logits, feats, slots = self.graphs.run_tree(seqs, tree, start)
-        self._note_graph(tree.tokens.shape[0], n)
-        results = self.speculator.accept(work, tree, logits, feats, slots, start) if work else []
+        t0 = time.perf_counter()
+        size = self.drafts.load(work, batch)
+        shape = self.graphs.load_tree_layout(seqs, size, n)
+        sampling = spec.node_sampling(work, n, self.device)
+        with no_host_sync(self.strict_sync):
+            tree, start = self.drafts.launch(size)
+            t1 = time.perf_counter()
+            logits, feats, slots = self.graphs.run_tree(shape, tree, start)
+            committed = spec.walk_and_commit(tree, logits, feats, slots, start, sampling) if work else None
+        results = committed.results(work) if work else []
+        self.last_draft = self.drafts.last
+        self._note_graph(size, n)
+        self.timing["draft_s"] += t1 - t0
+        self.timing["verify_s"] += time.perf_counter() - t1
         if self.model.groups.attn_tp.rank != 0:
             return None
         return {w.request_id: r for w, r in zip(work, results, strict=True)}

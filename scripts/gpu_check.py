@@ -16,7 +16,10 @@ Sections, each recorded even when another fails (the report is rewritten after e
 - ``power``: NVML power during the timed sections when ``pynvml`` (nvidia-ml-py) imports;
 - ``cuda_graphs``: ``engine.cuda_graphs.gpu_check(device, budget_s) -> dict`` when that module exists, else
   "not built";
-- ``draft_graphs`` (GPU): ``spec_decode.static_draft.gpu_check``, the drafter step's graphs at budgets 8…256.
+- ``draft_graphs`` (GPU): ``spec_decode.static_draft.gpu_check``, the drafter step's graphs at budgets 8…256;
+- ``spec_steps`` (GPU): ``spec_decode.step_check.gpu_check``, whole speculative steps through the engine's runner
+  — static (draft graph → verify graph → walk on the device, raising on any host sync in between) vs dynamic:
+  same tokens?, step times, coverage.
 
 Writes ``gpu_report.json`` and ``gpu_report.md`` to ``--out``, else ``$OUT``, else ``./gpu_report``. On a box
 without CUDA the GPU sections say that they were skipped and why.
@@ -388,6 +391,16 @@ def draft_graphs(budget_s: float) -> dict | str:
     return gpu_check(device=torch.device("cuda"), budget_s=budget_s)
 
 
+def spec_steps(budget_s: float) -> dict | str:
+    """``spec_decode.step_check.gpu_check``: one engine tree-verify step, static (graphs, no host sync from the
+    draft to the commit) against dynamic, at budgets 8…256."""
+    if not CUDA:
+        return NO_GPU
+    from spec_decode.step_check import gpu_check
+
+    return gpu_check(device=torch.device("cuda"), budget_s=budget_s)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -401,7 +414,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = Report(Path(args.out), args.budget_s)
     report.sections["gpu_parts"] = "run on " + torch.cuda.get_device_name(0) if CUDA else (
-        "SKIPPED — no CUDA device here, so moe_timing, bandwidth, power, cuda_graphs and draft_graphs did not run; "
+        "SKIPPED — no CUDA device here, so moe_timing, bandwidth, power, cuda_graphs, draft_graphs and spec_steps did "
+        "not run; "
         "correctness ran the Triton kernels under TRITON_INTERPRET=1 at tiny fp32 shapes, and aot_compile built "
         "them for sm_90/sm_100 without a GPU")
     report.run("environment", environment)
@@ -412,8 +426,9 @@ def main() -> None:
     report.run("moe_timing", moe_timing, power)
     report.run("bandwidth", bandwidth, power)
     report.run("power", power.summary if power else lambda: NO_GPU)
-    report.run("cuda_graphs", cuda_graphs, max(0.0, report.left_s() - 60))
-    report.run("draft_graphs", draft_graphs, max(0.0, report.left_s()))
+    report.run("cuda_graphs", cuda_graphs, max(0.0, report.left_s() - 120))
+    report.run("draft_graphs", draft_graphs, max(0.0, report.left_s() - 60))
+    report.run("spec_steps", spec_steps, max(0.0, report.left_s()))
     failed = [r["kernel"] for r in report.sections["correctness"] if not r.get("ok")] \
         if isinstance(report.sections["correctness"], list) else ["correctness section failed"]
     report.sections["verdict"] = "all kernels within tolerance" if not failed else f"FAILED: {failed}"

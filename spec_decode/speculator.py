@@ -12,6 +12,8 @@ tokens with or without speculation, up to floating-point ties).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.kv_cache import KVSpec, PagedKVCache, SeqSlots
@@ -124,25 +126,32 @@ class Speculator:
         return tokens, positions, SeqSlots(w.block_table, w.start, n, mask)
 
     # ---- verify ----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def accept(self, work: list[SeqWork], tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
-               slots: torch.Tensor, start: torch.Tensor) -> list[StepResult]:
-        """Walks a batch of verified trees and commits each request's accepted path.
+    def node_sampling(self, work: list[SeqWork], nodes: int, device: torch.device) -> SamplingBatch:
+        """Sampling rows for ``nodes`` tree nodes of each request, built on the host at depth 0 (``walk_and_commit``
+        offsets them by the nodes' depths on the device)."""
+        rows = [w for w in work for _ in range(nodes)]
+        generated = [w.num_generated for w in rows]
+        return SamplingBatch.build([w.params for w in rows], [w.seed for w in rows], generated,
+                                   self.model.cfg.eos_token_ids, generated, device=device)
 
-        ``tree``: a batched DraftTree ``[J', N]`` whose first J rows are ``work``'s requests (rows past J are
-        padding and ignored); ``logits [J'*N, V]`` and target features ``feats [J'*N, k*H]`` at its nodes;
-        ``slots [J', N]`` int64 the target KV slots of positions ``start .. start+N-1``; ``start [J']`` the
-        requests' first tree position. On the device with fixed shapes and no host synchronisation (what a
-        captured graph needs): samples every node, walks (:func:`walk`, :func:`path_by_depth`), moves the
-        accepted path's KV to positions ``start .. start+k`` and stores the path's drafter context there; the
-        L = ``draft_rows + 1`` entries past a path are self-copies and context rows that later steps overwrite
-        before reading. One readback at the end: each request's k accepted drafts + the bonus."""
-        j, n, length = len(work), tree.size, self.cfg.draft_rows + 1
+    @torch.no_grad()
+    def walk_and_commit(self, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
+                        start: torch.Tensor, sampling: SamplingBatch) -> Committed:
+        """Walks a batch of verified trees and commits each request's accepted path, on the device with fixed
+        shapes and no host synchronisation.
+
+        ``sampling``: :meth:`node_sampling` of J requests; ``tree``: a batched DraftTree ``[J', N]`` whose first
+        J rows are theirs (rows past J are padding and ignored); ``logits [J'*N, V]`` and target features
+        ``feats [J'*N, k*H]`` at its nodes; ``slots [J', N]`` int64 the target KV slots of positions
+        ``start .. start+N-1``; ``start [J']`` the first tree position. Samples every node (the draw plain
+        decoding makes for that output index), walks (:func:`walk`, :func:`path_by_depth`), moves the accepted
+        path's KV to positions ``start .. start+k`` and stores the path's drafter context there. The L =
+        ``draft_rows + 1`` entries past a path are self-copies and context rows that later steps overwrite
+        before reading them."""
+        n, length = tree.size, self.cfg.draft_rows + 1
+        j = sampling.step.shape[0] // n
         tree = DraftTree(*(getattr(tree, f)[:j] for f in FIELDS))
-        sb = SamplingBatch.build([w.params for w in work for _ in range(n)], [w.seed for w in work for _ in range(n)],
-                                 [w.num_generated for w in work for _ in range(n)], self.model.cfg.eos_token_ids,
-                                 [w.num_generated for w in work for _ in range(n)], device=logits.device)
-        out = sample(logits[:j * n].float(), sb.advanced(tree.depth.reshape(-1)))
+        out = sample(logits[:j * n].float(), sampling.advanced(tree.depth.reshape(-1)))
         picks = out.tokens.view(j, n)
         path, count = path_by_depth(tree, walk(tree, picks), length)  # [J, L], [J]
         src, dst = slots[:j].gather(1, path).reshape(-1), slots[:j, :length].reshape(-1)
@@ -153,10 +162,32 @@ class Speculator:
         positions = (start[:j, None] + torch.arange(length, device=path.device)).reshape(-1)
         self.write_context(dst, feats[rows], positions)
         m = out.top_ids.shape[-1]
-        committed = (count, picks.gather(1, path), out.logprobs.view(j, n).gather(1, path),
-                     out.top_ids[rows].view(j, length, m), out.top_logprobs[rows].view(j, length, m))
+        return Committed(count, picks.gather(1, path), out.logprobs.view(j, n).gather(1, path),
+                         out.top_ids[rows].view(j, length, m), out.top_logprobs[rows].view(j, length, m))
+
+    def accept(self, work: list[SeqWork], tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
+               slots: torch.Tensor, start: torch.Tensor) -> list[StepResult]:
+        """:meth:`walk_and_commit` for ``work`` (its arguments as there), then the one readback of the step."""
+        sampling = self.node_sampling(work, tree.size, logits.device)
+        return self.walk_and_commit(tree, logits, feats, slots, start, sampling).results(work)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a speculative step commits, on the device: per request ``count [J]`` tokens (k accepted drafts +
+    the bonus) — the first ``count`` of ``tokens, logprobs [J, L]`` and ``top_ids, top_logprobs [J, L, m]``."""
+
+    count: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def results(self, work: list[SeqWork]) -> list[StepResult]:
+        """The readback (the step's one host synchronisation) → one StepResult per request of ``work``."""
+        fields = (self.count, self.tokens, self.logprobs, self.top_ids, self.top_logprobs)
         results = []
-        for w, k, tokens, lps, ids, vals in zip(work, *(t.tolist() for t in committed), strict=True):
+        for w, k, tokens, lps, ids, vals in zip(work, *(t.tolist() for t in fields), strict=True):
             top = w.params.logprobs
             tops = [list(zip(a[:top], b[:top], strict=True)) for a, b in zip(ids[:k], vals[:k], strict=True)]
             results.append(StepResult(tokens[:k], lps[:k], tops))

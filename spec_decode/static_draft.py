@@ -133,22 +133,28 @@ class DraftGraphs(CapturedGraphs):
         draft = self.draft(batch)
         return self._capture(batch, draft.bonus.device, lambda: draft.load([]), draft.run)
 
-    def run(self, work: list[SeqWork], batch: int = 0) -> tuple[DraftTree, torch.Tensor]:
-        """Drafts ``work`` (padded to the smallest batch size ≥ ``max(len(work), batch)``; none: an idle rank's
-        all-padding draft) → the batch's trees ``[B, N]`` and first tree positions ``start [B]``, on the device
-        and in buffers the next run overwrites: the step's tree verify reads them there
-        (``GraphRunner.run_tree``)."""
+    def load(self, work: list[SeqWork], batch: int = 0) -> int:
+        """Loads ``work`` (padded to the smallest batch size ≥ ``max(len(work), batch)``; none: an idle rank's
+        all-padding draft), capturing that size on its first use; returns the size."""
         fits = [b for b in self.batch_sizes if b >= max(len(work), batch, 1)]
         if not fits:
             raise ValueError(f"{max(len(work), batch)} requests for static draft sizes {self.batch_sizes}")
-        batch = fits[0]
-        self.capture(batch)
-        draft = self.draft(batch)
-        draft.load(work)
-        replayed, (_, *fields) = self._replay_or_run(batch, draft.run)
+        self.capture(fits[0])
+        self.draft(fits[0]).load(work)
+        return fits[0]
+
+    def launch(self, batch: int) -> tuple[DraftTree, torch.Tensor]:
+        """Replays (or runs) the loaded ``batch`` draft → its trees ``[B, N]`` and first tree positions ``start
+        [B]``, on the device in buffers the next launch overwrites: the step's tree verify reads them there
+        (``GraphRunner.run_tree``)."""
+        replayed, (_, *fields) = self._replay_or_run(batch, self.draft(batch).run)
         self.last = (replayed, self.reasons.get(batch, ""))
         self.coverage.record("draft", *self.last)
-        return DraftTree(*fields), draft.start
+        return DraftTree(*fields), self.draft(batch).start
+
+    def run(self, work: list[SeqWork], batch: int = 0) -> tuple[DraftTree, torch.Tensor]:
+        """:meth:`load` then :meth:`launch`."""
+        return self.launch(self.load(work, batch))
 
 
 # ------------------------------------------------------------------------------------------------ GPU check

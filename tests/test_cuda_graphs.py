@@ -167,3 +167,17 @@ def test_draft_gpu_check_runs_on_cpu():
         row = check_draft(random_speculator(model, cache, budget), batch, ctx, scratch, len(scratch), gen)
         assert row == {"batch": batch, "budget": budget, "block": 16, "context": ctx, "captured": False,
                        "eager_reason": "no CUDA device", "finite": True}
+
+
+def test_spec_step_gpu_check_runs_on_cpu():
+    """The whole-step check (static runner vs dynamic runner on the same prefilled prompts) on a small CPU
+    model: the static step (eager here) commits the dynamic step's tokens, and says why nothing replayed."""
+    from spec_decode.step_check import check_spec_step
+
+    model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
+                         intermediate_size=32, vocab_size=64, num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(0)
+    for batch, budget in ((1, 8), (2, 16)):
+        row = check_spec_step(model, budget, batch, 20, gen)
+        assert row["same_tokens"] and row["tokens_per_step"] >= 1, row
+        assert row["replays"] == {"verify": "0/1", "draft": "0/1"} and row["eager_reason"] == "no CUDA device"
