@@ -108,8 +108,8 @@ class Engine:
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
         no_static = (False, self._eager_reason) if self.runner.graphs is None else None
         self.graphs.record("verify" if spec and kind == "decode" else kind, *(no_static or self.runner.last_graph))
-        if self.runner.last_draft is not None:  # rank 0's draft, like its step
-            self.graphs.record("draft", *(no_static or self.runner.last_draft))
+        for part, graphed in self.runner.last_spec.items():  # rank 0's draft and commit, like its step
+            self.graphs.record(part, *(no_static or graphed))
         s.prefill_tokens += prefill
         s.decode_tokens += decode
         if kind == "decode":

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-STEP_KINDS = ("prefill", "decode", "verify", "mixed", "draft")  # draft: the drafter step of a verify step
+# draft and commit: the drafter step and the walk + KV compaction of a verify step
+STEP_KINDS = ("prefill", "decode", "verify", "mixed", "draft", "commit")
 
 
 def eager_reason(dispatcher_graph_safe: bool) -> str:

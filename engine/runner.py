@@ -34,18 +34,20 @@ class ModelRunner:
         self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, block_size, device=device)
         self.speculator = speculator_factory(model, self.cache) if speculator_factory else None
         self.timing = {"draft_s": 0.0, "verify_s": 0.0}
-        self.graphs = self.drafts = None
+        self.graphs = self.drafts = self.commits = None
         if static_batch_sizes:
             max_blocks = -(-(max_model_len + max_nodes) // block_size)
             capture = self.speculator.capture if self.speculator else ()
             scratch_blocks = tuple(range(num_blocks, num_blocks + scratch))
             self.graphs = GraphRunner(model, self.cache, max_blocks, scratch_blocks, static_batch_sizes, capture)
             if self.speculator is not None:
-                from spec_decode.static_draft import DraftGraphs  # engine/ knows spec_decode only when it is on
+                from spec_decode.static_commit import CommitGraphs  # engine/ knows spec_decode only when it is on
+                from spec_decode.static_draft import DraftGraphs
 
                 self.drafts = DraftGraphs(self.speculator, max_blocks, scratch_blocks, static_batch_sizes)
+                self.commits = CommitGraphs(self.speculator, scratch_blocks)
         self.last_graph: tuple[bool, str] = (False, "static steps off")
-        self.last_draft: tuple[bool, str] | None = None  # (replayed, why not) of this step's draft; None: none
+        self.last_spec: dict[str, tuple[bool, str]] = {}  # this step's draft and commit: (replayed, why not)
         self.strict_sync = False  # static verify steps raise on a host sync between draft and commit (gpu_check)
 
     def _batch(self, work: list[SeqWork], trees: dict) -> ForwardBatch:
@@ -82,13 +84,10 @@ class ModelRunner:
         return results
 
     def _propose(self, items: list[SeqWork]) -> dict[str, DraftTree]:
-        """The dynamic ``Speculator.propose`` for this rank's speculative items; ``last_draft`` says why it did
-        not run statically."""
-        if not items:
-            self.last_draft = None
-            return {}
-        self.last_draft = (False, self.last_graph[1])
-        return self.speculator.propose(items)
+        """The dynamic ``Speculator.propose`` for this rank's speculative items; ``last_spec`` says why the draft
+        and the commit do not run statically."""
+        self.last_spec = dict.fromkeys(("draft", "commit"), (False, self.last_graph[1])) if items else {}
+        return self.speculator.propose(items) if items else {}
 
     def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[int, int] | None:
         """``(batch, nodes)`` when this step runs as a static step on every rank, else None (why: last_graph).
@@ -139,14 +138,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         size = self.drafts.load(work, batch)
         shape = self.graphs.load_tree_layout(seqs, size, n)
+        self.commits.prepare(size, n)
         sampling = spec.node_sampling(work, n, self.device)
         with no_host_sync(self.strict_sync):
             tree, start = self.drafts.launch(size)
             t1 = time.perf_counter()
             logits, feats, slots = self.graphs.run_tree(shape, tree, start)
-            committed = spec.walk_and_commit(tree, logits, feats, slots, start, sampling) if work else None
+            committed = spec.walk_and_commit(tree, logits, feats, slots, start, sampling, self.commits.run) \
+                if work else None
         results = committed.results(work) if work else []
-        self.last_draft = self.drafts.last
+        self.last_spec = {"draft": self.drafts.last, **({"commit": self.commits.last} if work else {})}
         self._note_graph(size, n)
         self.timing["draft_s"] += t1 - t0
         self.timing["verify_s"] += time.perf_counter() - t1

@@ -12,6 +12,7 @@ tokens with or without speculation, up to floating-point ties).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, walk
+
+CommitFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # Speculator.commit_paths' signature
 
 
 class Speculator:
@@ -136,34 +139,46 @@ class Speculator:
 
     @torch.no_grad()
     def walk_and_commit(self, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
-                        start: torch.Tensor, sampling: SamplingBatch) -> Committed:
-        """Walks a batch of verified trees and commits each request's accepted path, on the device with fixed
-        shapes and no host synchronisation.
+                        start: torch.Tensor, sampling: SamplingBatch, commit: CommitFn | None = None) -> Committed:
+        """Samples every node of a batch of verified trees and commits each request's accepted path, on the
+        device with fixed shapes and no host synchronisation.
 
         ``sampling``: :meth:`node_sampling` of J requests; ``tree``: a batched DraftTree ``[J', N]`` whose first
-        J rows are theirs (rows past J are padding and ignored); ``logits [J'*N, V]`` and target features
-        ``feats [J'*N, k*H]`` at its nodes; ``slots [J', N]`` int64 the target KV slots of positions
-        ``start .. start+N-1``; ``start [J']`` the first tree position. Samples every node (the draw plain
-        decoding makes for that output index), walks (:func:`walk`, :func:`path_by_depth`), moves the accepted
-        path's KV to positions ``start .. start+k`` and stores the path's drafter context there. The L =
-        ``draft_rows + 1`` entries past a path are self-copies and context rows that later steps overwrite
-        before reading them."""
-        n, length = tree.size, self.cfg.draft_rows + 1
-        j = sampling.step.shape[0] // n
-        tree = DraftTree(*(getattr(tree, f)[:j] for f in FIELDS))
-        out = sample(logits[:j * n].float(), sampling.advanced(tree.depth.reshape(-1)))
+        J rows are theirs (rows past J are padding); ``logits [J'*N, V]`` and target features ``feats [J'*N,
+        k*H]`` at its nodes; ``slots [J', N]`` int64 the target KV slots of positions ``start .. start+N-1``;
+        ``start [J']`` the first tree position. A node's pick is the draw plain decoding makes for its output
+        index; :meth:`commit_paths` then walks and moves the KV — over the J rows, or through ``commit`` (the
+        same function over all J' rows, e.g. a captured graph: ``spec_decode.static_commit``)."""
+        n, j = tree.size, sampling.step.shape[0] // tree.size
+        mine = DraftTree(*(getattr(tree, f)[:j] for f in FIELDS))
+        out = sample(logits[:j * n].float(), sampling.advanced(mine.depth.reshape(-1)))
         picks = out.tokens.view(j, n)
-        path, count = path_by_depth(tree, walk(tree, picks), length)  # [J, L], [J]
-        src, dst = slots[:j].gather(1, path).reshape(-1), slots[:j, :length].reshape(-1)
+        if commit is None:
+            path, count = self.commit_paths(mine, picks, feats[:j * n], slots[:j], start[:j])
+        else:
+            path, count = (t[:j] for t in commit(tree, picks, feats, slots, start))
+        rows = (torch.arange(j, device=path.device)[:, None] * n + path).reshape(-1)  # flat node row of each entry
+        m, length = out.top_ids.shape[-1], path.shape[1]
+        return Committed(count, picks.gather(1, path), out.logprobs.view(j, n).gather(1, path),
+                         out.top_ids[rows].view(j, length, m), out.top_logprobs[rows].view(j, length, m))
+
+    def commit_paths(self, tree: DraftTree, picks: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
+                     start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Walks ``tree`` ``[B, N]`` under the target's ``picks [B, N]`` (:func:`walk`, :func:`path_by_depth`),
+        moves the accepted path's KV to positions ``start .. start+k`` and stores the path's drafter context
+        (``feats [B*N, k*H]``) there; returns ``path [B, L]`` and ``count [B]``. Fixed shapes, L = ``draft_rows +
+        1`` entries per row whatever is accepted: past a path they are self-copies and context rows that later
+        steps overwrite before reading them. Every launch scales with the layer count, none with acceptance."""
+        b, n, length = picks.shape[0], tree.size, self.cfg.draft_rows + 1
+        path, count = path_by_depth(tree, walk(tree, picks), length)  # [B, L], [B]
+        src, dst = slots.gather(1, path).reshape(-1), slots[:, :length].reshape(-1)
         for stores in self.cache.layers:
             for store in stores:
                 store.index_copy_(0, dst, store.index_select(0, src))
-        rows = (torch.arange(j, device=path.device)[:, None] * n + path).reshape(-1)  # flat node row of each entry
-        positions = (start[:j, None] + torch.arange(length, device=path.device)).reshape(-1)
+        rows = (torch.arange(b, device=path.device)[:, None] * n + path).reshape(-1)
+        positions = (start[:, None] + torch.arange(length, device=path.device)).reshape(-1)
         self.write_context(dst, feats[rows], positions)
-        m = out.top_ids.shape[-1]
-        return Committed(count, picks.gather(1, path), out.logprobs.view(j, n).gather(1, path),
-                         out.top_ids[rows].view(j, length, m), out.top_logprobs[rows].view(j, length, m))
+        return path, count
 
     def accept(self, work: list[SeqWork], tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
                slots: torch.Tensor, start: torch.Tensor) -> list[StepResult]:

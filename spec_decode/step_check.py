@@ -72,7 +72,8 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
         row["static_ms"] = 1e3 * seconds_per_call(lambda: static.execute(work["static"]))
         row["dynamic_ms"] = 1e3 * seconds_per_call(lambda: dynamic.execute(work["dynamic"]))
         row["speedup"] = row["dynamic_ms"] / row["static_ms"]
-    coverage = {**static.graphs.coverage.summary(), **static.drafts.coverage.summary()}
+    coverage = {**static.graphs.coverage.summary(), **static.drafts.coverage.summary(),
+                **static.commits.coverage.summary()}
     row["replays"] = {kind: f"{c['replays']}/{c['steps']}" for kind, c in coverage.items()}
     row["eager_reason"] = "; ".join(sorted({c["eager_reason"] for c in coverage.values() if c["eager_reason"]}))
     return row

@@ -180,4 +180,5 @@ def test_spec_step_gpu_check_runs_on_cpu():
     for batch, budget in ((1, 8), (2, 16)):
         row = check_spec_step(model, budget, batch, 20, gen)
         assert row["same_tokens"] and row["tokens_per_step"] >= 1, row
-        assert row["replays"] == {"verify": "0/1", "draft": "0/1"} and row["eager_reason"] == "no CUDA device"
+        assert row["replays"] == {"verify": "0/1", "draft": "0/1", "commit": "0/1"}, row
+        assert row["eager_reason"] == "no CUDA device"

@@ -17,6 +17,7 @@ from model.kernel_select import native_bf16_matmul
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
+from spec_decode.tree import FIELDS
 
 PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
 CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
@@ -104,9 +105,10 @@ def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, 
         assert static == dynamic and blocks == 0
         assert coverage[kind]["steps"] > 0 and coverage[kind]["replays"] == 0
         assert coverage[kind]["eager_reason"] == "no CUDA device"
-        if kind == "verify":  # every verify step drafted through the static draft (eager here)
-            assert coverage["draft"]["steps"] == coverage["verify"]["steps"], coverage
-            assert coverage["draft"]["eager_reason"] == "no CUDA device"
+        if kind == "verify":  # every verify step drafted and committed statically (eager here)
+            for part in ("draft", "commit"):
+                assert coverage[part]["steps"] == coverage["verify"]["steps"], coverage
+                assert coverage[part]["eager_reason"] == "no CUDA device"
     assert out[1][0][0] == out[0][0][0]  # and speculation stays lossless on the static path
     assert [s.get(k, 0) > 0 for s, k in zip(rank0_steps, ("decode", "verify", "verify"), strict=True)] == [True] * 3
     assert all(r[1] == rank0_steps for r in per_rank if r is not None)
@@ -149,7 +151,8 @@ def test_static_steps_walk_the_trained_pairs_deep_paths_at_t1(pool):
     plain = out[0][1][0]
     for (static, coverage, blocks, tau), (dynamic, *_) in out[1:]:
         assert static == dynamic == plain and blocks == 0
-        assert coverage["verify"]["steps"] > 0 and coverage["draft"]["steps"] == coverage["verify"]["steps"]
+        assert coverage["verify"]["steps"] > 0
+        assert coverage["draft"]["steps"] == coverage["commit"]["steps"] == coverage["verify"]["steps"]
         assert tau > 1.2, tau  # multi-token paths: the compaction moves KV
     assert all(len(toks) >= 10 for toks, _ in plain.values())
 
@@ -294,3 +297,46 @@ def test_accept_commits_the_walked_path_and_moves_its_kv(tiny_ckpts, random_draf
     for layer, (k, v) in enumerate(spec.drafter.context_kv(feats[rows], torch.arange(5, 5 + len(path_a)))):
         torch.testing.assert_close(spec.context.layers[layer][0][dst], k)
         torch.testing.assert_close(spec.context.layers[layer][1][dst], v)
+
+
+def test_static_commit_equals_the_eager_commit_outside_the_scratch_blocks(tiny_ckpts, random_drafter):
+    """The fixed-shape commit over a padded batch (``spec_decode.static_commit``: what a graph captures) leaves
+    the target KV and the drafter context as the eager commit of the real rows does, everywhere but the
+    scratch blocks the padding row lives in, and finds the same paths; its capture state touches only them."""
+    from spec_decode.static_commit import CommitGraphs
+    from spec_decode.tree import DraftTree, build_tree_host
+
+    specs_, gens = zip(*(_speculator(tiny_ckpts, random_drafter, num_blocks=16) for _ in range(2)), strict=True)
+    eager, static = specs_
+    gen = gens[0]
+    n, vocab, width = eager.cfg.num_nodes, eager.model.cfg.vocab_size, len(eager.capture) * eager.model.cfg.hidden_size
+    for a, b in zip(eager.cache.layers + eager.context.layers, static.cache.layers + static.context.layers,
+                    strict=True):
+        for x, y in zip(a, b, strict=True):
+            x.copy_(torch.randn(x.shape, generator=gen))
+            y.copy_(x)
+    tables, starts = [[0, 1, 2, 3, 4], [6, 7, 8, 9]], [5, 2]
+    trees = [build_tree_host((torch.randn(eager.cfg.draft_rows, vocab, generator=gen) * 4).log_softmax(-1), r, 10)
+             for r in (7, 9, 0)]
+    tree = DraftTree.stack(trees)
+    picks = torch.zeros(3, n, dtype=torch.int64).scatter(1, tree.parents.clamp(min=0), tree.tokens)  # a child's
+    feats = torch.randn(3 * n, width, generator=gen)
+    scratch = (13, 14, 15)
+    slots = torch.stack([eager.cache.slot_tensor(t, s, s + n) for t, s in zip(tables, starts, strict=True)]
+                        + [eager.cache.slot_tensor(list(scratch), 0, n)])
+    start = torch.tensor(starts + [0])
+    graphs = CommitGraphs(static, scratch)
+    assert graphs.prepare(3, n) == "no CUDA device"
+    graphs.commit(3, n).load_padding()  # the state a capture runs on
+    graphs.commit(3, n).run()
+    want_path, want_count = eager.commit_paths(DraftTree(*(getattr(tree, f)[:2] for f in FIELDS)), picks[:2],
+                                               feats[:2 * n], slots[:2], start[:2])
+    path, count = graphs.run(tree, picks[:2], feats, slots, start)
+    assert torch.equal(path[:2], want_path) and torch.equal(count[:2], want_count) and int(want_count.max()) > 1
+    outside = torch.ones(eager.cache.num_blocks * eager.cache.block_size, dtype=torch.bool)
+    outside[eager.cache.slot_tensor(list(scratch), 0, 3 * eager.cache.block_size)] = False
+    for a, b in zip(eager.cache.layers + eager.context.layers, static.cache.layers + static.context.layers,
+                    strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x[outside], y[outside], rtol=1e-6, atol=1e-6)
+    assert graphs.coverage.summary()["commit"]["eager_reason"] == "no CUDA device"
