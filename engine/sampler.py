@@ -139,7 +139,6 @@ class SamplingBatch:
             all_greedy=not sampled,
         )
 
-
     def advanced(self, by: Tensor) -> SamplingBatch:
         """The same rows ``by [B]`` int64 output tokens later (a tree node at depth ``by`` draws the output index
         ``step + by``): steps move on and bans lift where a row reaches ``min_tokens``. On the device, without

@@ -24,7 +24,7 @@ from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
-from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, walk
+from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, walk
 
 CommitFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # Speculator.commit_paths' signature
 
@@ -150,7 +150,7 @@ class Speculator:
         index; :meth:`commit_paths` then walks and moves the KV — over the J rows, or through ``commit`` (the
         same function over all J' rows, e.g. a captured graph: ``spec_decode.static_commit``)."""
         n, j = tree.size, sampling.step.shape[0] // tree.size
-        mine = DraftTree(*(getattr(tree, f)[:j] for f in FIELDS))
+        mine = tree.head(j)
         out = sample(logits[:j * n].float(), sampling.advanced(mine.depth.reshape(-1)))
         picks = out.tokens.view(j, n)
         if commit is None:

@@ -20,6 +20,8 @@ import torch
 
 from model.tree_mask import ancestor_mask
 
+FIELDS = ("tokens", "parents", "depth", "valid", "ancestors")
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -47,8 +49,9 @@ class DraftTree:
         """J trees of one size → one batched tree (fields ``[J, ...]``)."""
         return DraftTree(*(torch.stack([getattr(t, f) for t in trees]) for f in FIELDS))
 
-
-FIELDS = ("tokens", "parents", "depth", "valid", "ancestors")
+    def head(self, j: int) -> DraftTree:
+        """The first ``j`` trees of a batch."""
+        return DraftTree(*(getattr(self, f)[:j] for f in FIELDS))
 
 
 def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) -> DraftTree:

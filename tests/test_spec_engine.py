@@ -17,7 +17,6 @@ from model.kernel_select import native_bf16_matmul
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
-from spec_decode.tree import FIELDS
 
 PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
 CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
@@ -329,7 +328,7 @@ def test_static_commit_equals_the_eager_commit_outside_the_scratch_blocks(tiny_c
     assert graphs.prepare(3, n) == "no CUDA device"
     graphs.commit(3, n).load_padding()  # the state a capture runs on
     graphs.commit(3, n).run()
-    want_path, want_count = eager.commit_paths(DraftTree(*(getattr(tree, f)[:2] for f in FIELDS)), picks[:2],
+    want_path, want_count = eager.commit_paths(tree.head(2), picks[:2],
                                                feats[:2 * n], slots[:2], start[:2])
     path, count = graphs.run(tree, picks[:2], feats, slots, start)
     assert torch.equal(path[:2], want_path) and torch.equal(count[:2], want_count) and int(want_count.max()) > 1
