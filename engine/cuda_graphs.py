@@ -203,18 +203,19 @@ class CapturedGraphs:
     """CUDA graphs by key (a step shape, a batch size), each captured on first use into one shared memory pool;
     a key that cannot be captured keeps the reason and runs eagerly from then on."""
 
-    def __init__(self):
+    def __init__(self, blocker: str = ""):
+        """``blocker``: why nothing here may be captured even on CUDA (``engine.graphs.capture_blocker``)."""
         self.graphs: dict = {}  # key → (graph, its static outputs)
         self.reasons: dict = {}  # key → why it runs eagerly
-        self.pool = None
+        self.pool, self.blocker = None, blocker
 
     def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable) -> str:
         """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
         ``key`` runs eagerly. Later calls return the first answer."""
         if key in self.graphs or key in self.reasons:
             return self.reasons.get(key, "")
-        if device.type != "cuda":
-            self.reasons[key] = "no CUDA device"
+        if device.type != "cuda" or self.blocker:
+            self.reasons[key] = self.blocker if device.type == "cuda" else "no CUDA device"
             return self.reasons[key]
         try:
             prepare()
@@ -244,8 +245,8 @@ class GraphRunner(CapturedGraphs):
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...] = (1, 2, 4, 8), capture: tuple[int, ...] = (),
-                 coverage: GraphCoverage | None = None):
-        super().__init__()
+                 coverage: GraphCoverage | None = None, blocker: str = ""):
+        super().__init__(blocker)
         self.model, self.cache, self.max_blocks, self.scratch_blocks = model, cache, max_blocks, scratch_blocks
         self.batch_sizes, self.capture_layers = tuple(sorted(batch_sizes)), capture
         self.coverage = coverage or GraphCoverage()

@@ -57,12 +57,8 @@ class Engine:
                                    spec_scratch=self.spec.scratch_slots if self.spec.enabled else 0)
         self.stats = EngineStats()
         self.graphs = GraphCoverage()
-        self._eager_reason = eager_reason(self._dispatcher_graph_safe())
+        self._eager_reason = eager_reason(model, cfg.static_steps)
         self._rng = random.Random(seed)
-
-    def _dispatcher_graph_safe(self) -> bool:
-        moe = [layer.mlp for layer in self.model.model.layers if hasattr(layer.mlp, "dispatcher")]
-        return all(m.dispatcher.graph_safe for m in moe)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

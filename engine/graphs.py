@@ -16,13 +16,20 @@ import torch
 STEP_KINDS = ("prefill", "decode", "verify", "mixed", "draft", "commit")
 
 
-def eager_reason(dispatcher_graph_safe: bool) -> str:
-    """Why this process cannot replay graphs at all (empty string: it could)."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not dispatcher_graph_safe:
-        return "dispatcher is not CUDA-graph safe"
-    return "graph capture not built for this step kind yet"
+def capture_blocker(model) -> str:
+    """Why no forward of ``model`` can be captured, whatever the step: "" or the MoE dispatcher that makes the
+    host wait on the device (e.g. the all-to-all reads its row counts)."""
+    unsafe = sorted({layer.mlp.dispatcher.name for layer in model.model.layers
+                     if hasattr(layer.mlp, "dispatcher") and not layer.mlp.dispatcher.graph_safe})
+    return f"dispatcher {unsafe[0]!r} is not CUDA-graph safe (it waits on the host)" if unsafe else ""
+
+
+def eager_reason(model, static_steps: str) -> str:
+    """Why a process whose runner has no static steps replays no graphs (``static_steps``:
+    ``engine.static_steps``)."""
+    if model.model.norm.weight.device.type != "cuda":
+        return "no CUDA device" if not torch.cuda.is_available() else "model not on a CUDA device"
+    return capture_blocker(model) or f"static steps off (engine.static_steps={static_steps})"
 
 
 @dataclass

@@ -13,6 +13,7 @@ import time
 import torch
 
 from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, no_host_sync
+from engine.graphs import capture_blocker
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SeqWork, StepResult
@@ -39,7 +40,8 @@ class ModelRunner:
             max_blocks = -(-(max_model_len + max_nodes) // block_size)
             capture = self.speculator.capture if self.speculator else ()
             scratch_blocks = tuple(range(num_blocks, num_blocks + scratch))
-            self.graphs = GraphRunner(model, self.cache, max_blocks, scratch_blocks, static_batch_sizes, capture)
+            self.graphs = GraphRunner(model, self.cache, max_blocks, scratch_blocks, static_batch_sizes, capture,
+                                      blocker=capture_blocker(model))
             if self.speculator is not None:
                 from spec_decode.static_commit import CommitGraphs  # engine/ knows spec_decode only when it is on
                 from spec_decode.static_draft import DraftGraphs

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from parallelism.comm import ParallelGroups
-from parallelism.dispatch import DeepEPUnavailable, Dispatcher, ExpertInput
+from parallelism.dispatch import DeepEPUnavailable, Dispatcher, ExpertInput, capturing
 from parallelism.layout import ExpertPlacement
 
 FALLBACK = "parallel.dispatcher=alltoall"
@@ -358,7 +358,7 @@ class DeepEPDispatcher(Dispatcher):
     # -- mode
 
     def _mode(self, num_tokens: int, shared: _SharedBuffer, device: torch.device) -> str:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             if not shared.low_latency:
                 raise DeepEPUnavailable(f"a CUDA graph needs DeepEP's low-latency path, which is off here "
                                         f"({self._ll_reason})")

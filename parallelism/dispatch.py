@@ -58,6 +58,11 @@ class AllGatherMeta:
     padded: int  # rows per rank after padding
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class Dispatcher:
     """Base class. ``dispatch`` → local experts → ``combine``."""
 
@@ -136,14 +141,17 @@ class AllToAllDispatcher(Dispatcher):
 
 
 class AllGatherDispatcher(Dispatcher):
+    """Every rank's tokens padded to the busiest rank's count, all-gathered; combine reduce-scatters. Eager, the
+    count is exchanged and read on the host; inside a CUDA-graph capture it is not: a captured (static) step
+    has the same shape on every rank (the runner pads attention-DP ranks to one batch), so ``padded = t``."""
+
     name = "allgather"
     needs_partitioned_tokens = True
     graph_safe = True
 
     def dispatch(self, x, topk_ids, topk_weights):
         t = x.shape[0]
-        counts = self.world.all_gather(torch.tensor([t], dtype=torch.int64))
-        padded = int(counts.max())
+        padded = t if capturing() else int(self.world.all_gather(torch.tensor([t], device=x.device)).max())
         pad = padded - t
         x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad))
         routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)

@@ -182,3 +182,22 @@ def test_spec_step_gpu_check_runs_on_cpu():
         assert row["same_tokens"] and row["tokens_per_step"] >= 1, row
         assert row["replays"] == {"verify": "0/1", "draft": "0/1", "commit": "0/1"}, row
         assert row["eager_reason"] == "no CUDA device"
+
+
+def test_a_dispatcher_that_waits_on_the_host_blocks_capture(tiny_ckpts):
+    """The all-to-all reads its row counts on the host, so no forward through it is captured: the runner gets
+    the reason up front and never tries (a failed capture half-way through NCCL collectives is no fallback)."""
+    from engine.cuda_graphs import CapturedGraphs
+    from engine.graphs import capture_blocker, eager_reason
+
+    alltoall = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout(dispatcher="alltoall")))
+    plain = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
+    reason = capture_blocker(alltoall)
+    assert reason == "dispatcher 'alltoall' is not CUDA-graph safe (it waits on the host)"
+    assert capture_blocker(plain) == "" and eager_reason(plain, "off") == "no CUDA device"
+    graphs = CapturedGraphs(reason)
+    calls = []
+    assert graphs._capture("k", torch.device("cuda"), lambda: calls.append("prepare"), lambda: calls.append("run")) \
+        == reason
+    assert calls == [] and graphs.reasons == {"k": reason}
+    assert CapturedGraphs()._capture("k", torch.device("cpu"), calls.append, calls.append) == "no CUDA device"
