@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from engine.graphs import GraphCoverage
+from engine.graphs import GraphCoverage, token_limit_blocker
 from engine.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
@@ -209,13 +209,16 @@ class CapturedGraphs:
         self.reasons: dict = {}  # key → why it runs eagerly
         self.pool, self.blocker = None, blocker
 
-    def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable) -> str:
+    def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable,
+                 blocker: str = "") -> str:
         """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
-        ``key`` runs eagerly. Later calls return the first answer."""
+        ``key`` runs eagerly (``blocker``: why this key alone may not be captured). Later calls return the
+        first answer."""
         if key in self.graphs or key in self.reasons:
             return self.reasons.get(key, "")
-        if device.type != "cuda" or self.blocker:
-            self.reasons[key] = self.blocker if device.type == "cuda" else "no CUDA device"
+        blocker = self.blocker or blocker
+        if device.type != "cuda" or blocker:
+            self.reasons[key] = blocker if device.type == "cuda" else "no CUDA device"
             return self.reasons[key]
         try:
             prepare()
@@ -269,7 +272,7 @@ class GraphRunner(CapturedGraphs):
         during capture, so the warm-up and capture launches touch just the scratch block."""
         step = self.step(shape)
         return self._capture(shape, self.cache.layers[0][0].device, lambda: step.load([step.padding_seq()]),
-                             step.run)
+                             step.run, token_limit_blocker(self.model, shape.batch * shape.nodes))
 
     def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``batch`` > ``len(seqs)`` pads to that shape (attention-DP ranks run one shape; an idle rank pads

@@ -17,11 +17,40 @@ STEP_KINDS = ("prefill", "decode", "verify", "mixed", "draft", "commit")
 
 
 def capture_blocker(model) -> str:
-    """Why no forward of ``model`` can be captured, whatever the step: "" or the MoE dispatcher that makes the
-    host wait on the device (e.g. the all-to-all reads its row counts)."""
+    """Why no forward of ``model`` can be captured, whatever the step: "", or the MoE dispatcher that makes the
+    host wait on the device (e.g. the all-to-all reads its row counts), or :func:`kernel_blocker`. Decided up
+    front: a capture that fails half-way leaves NCCL and the caching allocator in states PyTorch does not
+    always recover from."""
     unsafe = sorted({layer.mlp.dispatcher.name for layer in model.model.layers
                      if hasattr(layer.mlp, "dispatcher") and not layer.mlp.dispatcher.graph_safe})
-    return f"dispatcher {unsafe[0]!r} is not CUDA-graph safe (it waits on the host)" if unsafe else ""
+    if unsafe:
+        return f"dispatcher {unsafe[0]!r} is not CUDA-graph safe (it waits on the host)"
+    return kernel_blocker(model)
+
+
+def kernel_blocker(model) -> str:
+    """Why ``model``'s kernel set cannot be captured: "" for the Triton set; the torch references read sequence
+    lengths and expert row counts on the host (``.tolist()``, boolean indexing)."""
+    kernels = model.kernels
+    if kernels.graph_safe:
+        return ""
+    why = kernels.reasons.get("moe_experts", "torch reference kernels")
+    return f"{why}: the torch references wait on the host, capture needs the Triton kernels"
+
+
+def token_limit_blocker(model, tokens: int) -> str:
+    """Why a step of ``tokens`` tokens per rank cannot be captured although the dispatcher is graph-safe: ""
+    or the dispatcher whose graph-safe path holds fewer tokens (DeepEP's low-latency buffers are sized for
+    ``parallel.deepep_max_decode_tokens``). Decided before capture, the same on every rank, so no rank starts
+    a collective inside a capture that another rank refuses."""
+    limits = {(d.graph_token_limit, d.name) for d in (getattr(layer.mlp, "dispatcher", None)
+                                                      for layer in model.model.layers)
+              if d is not None and d.graph_token_limit is not None}
+    if not limits:
+        return ""
+    limit, name = min(limits)
+    return (f"{tokens} tokens per rank exceed dispatcher {name!r}'s graph-safe bound of {limit} "
+            "(parallel.deepep_max_decode_tokens)") if tokens > limit else ""
 
 
 def eager_reason(model, static_steps: str) -> str:

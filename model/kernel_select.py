@@ -46,6 +46,7 @@ class KernelSet:
     tree_verify_gqa: Callable
     tree_verify_mla: Callable
     reasons: dict[str, str] = field(default_factory=dict)
+    graph_safe: bool = False  # no host synchronisation in any op: the Triton set (the references read lengths/counts)
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -99,7 +100,7 @@ def _triton_set(device: torch.device) -> KernelSet:
     reason = f"triton {triton.__version__}: {name} (sm_{major}{minor})"
     return KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
                      attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
-                     reasons=dict.fromkeys(OPS, reason))
+                     reasons=dict.fromkeys(OPS, reason), graph_safe=True)
 
 
 def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:

@@ -309,6 +309,7 @@ class DeepEPDispatcher(Dispatcher):
             max_decode_tokens = groups.layout.deepep_max_decode_tokens
         self.low_latency, self.max_decode_tokens = bool(low_latency), int(max_decode_tokens)
         self.graph_safe = self.low_latency  # the normal path waits on the host for the received count
+        self.graph_token_limit = self.max_decode_tokens if self.low_latency else None
         self.num_experts, self.num_local = placement.num_experts, placement.experts_per_rank
         self.expert_ids = deepep_expert_ids(placement)
         self._injected = buffer

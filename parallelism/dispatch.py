@@ -70,6 +70,7 @@ class Dispatcher:
     needs_partitioned_tokens = False
     graph_safe = False
     needs_nvlink = False
+    graph_token_limit: int | None = None  # most tokens per rank a captured step may hold (None: no bound)
 
     def __init__(self, groups: ParallelGroups, placement: ExpertPlacement):
         self.groups = groups

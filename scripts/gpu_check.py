@@ -6,7 +6,7 @@ Sections, each recorded even when another fails (the report is rewritten after e
 
 - ``environment`` and ``kernel_select``: versions, the device, which implementation each op gets and why;
 - ``aot_compile`` (CPU only): every kernel compiled for sm_90 and sm_100 without a GPU (``model.triton.aot``);
-- ``correctness``: each Triton kernel against its torch reference on fresh random inputs — on a GPU in bf16 at
+- ``correctness``: each Triton kernel against its torch reference on fresh random inputs — on a GPU in bf16 and fp32 at
   model-like sizes, on CPU in fp32 and fp16 under ``TRITON_INTERPRET=1`` at tiny sizes (pass rule:
   :func:`model.triton.cases.compare`);
 - ``moe_timing`` (GPU): fused MoE vs the torch reference (``LocalExperts.forward``), decode and prefill, and
@@ -220,8 +220,9 @@ def run_check(check: Check, seed: int, dtype: torch.dtype, device: str) -> dict:
 
 
 def correctness() -> list[dict]:
-    """GPU: bf16. CPU: fp32 and fp16 (the interpreter computes bf16 wrongly: triton-lang/triton#11584)."""
-    dtypes, device = ((torch.bfloat16,), "cuda") if CUDA else ((torch.float32, torch.float16), "cpu")
+    """GPU: bf16 and fp32 (fp32 at the fp32 tolerance: a TF32 ``tl.dot`` would fail it). CPU: fp32 and fp16 (the
+    interpreter computes bf16 wrongly: triton-lang/triton#11584)."""
+    dtypes, device = ((torch.bfloat16, torch.float32), "cuda") if CUDA else ((torch.float32, torch.float16), "cpu")
     seed = int(time.time()) % 10_000  # fresh inputs every run; the seed is in the report
     all_checks = [(c, dt) for dt in dtypes for c in checks(tiny=not CUDA)]
     return [run_check(c, seed + i, dt, device) for i, (c, dt) in enumerate(all_checks)]

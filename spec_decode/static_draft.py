@@ -22,7 +22,7 @@ import time
 import torch
 
 from engine.cuda_graphs import CapturedGraphs, seconds_per_call
-from engine.graphs import GraphCoverage
+from engine.graphs import GraphCoverage, kernel_blocker
 from engine.scheduler import SeqWork
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
@@ -116,7 +116,7 @@ class DraftGraphs(CapturedGraphs):
 
     def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...], coverage: GraphCoverage | None = None):
-        super().__init__()
+        super().__init__(kernel_blocker(spec.model))  # the drafter attends through the target's kernel set
         self.spec, self.max_blocks, self.scratch_blocks = spec, max_blocks, scratch_blocks
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.coverage = coverage or GraphCoverage()

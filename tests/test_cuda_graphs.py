@@ -2,6 +2,8 @@
 kernels (torch references here) gives the dynamic forward's logits, reuses its buffers across steps, and its
 padding touches only the scratch blocks. Capture itself needs CUDA: off it the runner says so and runs eager."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -185,15 +187,20 @@ def test_spec_step_gpu_check_runs_on_cpu():
 
 
 def test_a_dispatcher_that_waits_on_the_host_blocks_capture(tiny_ckpts):
-    """The all-to-all reads its row counts on the host, so no forward through it is captured: the runner gets
-    the reason up front and never tries (a failed capture half-way through NCCL collectives is no fallback)."""
+    """The all-to-all reads its row counts on the host, and so do the torch reference kernels, so no forward
+    through either is captured: the runner gets the reason up front and never tries (a failed capture half-way
+    through NCCL collectives is no fallback)."""
     from engine.cuda_graphs import CapturedGraphs
     from engine.graphs import capture_blocker, eager_reason
+    from model.kernel_select import reference_kernels
 
     alltoall = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout(dispatcher="alltoall")))
     plain = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
     reason = capture_blocker(alltoall)
     assert reason == "dispatcher 'alltoall' is not CUDA-graph safe (it waits on the host)"
+    assert capture_blocker(plain) == ("torch reference: default (no kernel set chosen): the torch references wait "
+                                      "on the host, capture needs the Triton kernels")
+    plain.use_kernels(dataclasses.replace(reference_kernels(), graph_safe=True))  # as the Triton set is
     assert capture_blocker(plain) == "" and eager_reason(plain, "off") == "no CUDA device"
     graphs = CapturedGraphs(reason)
     calls = []
@@ -201,3 +208,24 @@ def test_a_dispatcher_that_waits_on_the_host_blocks_capture(tiny_ckpts):
         == reason
     assert calls == [] and graphs.reasons == {"k": reason}
     assert CapturedGraphs()._capture("k", torch.device("cpu"), calls.append, calls.append) == "no CUDA device"
+
+
+def test_steps_over_the_dispatchers_graph_token_bound_are_not_tried(tiny_ckpts):
+    """DeepEP's low-latency path (the graph-safe one) holds at most ``deepep_max_decode_tokens`` tokens per rank:
+    a decode shape within it is tried, a verify shape over it gets the reason up front, on every rank alike."""
+    from engine.cuda_graphs import CapturedGraphs
+    from engine.graphs import token_limit_blocker
+
+    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
+    assert token_limit_blocker(model, 10_000) == ""  # the allreduce dispatcher has no bound
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "dispatcher"):
+            layer.mlp.dispatcher.graph_token_limit = 128  # what DeepEPDispatcher(max_decode_tokens=128) sets
+    assert token_limit_blocker(model, 128) == ""
+    reason = token_limit_blocker(model, 4 * 33)
+    assert reason == ("132 tokens per rank exceed dispatcher 'allreduce''s graph-safe bound of 128 "
+                      "(parallel.deepep_max_decode_tokens)")
+    graphs, calls = CapturedGraphs(), []
+    assert graphs._capture("verify", torch.device("cuda"), lambda: calls.append("prepare"),
+                           lambda: calls.append("run"), reason) == reason
+    assert calls == [] and graphs.reasons == {"verify": reason}

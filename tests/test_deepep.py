@@ -473,6 +473,12 @@ def test_single_rank_matches_alltoall_with_real_experts():
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # weights applied twice would fail this
 
 
+def test_graph_token_bound_is_the_low_latency_bound():
+    g, placement = build_groups(Layout()), ExpertPlacement(E, 1, 1)
+    assert DeepEPDispatcher(g, placement, low_latency=True, max_decode_tokens=96).graph_token_limit == 96
+    assert DeepEPDispatcher(g, placement, low_latency=False).graph_token_limit is None  # not graph-safe at all
+
+
 def test_fp32_activations_are_refused():
     g = build_groups(Layout())
     dep = DeepEPDispatcher(g, ExpertPlacement(E, 1, 1), buffer=FakeBuffer(None, 1, 0, E))

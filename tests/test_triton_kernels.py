@@ -214,6 +214,7 @@ def test_select_kernels_on_cpu_uses_references():
     ks = select_kernels("cpu")
     assert ks.reasons == dict.fromkeys(OPS, "torch reference: no CUDA device (cpu)")
     assert ks.moe_experts is reference.local_experts and ks.rms_norm is kernels.rms_norm
+    assert not ks.graph_safe  # the references wait on the host: engine.graphs.kernel_blocker
     assert select_kernels("cpu", backend="torch").reasons["rms_norm"].startswith("torch reference: requested")
     with pytest.raises(RuntimeError, match="no CUDA device.*torch references"):
         select_kernels("cpu", backend="triton")
@@ -221,7 +222,8 @@ def test_select_kernels_on_cpu_uses_references():
 
 def test_every_kernel_compiles_for_sm90():
     """Real Triton compiler and ptxas (shipped with triton), production shapes, no GPU needed; the core set
-    (every code path once, ~20 s cold, seconds with a warm Triton cache)."""
+    (every code path once, ~20 s cold, seconds with a warm Triton cache). The PTX of the fp32 configuration has
+    no TF32 MMA (with Triton's default ``input_precision`` it has; see ``reference.dot_precision``)."""
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this triton build has no NVIDIA backend, so there is no compiler to run")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -231,6 +233,8 @@ def test_every_kernel_compiles_for_sm90():
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert {r["kernel"].split()[0] for r in rows} == {"gqa", "mla", "moe", "rms_norm"}
     assert [r for r in rows if not r["ok"]] == []
+    # fp32 operands go through IEEE FMA, never TF32 tensor cores (Triton's default; the interpreter ignores it)
+    assert any("fp32" in r["kernel"] for r in rows) and [r["kernel"] for r in rows if r["tf32_mma"]] == []
 
 
 HALF_CASES = [  # (kernel, reference, inputs(generator)) in fp16

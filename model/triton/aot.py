@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -54,8 +55,8 @@ def _attention_specs() -> list[Spec]:
     specs = []
     for n, splits, tree, kind in ((1, 1, False, "decode"), (1, 8, False, "decode split8"), (64, 1, True, "tree64")):
         core = splits > 1 or tree
-        gqa = dict(attention.gqa_meta(n, 8, 128, tree), NUM_SPLITS=splits)
-        mla = dict(attention.mla_meta(n, 16, 512, 64, tree), NUM_SPLITS=splits)
+        gqa = dict(attention.gqa_meta(n, 8, 128, tree, torch.bfloat16), NUM_SPLITS=splits)
+        mla = dict(attention.mla_meta(n, 16, 512, 64, tree, torch.bfloat16), NUM_SPLITS=splits)
         specs.append(Spec(f"gqa {kind}", attention._gqa_kernel, gqa, _attention_pointers(splits), core=core))
         specs.append(Spec(f"mla {kind}", attention._mla_kernel, mla, _attention_pointers(splits), core=core))
     return specs
@@ -67,17 +68,20 @@ def _moe_specs() -> list[Spec]:
     specs = []
     for kind, pairs in (("decode", 64 * 8), ("prefill", 4096 * 8)):
         t = moe.default_tiles(pairs, 7168, 2048)
-        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT="tf32")
         ids = dict(sorted_ptr="i32", expert_ptr="i32", num_post_ptr="i32")
         core = kind == "decode"
         specs.append(Spec(f"moe gate_up {kind}", moe._gate_up_kernel, tiles, ids, t.num_warps, core))
         specs.append(Spec(f"moe down {kind}", moe._down_kernel, tiles,
                           dict(ids, out_ptr="fp32", weight_ptr="fp32"), t.num_warps, core))
     t = moe.default_tiles(128 * 8, 7168, 2048)  # DeepEP low latency: 128 tokens per rank × 8 ranks per expert
-    tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+    tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT="tf32")
     specs.append(Spec("moe masked gate_up", moe._masked_gate_up_kernel, tiles, dict(counts_ptr="i32"), t.num_warps,
                       True))
     specs.append(Spec("moe masked down", moe._masked_down_kernel, tiles, dict(counts_ptr="i32"), t.num_warps, True))
+    fp32 = dict(x_ptr="fp32", w_ptr="fp32", h_ptr="fp32", counts_ptr="i32")  # fp32 operands: IEEE dot, not TF32
+    specs.append(Spec("moe masked gate_up fp32", moe._masked_gate_up_kernel, dict(tiles, DOT="ieee"), fp32,
+                      t.num_warps, True))
     return specs
 
 
@@ -115,6 +119,7 @@ def compile_spec(spec: Spec, arch: int) -> dict:
         return dict(row, ok=False, error=f"{type(exc).__name__}: {exc}"[:2000],
                     seconds=round(time.perf_counter() - start, 2))
     shared = compiled.metadata.shared
+    row["tf32_mma"] = ".tf32" in compiled.asm.get("ptx", "")  # fp32 operands rounded to TF32 in the tensor cores
     return dict(row, ok=shared <= SHARED_LIMIT, shared_bytes=shared, seconds=round(time.perf_counter() - start, 2),
                 error=None if shared <= SHARED_LIMIT else f"needs {shared} B of shared memory > {SHARED_LIMIT}")
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.triton.reference import resolve_tree_mask
+from model.triton.reference import dot_precision, resolve_tree_mask
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, lens_ptr, mask_ptr,
                 scale, block_size, num_heads, stride_qb, stride_qn, stride_qh,
                 stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
                 N: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr):
+                BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr, DOT: tl.constexpr):
     """Grid ``(B, KVH * cdiv(N*G, BLOCK_R), NUM_SPLITS)``; row r of a KV head = node ``r // G``, head
     ``kvh*G + r % G``. Output row ``((split*B + b)*N + node)*num_heads + head`` of ``o [S, B, N, H, D]``."""
     b, split = tl.program_id(0), tl.program_id(2)
@@ -92,11 +92,11 @@ def _gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, lens_ptr, mask_ptr,
         pos, key_ok, slot = _key_tile(bt_ptr + b * stride_bt, kb, kv_len, block_size, BLOCK_N)
         kv_ok = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT) * scale
         vis = _visible(node, row_ok, pos, key_ok, kv_len, mask_ptr + b * N * N, N, HAS_TREE)
         p, m_i, l_i, alpha = _softmax_step(s, vis, m_i, l_i)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
     out_row = ((split * tl.num_programs(0) + b) * N + node) * num_heads + head
     _store_rows(o_ptr, lse_ptr, out_row, d, D, row_ok, acc, m_i, l_i, NUM_SPLITS)
 
@@ -107,7 +107,7 @@ def _mla_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, o_ptr, lse_ptr, bt_ptr, lens_
                 stride_lat, stride_rope, stride_bt,
                 N: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_L: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                HAS_TREE: tl.constexpr):
+                HAS_TREE: tl.constexpr, DOT: tl.constexpr):
     """Grid ``(B, cdiv(N*H, BLOCK_R), NUM_SPLITS)``; row r = node ``r // H``, head ``r % H``. The latent tile
     is loaded once and serves as key (with the rope key) and as value. Output ``o [S, B, N, H, L]``."""
     b, rb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -130,10 +130,11 @@ def _mla_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, o_ptr, lse_ptr, bt_ptr, lens_
                       other=0.0)
         rope = tl.load(rope_ptr + slot[:, None] * stride_rope + e[None, :], mask=key_ok[:, None] & e_ok[None, :],
                        other=0.0)
-        s = (tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_pe, tl.trans(rope))) * scale
+        s = (tl.dot(q_lat, tl.trans(lat), input_precision=DOT)
+             + tl.dot(q_pe, tl.trans(rope), input_precision=DOT)) * scale
         vis = _visible(node, row_ok, pos, key_ok, kv_len, mask_ptr + b * N * N, N, HAS_TREE)
         p, m_i, l_i, alpha = _softmax_step(s, vis, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT)
     out_row = ((split * tl.num_programs(0) + b) * N + node) * H + head
     _store_rows(o_ptr, lse_ptr, out_row, c, L, row_ok, acc, m_i, l_i, NUM_SPLITS)
 
@@ -143,16 +144,17 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def gqa_meta(n: int, groups: int, head_dim: int, has_tree: bool) -> dict:
+def gqa_meta(n: int, groups: int, head_dim: int, has_tree: bool, dtype: torch.dtype) -> dict:
     """Compile-time parameters of :func:`_gqa_kernel` but NUM_SPLITS (shared with :mod:`model.triton.aot`)."""
     return dict(N=n, G=groups, D=head_dim, BLOCK_R=min(64, _pow2(n * groups)), BLOCK_D=_pow2(head_dim),
-                BLOCK_N=64 if head_dim <= 128 else 32, HAS_TREE=has_tree)
+                BLOCK_N=64 if head_dim <= 128 else 32, HAS_TREE=has_tree, DOT=dot_precision(dtype))
 
 
-def mla_meta(n: int, heads: int, latent: int, rope: int, has_tree: bool) -> dict:
+def mla_meta(n: int, heads: int, latent: int, rope: int, has_tree: bool, dtype: torch.dtype) -> dict:
     """Compile-time parameters of :func:`_mla_kernel` but NUM_SPLITS (shared with :mod:`model.triton.aot`)."""
     return dict(N=n, H=heads, L=latent, R=rope, BLOCK_R=min(32, _pow2(n * heads)), BLOCK_L=_pow2(latent),
-                BLOCK_RD=_pow2(rope), BLOCK_N=32 if latent <= 512 else 16, HAS_TREE=has_tree)
+                BLOCK_RD=_pow2(rope), BLOCK_N=32 if latent <= 512 else 16, HAS_TREE=has_tree,
+                DOT=dot_precision(dtype))
 
 
 def default_num_splits(programs: int, block_tables: torch.Tensor, block_size: int, block_n: int) -> int:
@@ -162,7 +164,7 @@ def default_num_splits(programs: int, block_tables: torch.Tensor, block_size: in
         return 1
     sms = torch.cuda.get_device_properties(block_tables.device).multi_processor_count
     max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
-    return max(1, min(16, triton.cdiv(2 * sms, programs), max_tiles))
+    return max(1, min(16, triton.cdiv(2 * sms, max(programs, 1)), max_tiles))
 
 
 def _rows_last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -197,7 +199,7 @@ def _gqa(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, mas
     b, n, h, d = q.shape
     kvh = k_cache.shape[1]
     q, k_cache, v_cache = (_rows_last_contiguous(t) for t in (q, k_cache, v_cache))
-    meta = gqa_meta(n, h // kvh, d, mask.dim() == 3)
+    meta = gqa_meta(n, h // kvh, d, mask.dim() == 3, q.dtype)
     grid_rows = kvh * triton.cdiv(n * (h // kvh), meta["BLOCK_R"])
     splits = num_splits or default_num_splits(b * grid_rows, block_tables, block_size, meta["BLOCK_N"])
     o, lse = _outputs(q, splits, (b, n, h, d))
@@ -213,7 +215,7 @@ def _mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, bloc
     b, n, h, lat = q_lat.shape
     q_lat, q_pe, latent_cache, rope_cache = (_rows_last_contiguous(t)
                                              for t in (q_lat, q_pe, latent_cache, rope_cache))
-    meta = mla_meta(n, h, lat, q_pe.shape[-1], mask.dim() == 3)
+    meta = mla_meta(n, h, lat, q_pe.shape[-1], mask.dim() == 3, q_lat.dtype)
     grid_rows = triton.cdiv(n * h, meta["BLOCK_R"])
     splits = num_splits or default_num_splits(b * grid_rows, block_tables, block_size, meta["BLOCK_N"])
     o, lse = _outputs(q_lat, splits, (b, n, h, lat))

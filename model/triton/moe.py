@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model.triton.reference import dot_precision
 from parallelism.dispatch import ExpertInput
 
 
@@ -70,7 +71,7 @@ def _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M: tl.con
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k, hidden, inter,
                     stride_x, stride_we, stride_wn, stride_h,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     """Grid ``(P // BLOCK_M, cdiv(I, BLOCK_N))``: ``h[row] = silu(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)``
     for the block's rows; ``w [E, 2I, H]`` (gate rows then up rows, last dim contiguous)."""
     pid_m = tl.program_id(0)
@@ -88,8 +89,8 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, n
         a = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + kk[None, :], mask=ok[:, None] & k_ok[None, :],
                     other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        gate += tl.dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0))
-        up += tl.dot(a, tl.load(w_gate + inter * stride_wn + kk[:, None], mask=w_mask, other=0.0))
+        gate += tl.dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), input_precision=DOT)
+        up += tl.dot(a, tl.load(w_gate + inter * stride_wn + kk[:, None], mask=w_mask, other=0.0), input_precision=DOT)
     h = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
@@ -98,7 +99,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, n
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k,
                  hidden, inter, stride_h, stride_we, stride_wn, stride_out,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     """Grid ``(P // BLOCK_M, cdiv(H, BLOCK_N))``: ``out[tok] += weight[pair] * (h[row] @ Wd[e].T)``;
     ``w [E, H, I]`` (last dim contiguous), ``out [N, H]`` fp32, ``weight [N*k]`` fp32."""
     pid_m = tl.program_id(0)
@@ -115,7 +116,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_
                     other=0.0)
         w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=DOT)
     acc *= tl.load(weight_ptr + pair, mask=ok, other=0.0)[:, None]
     tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc,
                   mask=ok[:, None] & n_ok[None, :])
@@ -134,7 +135,7 @@ def _masked_rows(counts_ptr, rows_per_expert, BLOCK_M: tl.constexpr):
 @triton.jit
 def _masked_gate_up_kernel(x_ptr, w_ptr, h_ptr, counts_ptr, rows_per_expert, hidden, inter,
                            stride_xe, stride_x, stride_we, stride_wn, stride_he, stride_h,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     """Grid ``(E, cdiv(R, BLOCK_M), cdiv(I, BLOCK_N))``: ``h[e, r] = silu(x[e, r] @ Wg[e].T) * (x[e, r] @ Wu[e].T)``
     for ``r < counts[e]``; blocks past the count exit at once. ``x [E, R, H]``, ``w [E, 2I, H]``, ``h [E, R, I]``."""
     e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
@@ -151,8 +152,8 @@ def _masked_gate_up_kernel(x_ptr, w_ptr, h_ptr, counts_ptr, rows_per_expert, hid
         k_ok = kk < hidden
         a = tl.load(x_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        gate += tl.dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0))
-        up += tl.dot(a, tl.load(w_gate + inter * stride_wn + kk[:, None], mask=w_mask, other=0.0))
+        gate += tl.dot(a, tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0), input_precision=DOT)
+        up += tl.dot(a, tl.load(w_gate + inter * stride_wn + kk[:, None], mask=w_mask, other=0.0), input_precision=DOT)
     h = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + e * stride_he + rows[:, None].to(tl.int64) * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
@@ -161,7 +162,7 @@ def _masked_gate_up_kernel(x_ptr, w_ptr, h_ptr, counts_ptr, rows_per_expert, hid
 @triton.jit
 def _masked_down_kernel(h_ptr, w_ptr, out_ptr, counts_ptr, rows_per_expert, hidden, inter,
                         stride_he, stride_h, stride_we, stride_wn, stride_oe, stride_o,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     """Grid ``(E, cdiv(R, BLOCK_M), cdiv(H, BLOCK_N))``: ``out[e, r] = h[e, r] @ Wd[e].T`` for ``r < counts[e]``
     (unweighted: DeepEP's combine applies the routing weights); ``w [E, H, I]``, ``out [E, R, H]``."""
     e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
@@ -177,7 +178,7 @@ def _masked_down_kernel(h_ptr, w_ptr, out_ptr, counts_ptr, rows_per_expert, hidd
         a = tl.load(h_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=DOT)
     tl.store(out_ptr + e * stride_oe + rows[:, None].to(tl.int64) * stride_o + n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
@@ -223,7 +224,8 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
     blocks, top_k = expert_ids.numel(), inp.slots.shape[1]
-    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps)
+    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(x.dtype),
+                num_warps=t.num_warps)
     _gate_up_kernel[(blocks, triton.cdiv(inter, t.block_n))](
         x, w_gate_up, h, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), **tile)
@@ -252,7 +254,8 @@ def masked_moe(packed: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tens
     packed, w_gate_up, w_down = packed.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
     counts = counts.to(torch.int32).contiguous()
     h = torch.empty(experts, rows_per_expert, inter, dtype=packed.dtype, device=packed.device)
-    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps)
+    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(packed.dtype),
+                num_warps=t.num_warps)
     m_blocks = triton.cdiv(rows_per_expert, t.block_m)
     _masked_gate_up_kernel[(experts, m_blocks, triton.cdiv(inter, t.block_n))](
         packed, w_gate_up, h, counts, rows_per_expert, hidden, inter, packed.stride(0), packed.stride(1),

@@ -19,6 +19,13 @@ from model.tree_mask import ancestor_mask
 from parallelism.dispatch import ExpertInput
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: ``"ieee"`` for fp32 (Triton's default on NVIDIA is
+    TF32, about 1e-3 off the fp32 references, and the interpreter ignores the setting, so CPU tests could not
+    see it); Triton's default ``"tf32"`` otherwise (it only affects fp32 operands)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """The first ``length`` entries of one sequence: ``cache [num_slots, ...]``, ``block_table [max_blocks]``
     → ``[length, ...]``."""
