@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import pairwise
 
 from engine.cost_model import Floors, Hardware, ModelShape, step_floors
@@ -300,6 +300,37 @@ class TelemetrySampler:
         out = summarize(window)
         out.update(source=self.source, reason=self.reason, missing=self.missing)
         return out
+
+
+def power_during(backend: NvmlBackend, run: Callable[[], object], seconds: float,
+                 sync: Callable[[], None]) -> dict:
+    """Runs ``run()`` back to back for at least ``seconds`` (``sync`` waits for the device) and returns what the
+    backend's first GPU drew meanwhile: ``mean_w`` from the energy counter's delta over the span (NVML's power
+    reading is itself a 1 s average on Ampere and newer, so it cannot resolve a short span; ``last_1s_w`` is
+    that reading at the end), ``pct_of_limit``, clocks at the end and GPM SM/DRAM activity over the span."""
+    sync()
+    first = {"t": time.monotonic(), **backend.sample()}
+    calls = 0
+    while time.monotonic() - first["t"] < seconds:
+        run()
+        calls += 1
+    sync()
+    last = {"t": time.monotonic(), **backend.sample()}
+    g0, g1 = first["gpus"][0], last["gpus"][0]
+    span = last["t"] - first["t"]
+    row = {"seconds": span, "calls": calls}
+    if "energy_mj" in g0 and "energy_mj" in g1:
+        row["mean_w"] = (g1["energy_mj"] - g0["energy_mj"]) / 1000 / span
+    if "power_w" in g1:
+        row["last_1s_w"] = g1["power_w"]
+    if "power_limit_w" in g1:
+        row["limit_w"] = g1["power_limit_w"]
+        if "mean_w" in row:
+            row["pct_of_limit"] = 100 * row["mean_w"] / g1["power_limit_w"]
+    for m in ("sm_clock_mhz", "mem_clock_mhz", "sm_active_pct", "dram_active_pct"):
+        if m in g1:
+            row[m] = g1[m]
+    return row
 
 
 # ----------------------------------------------------------------------------------------------- summary

@@ -13,7 +13,8 @@ Sections, each recorded even when another fails (the report is rewritten after e
   on DeepEP's low-latency packed layout the masked grouped GEMM vs the sorted fused MoE vs the reference;
 - ``bandwidth`` (GPU): device copy bandwidth of a 4 GiB copy, and the achieved bandwidth of paged decode
   attention (GQA and MLA) on memory-bound sizes as a fraction of it;
-- ``power``: NVML power during the timed sections when ``pynvml`` (nvidia-ml-py) imports;
+- ``power``: when ``pynvml`` (nvidia-ml-py) imports, NVML power while each timed kernel runs back to back for
+  1.5 s (mean from the energy counter, % of the power limit, clocks, GPM SM/DRAM activity);
 - ``cuda_graphs``: ``engine.cuda_graphs.gpu_check(device, budget_s) -> dict`` when that module exists, else
   "not built";
 - ``draft_graphs`` (GPU): ``spec_decode.static_draft.gpu_check``, the drafter step's graphs at budgets 8…256;
@@ -36,7 +37,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -51,6 +51,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
+from engine.telemetry import NvmlBackend, power_during  # noqa: E402
 from model import kernels  # noqa: E402
 from model.kernel_select import select_kernels  # noqa: E402
 from model.triton import attention, cases, moe, norm, reference  # noqa: E402
@@ -246,7 +247,7 @@ def cuda_time_s(fn, iters: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def moe_timing(power: PowerSampler) -> list[dict] | str:
+def moe_timing(power: PowerMeter) -> list[dict] | str:
     """DeepSeek-V3 experts per EP8 rank (32 local of 256, H 7168, I 2048, top-8), bf16."""
     if not CUDA:
         return NO_GPU
@@ -254,9 +255,9 @@ def moe_timing(power: PowerSampler) -> list[dict] | str:
     for phase, tokens in (("decode", 64), ("prefill", 4096)):
         case = cases.expert_case(tokens, 8, 7168, 2048, 32, "spread", torch.Generator().manual_seed(0),
                                  torch.bfloat16, "cuda")
-        with power.phase(f"moe {phase}"):
-            fused = cuda_time_s(lambda c=case: moe.fused_moe(**c))
-            ref = cuda_time_s(lambda c=case: reference.local_experts(**c), iters=5)
+        fused = cuda_time_s(lambda c=case: moe.fused_moe(**c))
+        ref = cuda_time_s(lambda c=case: reference.local_experts(**c), iters=5)
+        power.measure(f"fused moe {phase}", lambda c=case: moe.fused_moe(**c))
         rows.append(dict(phase=phase, tokens=tokens, fused_ms=fused * 1e3, reference_ms=ref * 1e3,
                          speedup=ref / fused))
     # DeepEP low latency on the same experts: 64 tokens on each of 8 ranks, top-8 of 256 → 16 rows per local
@@ -265,20 +266,21 @@ def moe_timing(power: PowerSampler) -> list[dict] | str:
     counts = torch.randint(0, 33, (32,), generator=gen).tolist()
     case = cases.packed_expert_case(counts, 128 * 8, 7168, 2048, gen, torch.bfloat16, "cuda")
     sorted_case = dict(case, inp=dataclasses.replace(case["inp"], packed_counts=None))
-    with power.phase("moe deepep packed"):
-        masked = cuda_time_s(lambda: moe.fused_moe(**case))
-        fused = cuda_time_s(lambda: moe.fused_moe(**sorted_case))
-        ref = cuda_time_s(lambda: reference.local_experts(**case), iters=5)
+    masked = cuda_time_s(lambda: moe.fused_moe(**case))
+    fused = cuda_time_s(lambda: moe.fused_moe(**sorted_case))
+    ref = cuda_time_s(lambda: reference.local_experts(**case), iters=5)
+    power.measure("masked moe (DeepEP packed)", lambda: moe.fused_moe(**case))
     rows.append(dict(phase="decode, DeepEP packed", tokens=sum(counts), masked_ms=masked * 1e3, fused_ms=fused * 1e3,
                      reference_ms=ref * 1e3, speedup=ref / masked, masked_vs_sorted=fused / masked))
     return rows
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth(power: PowerMeter) -> float:
     """Bytes moved (read + write) per second by a 4 GiB device-to-device copy."""
     src = torch.empty(2**32, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     seconds = cuda_time_s(lambda: dst.copy_(src), iters=10)
+    power.measure("copy 4 GiB", lambda: dst.copy_(src))
     return 2 * src.numel() / seconds
 
 
@@ -298,18 +300,17 @@ def _decode_inputs(kind: str, batch: int, ctx: int) -> tuple[dict, int]:
     return dict(args, block_tables=tables, context_lens=lens, block_size=block_size, scale=0.1), read
 
 
-def bandwidth(power: PowerSampler) -> dict | str:
+def bandwidth(power: PowerMeter) -> dict | str:
     if not CUDA:
         return NO_GPU
-    with power.phase("copy"):
-        copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(power)
     rows = []
     # every cache is well above the 50-60 MiB L2 of H100/H200, so reads come from HBM
     for kind, batch, ctx in (("gqa", 64, 4096), ("mla", 64, 4096), ("gqa", 1, 32768), ("mla", 1, 131072)):
         args, read = _decode_inputs(kind, batch, ctx)
         fn = attention.paged_decode_gqa if kind == "gqa" else attention.paged_decode_mla
-        with power.phase(f"decode {kind} b{batch}"):
-            seconds = cuda_time_s(lambda f=fn, a=args: f(**a))
+        seconds = cuda_time_s(lambda f=fn, a=args: f(**a))
+        power.measure(f"paged_decode_{kind} b{batch} ctx{ctx}", lambda f=fn, a=args: f(**a))
         rows.append(dict(kernel=f"paged_decode_{kind}", batch=batch, context=ctx, mib_read=read / 2**20,
                          us=seconds * 1e6, gb_s=read / seconds / 1e9, fraction_of_copy=read / seconds / copy_bw))
         del args
@@ -321,49 +322,34 @@ def bandwidth(power: PowerSampler) -> dict | str:
 # ----------------------------------------------------------------------------------------------- power
 
 
-class PowerSampler:
-    """NVML power of GPU 0 every 50 ms on a thread; ``phase(name)`` marks spans to summarise."""
+class PowerMeter:
+    """NVML power of the GPU that CUDA calls device 0 (found by UUID: NVML numbers GPUs by PCI bus whatever
+    ``CUDA_VISIBLE_DEVICES`` says). ``measure(name, fn)`` runs ``fn`` back to back for ``seconds`` and keeps
+    :func:`engine.telemetry.power_during`'s row: the mean comes from the energy counter, since NVML's power
+    value is a 1 s average on Ampere and newer and the timed calls last micro- to milliseconds."""
 
-    def __init__(self):
-        self.samples, self.phases, self.why_not, self._stop = [], [], None, threading.Event()
+    def __init__(self, seconds: float = 1.5):
+        self.rows, self.seconds, self.backend, self.why_not = [], seconds, None, None
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-            self.limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3
-        except Exception as exc:  # noqa: BLE001 - ImportError, or NVML present but no driver/GPU
-            self.why_not = f"NVML power not sampled: {type(exc).__name__}: {exc}"
-            return
-        threading.Thread(target=self._loop, daemon=True).start()
+            uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
+            index = pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+            self.backend = NvmlBackend(pynvml, [index])
+        except Exception as exc:  # noqa: BLE001 - ImportError, or NVML present but no driver/GPU/UUID match
+            self.why_not = f"NVML power not measured: {type(exc).__name__}: {exc}"
 
-    def _loop(self) -> None:
-        while not self._stop.wait(0.05):
-            self.samples.append((time.monotonic(), self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3))
-
-    def phase(self, name: str):
-        sampler = self
-
-        class _Span:
-            def __enter__(self):
-                self.start = time.monotonic()
-
-            def __exit__(self, *exc):
-                torch.cuda.synchronize()
-                sampler.phases.append((name, self.start, time.monotonic()))
-        return _Span()
+    def measure(self, name: str, fn: Callable[[], object]) -> None:
+        if self.backend is not None:
+            self.rows.append(dict(phase=name, **power_during(self.backend, fn, self.seconds, torch.cuda.synchronize)))
 
     def summary(self) -> dict | str:
-        self._stop.set()
-        if self.why_not:
+        if self.backend is None:
             return self.why_not
-        rows = []
-        for name, start, end in self.phases:
-            watts = [w for t, w in self.samples if start <= t <= end]
-            if watts:
-                rows.append(dict(phase=name, samples=len(watts), mean_w=sum(watts) / len(watts), max_w=max(watts),
-                                 mean_pct_of_limit=100 * sum(watts) / len(watts) / self.limit_w))
-        return dict(limit_w=self.limit_w, phases=rows)
+        missing = dict(self.backend.missing)
+        self.backend.close()
+        return dict(phases=self.rows, missing=missing)
 
 
 # ------------------------------------------------------------------------------------------ cuda graphs
@@ -416,14 +402,13 @@ def main() -> None:
     report = Report(Path(args.out), args.budget_s)
     report.sections["gpu_parts"] = "run on " + torch.cuda.get_device_name(0) if CUDA else (
         "SKIPPED — no CUDA device here, so moe_timing, bandwidth, power, cuda_graphs, draft_graphs and spec_steps did "
-        "not run; "
-        "correctness ran the Triton kernels under TRITON_INTERPRET=1 at tiny fp32 shapes, and aot_compile built "
-        "them for sm_90/sm_100 without a GPU")
+        "not run; correctness ran the Triton kernels under TRITON_INTERPRET=1 at tiny fp32 and fp16 shapes"
+        + ("" if args.aot == "none" else ", and aot_compile built them for sm_90/sm_100 without a GPU"))
     report.run("environment", environment)
     report.run("kernel_select", kernel_selection)
     report.run("aot_compile", aot_compile, args.aot)
     report.run("correctness", correctness)
-    power = PowerSampler() if CUDA else None
+    power = PowerMeter() if CUDA else None
     report.run("moe_timing", moe_timing, power)
     report.run("bandwidth", bandwidth, power)
     report.run("power", power.summary if power else lambda: NO_GPU)

@@ -16,6 +16,7 @@ from engine.telemetry import (
     energy_per_token_j,
     open_backend,
     parse_proc_stat,
+    power_during,
     summarize,
     verdict,
 )
@@ -163,6 +164,17 @@ def test_nvml_sampler_energy_per_token():
     assert energy_per_token_j(s, 40) == pytest.approx(3.0)
     assert s["power_w"] == {"mean": 300, "max": 300} and s["power_w_total_mean"] == 600
     assert s["sm_active_pct"]["mean"] == 41.0  # only gpu0 reports it
+
+
+def test_power_during_a_span_comes_from_the_energy_counter():
+    """Mean power over a span is the counter's delta over its length (+30 J per reading on the fake GPU), not
+    NVML's 1 s power average (300 W here, reported as ``last_1s_w``); GPM activity is over the same span."""
+    nv, syncs, calls = FakeNvml(), [], []
+    row = power_during(NvmlBackend(nv, [0]), lambda: calls.append(1), 0.05, lambda: syncs.append(1))
+    assert row["calls"] == len(calls) >= 1 and len(syncs) == 2 and row["seconds"] >= 0.05
+    assert row["mean_w"] == pytest.approx(30 / row["seconds"])
+    assert row["pct_of_limit"] == pytest.approx(100 * row["mean_w"] / 1100)
+    assert (row["last_1s_w"], row["limit_w"], row["sm_active_pct"], row["dram_active_pct"]) == (300, 1100, 41.0, 87.0)
 
 
 def test_open_backend_reasons():
