@@ -30,6 +30,7 @@ from engine.graphs import GraphCoverage, token_limit_blocker
 from engine.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
+from parallelism.deepep import before_graph_replay
 
 if TYPE_CHECKING:
     from spec_decode.tree import DraftTree
@@ -234,6 +235,7 @@ class CapturedGraphs:
         """``(replayed, outputs)``: the replayed graph's static outputs, or ``run()``'s."""
         if key in self.graphs:
             graph, outputs = self.graphs[key]
+            before_graph_replay()  # a replay cannot run the Python that cleans DeepEP's buffers after normal steps
             graph.replay()
             return True, outputs
         return False, run()

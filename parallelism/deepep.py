@@ -49,9 +49,10 @@ FALLBACK = "parallel.dispatcher=alltoall"
 MODES = ("normal", "low_latency")
 # DeepEP ships tuned intranode dispatch/combine configs (Buffer.get_dispatch_config) for these group sizes.
 INTRANODE_WORLD_SIZES = (2, 4, 8)
-# Hidden sizes the low-latency kernels are compiled for (SWITCH_HIDDEN, csrc/kernels/legacy/launch.cuh;
-# v1.2.1 lacks 3072).
-LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+# Hidden sizes the low-latency kernels are compiled for (SWITCH_HIDDEN in csrc/kernels/launch.cuh at v1.2.1 and
+# csrc/kernels/legacy/launch.cuh at 2.x); 2.x adds 3072, which v1.2.1 meets with a host assert.
+LOW_LATENCY_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+LOW_LATENCY_HIDDEN_2X = (*LOW_LATENCY_HIDDEN, 3072)
 LOW_LATENCY_MAX_TOPK = 11  # kNumMaxTopK of the low-latency kernels
 
 
@@ -102,7 +103,7 @@ def _api_reason(deep_ep) -> str | None:
     buf = getattr(deep_ep, "Buffer", None)
     need = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
             "clean_low_latency_buffer", "get_low_latency_rdma_size_hint", "get_dispatch_config",
-            "get_combine_config")
+            "get_combine_config", "destroy")
     missing = [m for m in need if not hasattr(buf, m)]
     if buf is None or missing:
         return f"deep_ep at {getattr(deep_ep, '__file__', '?')} lacks Buffer.{', Buffer.'.join(missing) or ''}"
@@ -136,6 +137,8 @@ def nvlink_unavailable(devices: list[int]) -> str | None:
             if status != pynvml.NVML_P2P_STATUS_OK:
                 return f"GPUs {a} and {b} are not connected by NVLink (NVML P2P status {status})"
         return None
+    except Exception as err:  # noqa: BLE001 - NVMLError (NotSupported, a MIG or short-UUID entry, ...)
+        return f"NVML could not confirm NVLink between GPUs {devices} ({type(err).__name__}: {err})"
     finally:
         pynvml.nvmlShutdown()
 
@@ -148,14 +151,22 @@ def _nvml_handle(pynvml, device: int):
     return pynvml.nvmlDeviceGetHandleByUUID(entry)
 
 
+def low_latency_hidden_sizes(deep_ep) -> tuple[int, ...]:
+    """The hidden sizes ``deep_ep`` (the module, or None for an injected test buffer) compiles low-latency
+    kernels for: 2.x (which exports ``topk_idx_t``) adds 3072 to v1.2.1's."""
+    return LOW_LATENCY_HIDDEN_2X if hasattr(deep_ep, "topk_idx_t") else LOW_LATENCY_HIDDEN
+
+
 def low_latency_unsupported(hidden: int, top_k: int, num_experts: int, world_size: int, max_tokens: int,
-                            qp_depth: int | None = None) -> str | None:
+                            qp_depth: int | None = None,
+                            hidden_sizes: tuple[int, ...] = LOW_LATENCY_HIDDEN) -> str | None:
     """Why DeepEP's low-latency kernels cannot take this shape (None: they can). The limits are DeepEP's host
-    asserts: a compiled hidden size, ``top_k <= 11``, experts divisible by ranks, ``W * max_tokens`` a
-    multiple of 4 (TMA), and ``NVSHMEM_QP_DEPTH >= 2 * (max_tokens + 1)`` (default depth 1024)."""
+    asserts: a compiled hidden size (``hidden_sizes``: :func:`low_latency_hidden_sizes`), ``top_k <= 11``,
+    experts divisible by ranks, ``W * max_tokens`` a multiple of 4 (TMA), and
+    ``NVSHMEM_QP_DEPTH >= 2 * (max_tokens + 1)`` (default depth 1024)."""
     depth = qp_depth if qp_depth is not None else int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
-    if hidden not in LOW_LATENCY_HIDDEN:
-        return f"hidden size {hidden} is not one the low-latency kernels are compiled for {LOW_LATENCY_HIDDEN}"
+    if hidden not in hidden_sizes:
+        return f"hidden size {hidden} is not one the low-latency kernels are compiled for {hidden_sizes}"
     if not 1 <= top_k <= LOW_LATENCY_MAX_TOPK:
         return f"top_k={top_k} is outside the low-latency kernels' 1..{LOW_LATENCY_MAX_TOPK}"
     if num_experts % world_size:
@@ -284,6 +295,15 @@ def before_graph_replay() -> None:
             s.last_mode = "low_latency"
 
 
+def release_buffers() -> None:
+    """Destroys every DeepEP Buffer this process built. A collective: every rank calls it, on a clean exit
+    (``parallelism.launch``); after an error the buffers are left to the OS, since with ``explicitly_destroy``
+    their destructor does nothing (DeepEP warns that releasing in the destructor can hang at exit)."""
+    for shared in _SHARED.values():
+        shared.buffer.destroy()
+    _SHARED.clear()
+
+
 class DeepEPDispatcher(Dispatcher):
     """DeepEP dispatch/combine with the :class:`Dispatcher` contract (see the module docstring).
 
@@ -328,7 +348,11 @@ class DeepEPDispatcher(Dispatcher):
         if self._shared is not None:
             return self._shared
         hidden, w = x.shape[1], self.world.size
-        ll_reason = low_latency_unsupported(hidden, top_k, self.num_experts, w, self.max_decode_tokens)
+        deep_ep = None
+        if self._injected is None:
+            import deep_ep
+        ll_reason = low_latency_unsupported(hidden, top_k, self.num_experts, w, self.max_decode_tokens,
+                                            hidden_sizes=low_latency_hidden_sizes(deep_ep))
         self._ll_reason = "low-latency path off" if not self.low_latency else ll_reason
         use_ll = self.low_latency and ll_reason is None
         if self._injected is not None:
@@ -338,12 +362,15 @@ class DeepEPDispatcher(Dispatcher):
         key = id(self.world.group)
         shared = _SHARED.get(key)
         if shared is None:
-            import deep_ep
-
             nvl, rdma = buffer_bytes(deep_ep.Buffer, w, hidden, x.element_size(), self.num_experts,
                                      self.max_decode_tokens, use_ll)
-            buf = deep_ep.Buffer(self.world.group, nvl, rdma, low_latency_mode=use_ll,
-                                 num_qps_per_rank=self.num_local if use_ll else 1)
+            try:
+                buf = deep_ep.Buffer(self.world.group, nvl, rdma, low_latency_mode=use_ll,
+                                     num_qps_per_rank=self.num_local if use_ll else 1, explicitly_destroy=True)
+            except RuntimeError as err:  # NVSHMEM/IBGDA init (low latency), IPC handles, buffer allocation
+                raise DeepEPUnavailable(f"deep_ep.Buffer(low_latency_mode={use_ll}) failed on rank "
+                                        f"{self.world.rank}: {err}; use {FALLBACK}, or "
+                                        "parallel.deepep_low_latency=false for the normal path only") from err
             shared = _SharedBuffer(buf, use_ll, hidden, self.max_decode_tokens, self.num_experts,
                                    getattr(deep_ep, "topk_idx_t", torch.int64))
             _SHARED[key] = shared

@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from parallelism.comm import init_distributed, shutdown_distributed
+from parallelism.deepep import release_buffers
 
 
 def free_port() -> int:
@@ -26,6 +27,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple)
     init_distributed(rank, world_size, port)
     try:
         fn(rank, *args)
+        release_buffers()  # DeepEP's (a collective): only on a clean exit, which every rank takes alike
     finally:
         shutdown_distributed()
 

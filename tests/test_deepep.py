@@ -21,6 +21,7 @@ from parallelism.deepep import (
     deepep_mode,
     deepep_unavailable,
     expert_output_to_packed,
+    low_latency_hidden_sizes,
     low_latency_unsupported,
     nvlink_unavailable,
     packed_to_expert_input,
@@ -42,7 +43,7 @@ def fake_deep_ep(with_use_fp8: bool = True) -> types.ModuleType:
 
     class Buffer:
         get_dispatch_layout = dispatch = combine = low_latency_combine = clean_low_latency_buffer = None
-        get_low_latency_rdma_size_hint = get_dispatch_config = get_combine_config = None
+        get_low_latency_rdma_size_hint = get_dispatch_config = get_combine_config = destroy = None
 
         if with_use_fp8:
             def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -155,6 +156,18 @@ def test_nvlink_check_asks_nvml_about_every_pair(monkeypatch):
     assert nvlink_unavailable([0, 1]) is None
 
 
+def test_nvlink_check_turns_nvml_errors_into_a_reason(monkeypatch):
+    nvml = _fake_pynvml(set())
+
+    def not_supported(a, b, cap):
+        raise RuntimeError("Not Supported")
+
+    nvml.nvmlDeviceGetP2PStatus = not_supported
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    want = "NVML could not confirm NVLink between GPUs [0, 1] (RuntimeError: Not Supported)"
+    assert nvlink_unavailable([0, 1]) == want
+
+
 def test_nvlink_check_falls_back_to_peer_access(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(set(), fail_init=True))
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) != (0, 2))
@@ -176,6 +189,11 @@ def test_low_latency_shape_limits():
     assert low_latency_unsupported(4096, 8, 64, 2, 2, qp_depth=1024) is None  # 2*2
     assert "NVSHMEM_QP_DEPTH" in low_latency_unsupported(4096, 8, 64, 8, 512, qp_depth=1024)  # 2*513 > 1024
     assert low_latency_unsupported(4096, 8, 64, 8, 511, qp_depth=1024) is None
+    assert "hidden size 3072" in low_latency_unsupported(3072, 8, 64, 8, 128, qp_depth=1024)  # v1.2.1: no 3072
+    two_x = low_latency_hidden_sizes(types.SimpleNamespace(topk_idx_t=torch.int64))  # DeepEP 2.x exports it
+    assert low_latency_unsupported(3072, 8, 64, 8, 128, qp_depth=1024, hidden_sizes=two_x) is None
+    assert low_latency_hidden_sizes(None) == low_latency_hidden_sizes(types.SimpleNamespace()) == (
+        2048, 2560, 4096, 5120, 6144, 7168, 8192)
 
 
 def test_mode_choice():
@@ -447,6 +465,30 @@ def test_low_latency_buffer_is_cleaned_after_normal_steps_only(pool):
         assert modes == ["low_latency", "normal", "low_latency", "low_latency"]
         assert cleans == [0, 0, 1, 1]
         assert ("world", "all_reduce") not in counted  # pinned: no agreement collective
+
+
+def test_graph_replay_cleans_the_low_latency_buffer_after_a_normal_step(monkeypatch):
+    """``before_graph_replay`` (called by every CUDA-graph replay) does what an eager low-latency dispatch does
+    after a normal one: clean once, then nothing until the next normal step."""
+    from parallelism import deepep
+
+    fake = FakeBuffer(None, 1, 0, E)
+    shared = deepep._SharedBuffer(fake, True, 2048, 8, E, torch.int64, last_mode="normal")
+    monkeypatch.setattr(deepep, "_SHARED", {0: shared})
+    deepep.before_graph_replay()
+    deepep.before_graph_replay()
+    assert fake.cleans == 1 and shared.last_mode == "low_latency"
+
+
+def test_release_destroys_every_buffer_once(monkeypatch):
+    from parallelism import deepep
+
+    destroyed = []
+    fake = types.SimpleNamespace(destroy=lambda: destroyed.append(1))
+    monkeypatch.setattr(deepep, "_SHARED", {0: deepep._SharedBuffer(fake, True, 2048, 8, E, torch.int64)})
+    deepep.release_buffers()
+    deepep.release_buffers()
+    assert destroyed == [1] and deepep._SHARED == {}
 
 
 def test_single_rank_matches_alltoall_with_real_experts():
