@@ -202,7 +202,10 @@ def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph
 
 class CapturedGraphs:
     """CUDA graphs by key (a step shape, a batch size), each captured on first use into one shared memory pool;
-    a key that cannot be captured keeps the reason and runs eagerly from then on."""
+    a key that cannot be captured keeps the reason and runs eagerly from then on.
+
+    Sharing the pool means a graph's static outputs may sit in memory another graph uses for scratch: they are
+    valid until the next replay of *any* graph of this object, so a caller consumes (or clones) them first."""
 
     def __init__(self, blocker: str = ""):
         """``blocker``: why nothing here may be captured even on CUDA (``engine.graphs.capture_blocker``)."""
