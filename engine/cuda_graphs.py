@@ -214,13 +214,13 @@ class CapturedGraphs:
         self.pool, self.blocker = None, blocker
 
     def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable,
-                 blocker: str = "") -> str:
+                 key_blocker: Callable[[], str] = str) -> str:
         """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
-        ``key`` runs eagerly (``blocker``: why this key alone may not be captured). Later calls return the
-        first answer."""
+        ``key`` runs eagerly (``key_blocker()``: why this key alone may not be captured, asked once). Later
+        calls return the first answer."""
         if key in self.graphs or key in self.reasons:
             return self.reasons.get(key, "")
-        blocker = self.blocker or blocker
+        blocker = self.blocker or key_blocker()
         if device.type != "cuda" or blocker:
             self.reasons[key] = blocker if device.type == "cuda" else "no CUDA device"
             return self.reasons[key]
@@ -238,7 +238,6 @@ class CapturedGraphs:
         """``(replayed, outputs)``: the replayed graph's static outputs, or ``run()``'s."""
         if key in self.graphs:
             graph, outputs = self.graphs[key]
-            before_graph_replay()  # a replay cannot run the Python that cleans DeepEP's buffers after normal steps
             graph.replay()
             return True, outputs
         return False, run()
@@ -277,7 +276,7 @@ class GraphRunner(CapturedGraphs):
         during capture, so the warm-up and capture launches touch just the scratch block."""
         step = self.step(shape)
         return self._capture(shape, self.cache.layers[0][0].device, lambda: step.load([step.padding_seq()]),
-                             step.run, token_limit_blocker(self.model, shape.batch * shape.nodes))
+                             step.run, lambda: token_limit_blocker(self.model, shape.batch * shape.nodes))
 
     def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``batch`` > ``len(seqs)`` pads to that shape (attention-DP ranks run one shape; an idle rank pads
@@ -312,6 +311,8 @@ class GraphRunner(CapturedGraphs):
         return logits, feats, step.write_slots.view(shape.batch, shape.nodes)
 
     def _launch(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if shape in self.graphs:
+            before_graph_replay()  # a replay cannot run the Python that cleans DeepEP's buffers after normal steps
         replayed, outputs = self._replay_or_run(shape, self.step(shape).run)
         self.coverage.record(shape.kind, replayed, self.reasons.get(shape, ""))
         return outputs

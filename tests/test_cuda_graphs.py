@@ -227,5 +227,5 @@ def test_steps_over_the_dispatchers_graph_token_bound_are_not_tried(tiny_ckpts):
                       "(parallel.deepep_max_decode_tokens)")
     graphs, calls = CapturedGraphs(), []
     assert graphs._capture("verify", torch.device("cuda"), lambda: calls.append("prepare"),
-                           lambda: calls.append("run"), reason) == reason
+                           lambda: calls.append("run"), lambda: reason) == reason
     assert calls == [] and graphs.reasons == {"verify": reason}

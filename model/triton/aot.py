@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from model.triton import attention, moe, norm
+from model.triton.reference import dot_precision
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may opt into on sm_90 and sm_100
 FLOAT_ARGS = ("scale", "eps")
@@ -68,20 +69,20 @@ def _moe_specs() -> list[Spec]:
     specs = []
     for kind, pairs in (("decode", 64 * 8), ("prefill", 4096 * 8)):
         t = moe.default_tiles(pairs, 7168, 2048)
-        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT="tf32")
+        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(torch.bfloat16))
         ids = dict(sorted_ptr="i32", expert_ptr="i32", num_post_ptr="i32")
         core = kind == "decode"
         specs.append(Spec(f"moe gate_up {kind}", moe._gate_up_kernel, tiles, ids, t.num_warps, core))
         specs.append(Spec(f"moe down {kind}", moe._down_kernel, tiles,
                           dict(ids, out_ptr="fp32", weight_ptr="fp32"), t.num_warps, core))
     t = moe.default_tiles(128 * 8, 7168, 2048)  # DeepEP low latency: 128 tokens per rank × 8 ranks per expert
-    tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT="tf32")
+    tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(torch.bfloat16))
     specs.append(Spec("moe masked gate_up", moe._masked_gate_up_kernel, tiles, dict(counts_ptr="i32"), t.num_warps,
                       True))
     specs.append(Spec("moe masked down", moe._masked_down_kernel, tiles, dict(counts_ptr="i32"), t.num_warps, True))
     fp32 = dict(x_ptr="fp32", w_ptr="fp32", h_ptr="fp32", counts_ptr="i32")  # fp32 operands: IEEE dot, not TF32
-    specs.append(Spec("moe masked gate_up fp32", moe._masked_gate_up_kernel, dict(tiles, DOT="ieee"), fp32,
-                      t.num_warps, True))
+    specs.append(Spec("moe masked gate_up fp32", moe._masked_gate_up_kernel,
+                      dict(tiles, DOT=dot_precision(torch.float32)), fp32, t.num_warps, True))
     return specs
 
 
