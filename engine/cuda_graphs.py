@@ -30,6 +30,7 @@ from engine.graphs import GraphCoverage, token_limit_blocker
 from engine.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
+from parallelism.comm import Comm
 from parallelism.deepep import before_graph_replay
 
 if TYPE_CHECKING:
@@ -184,10 +185,15 @@ def no_host_sync(enabled: bool = True) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(before)
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a step failed although its eager warm-up runs had worked."""
+
+
 def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Two warm-up calls of ``run`` on a side stream (Triton compiles and autotunes outside the capture), then
     one captured into a CUDA graph that shares the memory ``pool``. Returns the graph and ``run``'s outputs:
-    static tensors that every replay overwrites."""
+    static tensors that every replay overwrites. A warm-up that raises propagates (the eager step is broken,
+    running it eagerly would fail alike); a failing capture raises :class:`GraphCaptureError`."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -195,9 +201,23 @@ def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = run()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run()
+    except Exception as exc:  # noqa: BLE001 - the caller falls back to eager for this shape
+        raise GraphCaptureError(f"{type(exc).__name__}: {exc}") from exc
     return graph, outputs
+
+
+def agreed_failure(world: Comm | None, failure: str) -> str:
+    """Every rank's answer to "did this capture fail?": the lowest failing rank's ``failure`` (prefixed with
+    that rank), or "" when all captured. A control-plane collective over ``world``: a graph holding collectives
+    must be replayed on every rank or on none, or the ranks' collectives stop lining up."""
+    if world is None or world.size == 1:
+        return failure
+    failures = world.all_gather_objects(failure)
+    rank = next((r for r, f in enumerate(failures) if f), None)
+    return "" if rank is None else f"rank {world.ranks[rank]}: {failures[rank]}"
 
 
 class CapturedGraphs:
@@ -207,31 +227,37 @@ class CapturedGraphs:
     Sharing the pool means a graph's static outputs may sit in memory another graph uses for scratch: they are
     valid until the next replay of *any* graph of this object, so a caller consumes (or clones) them first."""
 
-    def __init__(self, blocker: str = ""):
-        """``blocker``: why nothing here may be captured even on CUDA (``engine.graphs.capture_blocker``)."""
+    def __init__(self, blocker: str = "", world: Comm | None = None):
+        """``blocker``: why nothing here may be captured even on CUDA (``engine.graphs.capture_blocker``);
+        ``world``: the ranks that must all capture a key, or none of them (:func:`agreed_failure`)."""
         self.graphs: dict = {}  # key → (graph, its static outputs)
         self.reasons: dict = {}  # key → why it runs eagerly
-        self.pool, self.blocker = None, blocker
+        self.pool, self.blocker, self.world = None, blocker, world
 
     def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable,
                  key_blocker: Callable[[], str] = str) -> str:
         """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
         ``key`` runs eagerly (``key_blocker()``: why this key alone may not be captured, asked once). Later
-        calls return the first answer."""
+        calls return the first answer. Every rank of ``world`` calls this for the same keys in the same order:
+        the blockers decide alike everywhere, a capture that fails on one rank is dropped on all."""
         if key in self.graphs or key in self.reasons:
             return self.reasons.get(key, "")
         blocker = self.blocker or key_blocker()
         if device.type != "cuda" or blocker:
             self.reasons[key] = blocker if device.type == "cuda" else "no CUDA device"
             return self.reasons[key]
+        prepare()
+        captured, failure = None, ""
         try:
-            prepare()
-            graph, outputs = capture_graph(run, self.pool)
-        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this key
-            self.reasons[key] = f"capture failed: {type(exc).__name__}: {exc}"
+            captured = capture_graph(run, self.pool)
+        except GraphCaptureError as exc:
+            failure = str(exc)
+        failure = agreed_failure(self.world, failure)
+        if failure:
+            self.reasons[key] = f"capture failed on {failure}"
             return self.reasons[key]
-        self.pool = graph.pool()
-        self.graphs[key] = (graph, outputs)
+        self.pool = captured[0].pool()
+        self.graphs[key] = captured
         return ""
 
     def _replay_or_run(self, key, run: Callable):
@@ -253,7 +279,7 @@ class GraphRunner(CapturedGraphs):
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...] = (1, 2, 4, 8), capture: tuple[int, ...] = (),
                  coverage: GraphCoverage | None = None, blocker: str = ""):
-        super().__init__(blocker)
+        super().__init__(blocker, model.groups.world)
         self.model, self.cache, self.max_blocks, self.scratch_blocks = model, cache, max_blocks, scratch_blocks
         self.batch_sizes, self.capture_layers = tuple(sorted(batch_sizes)), capture
         self.coverage = coverage or GraphCoverage()
@@ -409,15 +435,31 @@ def gpu_check(device: torch.device, budget_s: float) -> dict:
     runner = GraphRunner(model, cache, max_blocks=setup.blocks_per_seq, scratch_blocks=scratch, batch_sizes=(1, 8))
     shapes = [StepShape(1, 1), StepShape(8, 1)] + [StepShape(1, b + 1) for b in (8, 16, 32, 64, 128, 256)]
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for shape in shapes:
-        if time.time() - t0 > budget_s:
-            rows.append({"shape": str(shape), "skipped": "time budget"})
-            continue
-        rows.append(_check_shape(runner, shape, random_seqs(shape, setup.context, cache, gen, model.cfg.vocab_size,
-                                                            len(scratch))))
+
+    def check(batch: int, nodes: int) -> dict:
+        shape = StepShape(batch, nodes)
+        return _check_shape(runner, shape, random_seqs(shape, setup.context, cache, gen, model.cfg.vocab_size,
+                                                       len(scratch)))
+
+    rows = check_rows([{"batch": s.batch, "nodes": s.nodes} for s in shapes], check, budget_s - (time.time() - t0))
     return {"kernels": model.kernels.reasons, "model": "random tiny_kimi architecture at hidden 1024, 32 experts, "
             "bf16", "context": setup.context, "shapes": rows, "coverage": runner.coverage.summary()}
+
+
+def check_rows(cases: list[dict], check: Callable[..., dict], budget_s: float) -> list[dict]:
+    """``check(**case)`` for each case until ``budget_s`` seconds have passed (the rest: ``skipped``). A case that
+    raises keeps the error in its row, so one failing shape (a kernel out of shared memory at budget 256, say)
+    does not lose the rows of the others."""
+    t0, rows = time.time(), []
+    for case in cases:
+        if time.time() - t0 > budget_s:
+            rows.append({**case, "skipped": "time budget"})
+            continue
+        try:
+            rows.append(check(**case))
+        except Exception as exc:  # noqa: BLE001 - recorded in the report, the next case still runs
+            rows.append({**case, "error": f"{type(exc).__name__}: {exc}"})
+    return rows
 
 
 def _check_shape(runner: GraphRunner, shape: StepShape, seqs: list[StaticSeq]) -> dict:

@@ -142,6 +142,14 @@ class Comm:
         dist.gather_object(obj, out, dst=self.ranks[dst], group=self.group)
         return out
 
+    def all_gather_objects(self, obj: object) -> list[object]:
+        """Picklable objects of every rank, in group order, on every rank (control plane)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)

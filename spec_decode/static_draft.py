@@ -21,12 +21,15 @@ import time
 
 import torch
 
-from engine.cuda_graphs import CapturedGraphs, seconds_per_call
+from engine.cuda_graphs import CapturedGraphs, check_rows, seconds_per_call
 from engine.graphs import GraphCoverage, kernel_blocker
 from engine.scheduler import SeqWork
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
+
+# the GPU checks' speculative cases: batch 1 at every budget the issue names, and one batched case
+GPU_CHECK_CASES = [{"batch": 1, "budget": b} for b in (8, 16, 32, 64, 128, 256)] + [{"batch": 8, "budget": 16}]
 
 
 class StaticDraft:
@@ -116,7 +119,7 @@ class DraftGraphs(CapturedGraphs):
 
     def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...], coverage: GraphCoverage | None = None):
-        super().__init__(kernel_blocker(spec.model))  # the drafter attends through the target's kernel set
+        super().__init__(kernel_blocker(spec.model), spec.model.groups.world)  # it attends through the target's kernels
         self.spec, self.max_blocks, self.scratch_blocks = spec, max_blocks, scratch_blocks
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.coverage = coverage or GraphCoverage()
@@ -219,12 +222,12 @@ def gpu_check(device: torch.device, budget_s: float) -> dict:
 
     t0 = time.time()
     setup = check_setup(device)
-    gen, rows = torch.Generator().manual_seed(0), []
-    for batch, budget in [(1, b) for b in (8, 16, 32, 64, 128, 256)] + [(8, 16)]:
-        if time.time() - t0 > budget_s:
-            rows.append({"batch": batch, "budget": budget, "skipped": "time budget"})
-            continue
+    gen = torch.Generator().manual_seed(0)
+
+    def check(batch: int, budget: int) -> dict:
         spec = random_speculator(setup.model, setup.cache, budget)
-        rows.append(check_draft(spec, batch, setup.context, setup.scratch, len(setup.scratch), gen))
+        return check_draft(spec, batch, setup.context, setup.scratch, len(setup.scratch), gen)
+
+    rows = check_rows(GPU_CHECK_CASES, check, budget_s - (time.time() - t0))
     return {"model": "random tiny_kimi architecture at hidden 1024 + a random 2-layer DFlash drafter, bf16 target",
             "rows": rows}

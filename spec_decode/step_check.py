@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from engine.cuda_graphs import check_setup, seconds_per_call
+from engine.cuda_graphs import check_rows, check_setup, seconds_per_call
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.scheduler import SeqWork
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
-from spec_decode.static_draft import random_speculator
+from spec_decode.static_draft import GPU_CHECK_CASES, random_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
@@ -84,11 +84,9 @@ def gpu_check(device: torch.device, budget_s: float) -> dict:
     batch 1 at budgets 8…256 and batch 8 at budget 16."""
     t0 = time.time()
     setup = check_setup(device)
-    gen, rows = torch.Generator().manual_seed(0), []
-    for batch, budget in [(1, b) for b in (8, 16, 32, 64, 128, 256)] + [(8, 16)]:
-        if time.time() - t0 > budget_s:
-            rows.append({"batch": batch, "budget": budget, "skipped": "time budget"})
-            continue
-        rows.append(check_spec_step(setup.model, budget, batch, setup.context, gen))
+    gen = torch.Generator().manual_seed(0)
+    rows = check_rows(GPU_CHECK_CASES, lambda batch, budget: check_spec_step(setup.model, budget, batch,
+                                                                             setup.context, gen),
+                      budget_s - (time.time() - t0))
     return {"model": "random tiny_kimi architecture at hidden 1024 + a random 2-layer DFlash drafter, bf16 target; "
             "static: strict_sync on", "rows": rows}

@@ -229,3 +229,79 @@ def test_steps_over_the_dispatchers_graph_token_bound_are_not_tried(tiny_ckpts):
     assert graphs._capture("verify", torch.device("cuda"), lambda: calls.append("prepare"),
                            lambda: calls.append("run"), lambda: reason) == reason
     assert calls == [] and graphs.reasons == {"verify": reason}
+
+
+class FakeGraph:
+    """What ``capture_graph`` returns on CUDA, as far as :class:`CapturedGraphs` uses it: a memory pool and a
+    replay (capture itself needs a CUDA device)."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def pool(self):
+        return "pool"
+
+    def replay(self):
+        self.replays += 1
+
+
+def _capture_on_every_rank(ctx, failing_rank: int) -> dict:
+    """Two keys captured on 8 ranks: "verify" fails to capture on ``failing_rank`` only, "decode" nowhere."""
+    import engine.cuda_graphs as cg
+
+    def capture(run, pool):
+        if key == "verify" and ctx.rank == failing_rank:  # key: the one being captured (the loop below)
+            raise cg.GraphCaptureError("RuntimeError: operation not permitted when stream is capturing")
+        return FakeGraph(), run()
+
+    graphs = cg.CapturedGraphs(world=ctx.groups(Layout(world_size=8, attn_tp=8, moe_ep=8)).world)
+    saved, cg.capture_graph = cg.capture_graph, capture
+    try:
+        answers = {}
+        for key in ("verify", "decode"):
+            answers[key] = graphs._capture(key, torch.device("cuda"), lambda: None, lambda: "static outputs")
+    finally:
+        cg.capture_graph = saved
+    verify, decode = graphs._replay_or_run("verify", lambda: "eager"), graphs._replay_or_run("decode", lambda: "eager")
+    return {"answers": answers, "captured": sorted(graphs.graphs), "verify": verify, "decode": decode}
+
+
+def test_a_capture_that_fails_on_one_rank_runs_eager_on_every_rank(pool):
+    """A graph holding collectives must replay on every rank or on none: rank 3's failed capture makes all eight
+    drop that key (with rank 3's reason), while a key every rank captured replays everywhere."""
+    results = pool.run(_capture_on_every_rank, 3)
+    reason = "capture failed on rank 3: RuntimeError: operation not permitted when stream is capturing"
+    for got in results:
+        assert got["answers"] == {"verify": reason, "decode": ""}
+        assert got["captured"] == ["decode"]
+        assert got["verify"] == (False, "eager") and got["decode"] == (True, "static outputs")
+
+
+def test_a_warm_up_that_raises_is_an_error_not_an_eager_fallback(monkeypatch):
+    """The warm-up runs are eager steps: one that raises would fail as an eager step too, so it propagates."""
+    import engine.cuda_graphs as cg
+
+    def broken(run, pool):
+        raise ValueError("Triton: out of shared memory")
+
+    monkeypatch.setattr(cg, "capture_graph", broken)
+    graphs = cg.CapturedGraphs()
+    with pytest.raises(ValueError, match="out of shared memory"):
+        graphs._capture("verify", torch.device("cuda"), lambda: None, lambda: None)
+    assert graphs.reasons == {} and graphs.graphs == {}
+
+
+def test_check_rows_keeps_the_rows_after_a_failing_case_and_stops_at_the_budget():
+    from engine.cuda_graphs import check_rows
+
+    def check(budget: int) -> dict:
+        if budget == 256:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"budget": budget, "captured": True}
+
+    cases = [{"budget": b} for b in (8, 256, 16)]
+    assert check_rows(cases, check, budget_s=60) == [
+        {"budget": 8, "captured": True},
+        {"budget": 256, "error": "RuntimeError: CUDA error: an illegal memory access was encountered"},
+        {"budget": 16, "captured": True}]
+    assert check_rows(cases, check, budget_s=-1) == [{**c, "skipped": "time budget"} for c in cases]
