@@ -53,6 +53,7 @@ LAYOUTS: dict[str, Layout] = {
     "dp8_ep8": Layout(world_size=8, attn_tp=1, attn_dp=8, moe_tp=1, moe_ep=8),
     "tp2_ep4": Layout(world_size=8, attn_tp=8, attn_dp=1, moe_tp=2, moe_ep=4),
     "tp4_ep2": Layout(world_size=8, attn_tp=8, attn_dp=1, moe_tp=4, moe_ep=2),
+    "tp2xdp4_ep8": Layout(world_size=8, attn_tp=2, attn_dp=4, moe_tp=1, moe_ep=8),
 }
 
 # op → (bandwidth attribute of Hardware, bytes factor as a function of the group size p)
@@ -266,8 +267,8 @@ KIMI_K2_INT4 = replace(KIMI_K2, name="Kimi-K2.x (INT4 experts)", expert_weight_b
 # ------------------------------------------------------------------------------------- collective costs
 def group_size(layout: Layout, group: str) -> int:
     """Ranks in a process-group kind of ``layout`` (``world``, ``attn_tp``, ``attn_dp``, ``moe_tp``, ``moe_ep``)."""
-    sizes = {"world": layout.world_size, "attn_tp": layout.attn_tp, "attn_dp": layout.attn_dp,
-             "moe_tp": layout.moe_tp, "moe_ep": layout.moe_ep}
+    sizes = {"world": layout.world_size, "attn_tp": layout.attn_tp, "attn_tp_split": layout.attn_tp,
+             "attn_dp": layout.attn_dp, "moe_tp": layout.moe_tp, "moe_ep": layout.moe_ep}
     if group not in sizes:
         raise ValueError(f"unknown group kind {group!r}; known: {sorted(sizes)}")
     return sizes[group]
@@ -461,13 +462,17 @@ def _bytes_per_call(key: str, lay: Layout, m: ModelShape, batch: int, tokens_per
         return t_rank * row
     if op in ("gather", "all_gather") and group == "attn_tp":  # LM-head logits (gather; all_gather when speculating)
         return t_rank * math.ceil(m.vocab / p) * m.act_bytes
+    # a partitioned dispatcher under attention TP dispatches each TP rank's share of the group's tokens
+    t_moe = math.ceil(t_rank / lay.attn_tp) if lay.resolved_dispatcher != "allreduce" else t_rank
+    if group == "attn_tp_split":  # the shares all-gathered back; the shared experts' partials reduce-scattered
+        return t_moe * row * (p if op == "reduce_scatter" else 1)
     hits = lay.moe_tp * lay.moe_ep * (1 - (1 - 1 / lay.moe_ep) ** m.top_k)  # ranks a token's rows go to
     if op == "all_to_all":  # dispatcher alltoall per MoE layer: counts, rows, routing, combine rows
-        return (p * 8 + t_rank * hits * (2 * row + 2 * m.top_k * 4)) / 4
+        return (p * 8 + t_moe * hits * (2 * row + 2 * m.top_k * 4)) / 4
     if op == "all_gather":  # dispatcher allgather per MoE layer: counts, rows, routing
-        return (8 + t_rank * (row + 2 * m.top_k * 4)) / 3
+        return (8 + t_moe * (row + 2 * m.top_k * 4)) / 3
     if op == "reduce_scatter":
-        return p * t_rank * row
+        return p * t_moe * row
     return 0.0
 
 

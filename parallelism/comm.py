@@ -64,6 +64,10 @@ class Comm:
         self.rank = ranks.index(dist.get_rank()) if self.size > 1 else 0
         self.counter = counter
 
+    def with_kind(self, kind: str) -> Comm:
+        """This group's collectives counted under another ``kind`` (a second purpose of the same ranks)."""
+        return Comm(kind, self.group, self.ranks, self.counter)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group in place; returns ``x``."""
         if self.size == 1:

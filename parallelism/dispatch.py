@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallelism.comm import ParallelGroups
+from parallelism.comm import Comm, ParallelGroups
 from parallelism.layout import ExpertPlacement
 
 
@@ -170,6 +170,59 @@ class AllGatherDispatcher(Dispatcher):
         return out if shared is None else out + shared
 
 
+@dataclass(frozen=True)
+class SplitMeta:
+    num_tokens: int  # T: rows on every rank of the attention-TP group
+    chunk: int  # rows of each TP rank's share, ceil(T / attn_tp), padding included
+    inner: object  # the partitioned dispatcher's meta
+
+
+class AttentionTPSplit(Dispatcher):
+    """A partitioned-token dispatcher (``inner``) under attention TP, where every rank of an attention-TP group
+    holds the same T tokens (``attn_tp`` > 1: mixed TP × DP attention, or TP attention with ``alltoall``).
+
+    Each TP rank hands ``inner`` its share, rows ``[r*c, (r+1)*c)`` with ``c = ceil(T / attn_tp)``, padded to
+    ``c`` rows so that every rank's share has one shape (padding rows copy row 0's expert ids, with zero
+    weights, and are dropped at the end). Combine adds this rank's chunk of the shared experts — their partial
+    sums over the TP group, reduce-scattered — and all-gathers the chunks, so every TP rank gets all T rows
+    back. On top of ``inner``'s collectives, per MoE layer: 1 all_gather, and 1 reduce_scatter with shared
+    experts, over the attention-TP group, counted as ``attn_tp_split`` (apart from attention's own ``attn_tp``
+    traffic). The router runs on all T rows on every TP rank (row-wise, cheap)."""
+
+    needs_partitioned_tokens = False  # it takes the TP group's replicated tokens
+
+    def __init__(self, inner: Dispatcher, attn_tp: Comm):  # noqa: D107 - no routing tables of its own
+        self.inner, self.tp = inner, attn_tp.with_kind("attn_tp_split")
+        self.groups, self.world, self.name = inner.groups, inner.world, inner.name
+        self.graph_safe, self.needs_nvlink = inner.graph_safe, inner.needs_nvlink
+        limit = inner.graph_token_limit  # per rank of inner: a TP group of T tokens hands it ceil(T / attn_tp)
+        self.graph_token_limit = None if limit is None else limit * attn_tp.size
+
+    def to(self, device):
+        self.inner.to(device)
+        return self
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        t, rank = x.shape[0], self.tp.rank
+        chunk = -(-t // self.tp.size)
+        lo, hi = min(rank * chunk, t), min((rank + 1) * chunk, t)
+        pad = chunk - (hi - lo)
+        x, ids, weights = x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+            ids = torch.cat([ids, topk_ids[:1].expand(pad, -1)])
+            weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
+        inp, meta = self.inner.dispatch(x, ids, weights)
+        return inp, SplitMeta(t, chunk, meta)
+
+    def combine(self, y, meta, shared):
+        out = self.inner.combine(y, meta.inner, None)  # [c, H]: this rank's share
+        if shared is not None:  # [T, H] partial over the TP group → this rank's summed chunk
+            pad = meta.chunk * self.tp.size - meta.num_tokens
+            out = out + self.tp.reduce_scatter(torch.nn.functional.pad(shared, (0, 0, 0, pad)))
+        return self.tp.all_gather(out)[:meta.num_tokens]
+
+
 class DeepEPUnavailable(RuntimeError):
     """The ``deepep`` dispatcher cannot run here; the message says why and names the fallback."""
 
@@ -194,29 +247,42 @@ _REGISTRY = {
 
 
 def make_dispatcher(groups: ParallelGroups, placement: ExpertPlacement) -> Dispatcher:
-    """The one place a dispatcher backend is chosen: ``layout.resolved_dispatcher``."""
-    return _REGISTRY[groups.layout.resolved_dispatcher](groups, placement)
+    """The one place a dispatcher backend is chosen: ``layout.resolved_dispatcher``; one that needs partitioned
+    tokens gets each attention-TP rank's share of them (:class:`AttentionTPSplit`) when ``attn_tp`` > 1."""
+    dispatcher = _REGISTRY[groups.layout.resolved_dispatcher](groups, placement)
+    if dispatcher.needs_partitioned_tokens and groups.layout.attn_tp > 1:
+        return AttentionTPSplit(dispatcher, groups.attn_tp)
+    return dispatcher
 
 
-def expected_forward_calls(layout, num_layers: int, num_moe_layers: int, logits: bool = True) -> dict[str, int]:
+def expected_forward_calls(layout, num_layers: int, num_moe_layers: int, logits: bool = True,
+                           shared_experts: bool = True) -> dict[str, int]:
     """Collective calls of one forward per rank, by ``"group/op"`` — the formula the tests check.
 
-    TP attention (allreduce): ``attn_tp/all_reduce = 1 (embedding) + L (o_proj) + L_dense (down_proj)``,
-    ``world/all_reduce = L_moe`` (routed + shared experts share it), ``attn_tp/gather = 1`` (LM head).
-    DP attention: no attention or dense collectives; alltoall ``world/all_to_all = 4 L_moe``;
-    allgather ``world/all_gather = 3 L_moe`` and ``world/reduce_scatter = L_moe``.
+    Attention TP (``attn_tp`` > 1): ``attn_tp/all_reduce = 1 (embedding) + L (o_proj) + L_dense (down_proj)``,
+    ``attn_tp/gather = 1`` (LM head). MoE: allreduce ``world/all_reduce = L_moe`` (routed + shared experts share
+    it); alltoall ``world/all_to_all = 4 L_moe``; allgather ``world/all_gather = 3 L_moe`` and
+    ``world/reduce_scatter = L_moe``; a partitioned dispatcher under attention TP adds ``attn_tp_split/all_gather
+    = L_moe`` and, with shared experts, ``attn_tp_split/reduce_scatter = L_moe`` (:class:`AttentionTPSplit`).
     """
     if layout.world_size == 1:
         return {}
-    dense = num_layers - num_moe_layers
-    kind = layout.resolved_dispatcher
-    if kind == "allreduce":
-        calls = {"attn_tp/all_reduce": 1 + num_layers + dense, "world/all_reduce": num_moe_layers}
+    kind, moe = layout.resolved_dispatcher, num_moe_layers
+    calls = {}
+    if layout.attn_tp > 1:
+        calls["attn_tp/all_reduce"] = 1 + num_layers + (num_layers - num_moe_layers)
         if logits:
             calls["attn_tp/gather"] = 1
-        return calls
+    if kind == "allreduce":
+        return {**calls, "world/all_reduce": moe}
     if kind == "alltoall":
-        return {"world/all_to_all": 4 * num_moe_layers}
-    if kind == "allgather":
-        return {"world/all_gather": 3 * num_moe_layers, "world/reduce_scatter": num_moe_layers}
-    raise ValueError(f"no call formula for dispatcher {kind!r}")
+        calls["world/all_to_all"] = 4 * moe
+    elif kind == "allgather":
+        calls.update({"world/all_gather": 3 * moe, "world/reduce_scatter": moe})
+    else:
+        raise ValueError(f"no call formula for dispatcher {kind!r}")
+    if layout.attn_tp > 1:
+        calls["attn_tp_split/all_gather"] = moe
+        if shared_experts:
+            calls["attn_tp_split/reduce_scatter"] = moe
+    return calls

@@ -71,20 +71,11 @@ class Layout:
                 "dispatcher 'allreduce' needs tokens replicated on every rank (attn_dp == 1), "
                 f"got attn_dp={self.attn_dp}; use 'alltoall' or 'allgather'"
             )
-        if self.dispatcher in ("alltoall", "allgather", "deepep") and self.attn_tp > 1:
-            raise LayoutError(
-                f"dispatcher {self.dispatcher!r} needs tokens partitioned over ranks (attn_tp == 1), "
-                f"got attn_tp={self.attn_tp}; use 'allreduce'"
-            )
-        if self.attn_tp > 1 and self.attn_dp > 1:
-            raise LayoutError(
-                f"mixed attention (attn_tp={self.attn_tp} x attn_dp={self.attn_dp}) has no MoE dispatcher yet: "
-                "use attn_tp == world_size (allreduce) or attn_dp == world_size (alltoall/allgather)"
-            )
 
     @property
     def resolved_dispatcher(self) -> str:
-        """The dispatcher backend ``auto`` stands for: allreduce with TP attention, alltoall with DP."""
+        """The dispatcher backend ``auto`` stands for: allreduce with TP attention, alltoall with DP (mixed TP × DP
+        attention included: each attention-TP rank dispatches its share of the group's tokens)."""
         if self.dispatcher != "auto":
             return self.dispatcher
         return "allreduce" if self.attn_dp == 1 else "alltoall"

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from parallelism.layout import Layout
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
-PRESETS = ("single", "tp8", "ep8", "dp8_ep8", "tp2_ep4", "tp4_ep2")
+PRESETS = ("single", "tp8", "ep8", "dp8_ep8", "tp2_ep4", "tp4_ep2", "tp2xdp4_ep8")
 
 
 def compose_config(name: str, overrides: list[str]):

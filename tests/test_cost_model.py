@@ -135,6 +135,18 @@ def test_step_comm_bytes_for_kimi():
     assert a2a["calls"] == 240 and a2a["bytes"] == pytest.approx(60 * per_layer)
 
 
+def test_step_comm_bytes_for_kimi_under_mixed_attention():
+    """TP2 × DP4 attention, batch 8: a group holds 2 sequences, each TP rank dispatches its 1-token share."""
+    c = step_comm("tp2xdp4_ep8", KIMI_K2, batch=8)
+    row = 7168 * 2
+    assert c["attn_tp/all_reduce"] == {"calls": 63, "bytes": 63 * 2 * row}
+    assert c["attn_tp/gather"] == {"calls": 1, "bytes": 2 * 163840 // 2 * 2}
+    hits = 8 * (1 - (7 / 8) ** 8)
+    assert c["world/all_to_all"]["bytes"] == pytest.approx(60 * (8 * 8 + hits * (2 * row + 2 * 8 * 4)))
+    assert c["attn_tp_split/all_gather"] == {"calls": 60, "bytes": 60 * row}
+    assert c["attn_tp_split/reduce_scatter"] == {"calls": 60, "bytes": 60 * 2 * row}
+
+
 # ---------------------------------------------------------------------------------------------- project
 def test_project_hand_worked_interconnect_on_pcie():
     p = project("ep8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, batch=1, context=2048)

@@ -70,7 +70,7 @@ def greedy_job():
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_deepseek", "tiny_qwen3_moe"])
-@pytest.mark.parametrize("preset", ["single", "tp8", "ep8", "dp8_ep8", "tp2_ep4"])
+@pytest.mark.parametrize("preset", ["single", "tp8", "ep8", "dp8_ep8", "tp2_ep4", "tp2xdp4_ep8"])
 def test_greedy_matches_hf(pool, tiny_ckpts, hf_greedy, ckpt, preset):
     (results, blocks, kinds), = pool.run(_engine_job, layout(preset), tiny_ckpts[ckpt], [greedy_job()])[0]
     for i, ref in enumerate(hf_greedy[ckpt]):

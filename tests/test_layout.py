@@ -14,6 +14,9 @@ def test_presets_compose():
     assert (got["dp8_ep8"].attn_dp, got["dp8_ep8"].moe_ep, got["dp8_ep8"].resolved_dispatcher) == (8, 8, "alltoall")
     assert (got["tp2_ep4"].moe_tp, got["tp2_ep4"].moe_ep) == (2, 4)
     assert (got["tp4_ep2"].moe_tp, got["tp4_ep2"].moe_ep) == (4, 2)
+    mixed = got["tp2xdp4_ep8"]
+    assert (mixed.attn_tp, mixed.attn_dp, mixed.moe_ep, mixed.resolved_dispatcher) == (2, 4, 8, "alltoall")
+    assert mixed.describe() == "attn tp2xdp4, moe ep8 (alltoall)"
 
 
 def test_override_to_smaller_world():
@@ -24,8 +27,7 @@ def test_override_to_smaller_world():
     (dict(world_size=8, attn_tp=4, attn_dp=1, moe_ep=8), "attn_tp*attn_dp must equal world_size"),
     (dict(world_size=8, attn_tp=8, moe_tp=2, moe_ep=2), "moe_tp*moe_ep must equal world_size"),
     (dict(world_size=8, attn_dp=8, moe_ep=8, dispatcher="allreduce"), "'allreduce' needs tokens replicated"),
-    (dict(world_size=8, attn_tp=8, moe_ep=8, dispatcher="alltoall"), "'alltoall' needs tokens partitioned"),
-    (dict(world_size=8, attn_tp=2, attn_dp=4, moe_ep=8), "mixed attention"),
+    (dict(world_size=8, attn_tp=2, attn_dp=4, moe_ep=8, dispatcher="allreduce"), "'allreduce' needs tokens repl"),
     (dict(world_size=8, attn_tp=8, moe_ep=8, dispatcher="nccl"), "parallel.dispatcher must be one of"),
     (dict(world_size=8, attn_tp=8, moe_ep=8, placement="random"), "parallel.placement must be one of"),
     (dict(world_size=0), "parallel.world_size must be >= 1"),

@@ -16,6 +16,8 @@ LAYOUTS = [layout(p) for p in PRESETS] + [
     layout("dp8_ep8", "dispatcher=allgather"),
     layout("ep8", "placement=round_robin"),
     layout("dp8_ep8", "placement=round_robin"),
+    layout("tp2xdp4_ep8", "attn_tp=4", "attn_dp=2", "dispatcher=allgather", "moe_tp=2", "moe_ep=4"),
+    layout("ep8", "dispatcher=alltoall"),
 ]
 
 

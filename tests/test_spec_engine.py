@@ -46,7 +46,7 @@ def specs(drafter):
                        draft_head_dtype="bfloat16")]
 
 
-@pytest.mark.parametrize("preset", ["single", "tp8", "dp8_ep8"])
+@pytest.mark.parametrize("preset", ["single", "tp8", "dp8_ep8", "tp2xdp4_ep8"])
 def test_greedy_speculation_equals_plain(pool, tiny_ckpts, random_drafter, preset):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     (plain, _, b0), (chain, tau_chain, b1), (tree, tau_tree, b2) = pool.run(
@@ -90,7 +90,8 @@ def _static_job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
 
 
 @pytest.mark.parametrize(("preset", "model"), [("single", "tiny_deepseek"), ("single", "tiny_qwen3_moe"),
-                                               ("tp8", "tiny_deepseek"), ("dp8_ep8", "tiny_deepseek")])
+                                               ("tp8", "tiny_deepseek"), ("dp8_ep8", "tiny_deepseek"),
+                                               ("tp2xdp4_ep8", "tiny_deepseek")])
 def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, preset, model):
     """Decode and verify through the fixed-shape static steps (the CUDA-graph path, run eagerly here) give the
     dynamic forward's tokens for plain, DFlash and DDTree decoding, the drafts coming from the static draft
