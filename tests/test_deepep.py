@@ -526,3 +526,32 @@ def test_fp32_activations_are_refused():
     dep = DeepEPDispatcher(g, ExpertPlacement(E, 1, 1), buffer=FakeBuffer(None, 1, 0, E))
     with pytest.raises(TypeError, match="alltoall"):
         dep.dispatch(torch.zeros(2, 2048), torch.zeros(2, K, dtype=torch.int64), torch.ones(2, K))
+
+
+def _split_compare(ctx, lay, tokens, h):
+    """DeepEP (low latency, bound 8) and the all-to-all, both under attention TP2 (AttentionTPSplit)."""
+    from parallelism.dispatch import AttentionTPSplit
+
+    g = ctx.groups(lay)
+    placement = ExpertPlacement(E, lay.moe_ep, lay.moe_tp, lay.placement)
+    fake = FakeBuffer(g.world.group, g.world.size, g.world.rank, E)
+    dep = AttentionTPSplit(DeepEPDispatcher(g, placement, low_latency=True, max_decode_tokens=8, buffer=fake),
+                           g.attn_tp)
+    ref = AttentionTPSplit(AllToAllDispatcher(g, placement), g.attn_tp)
+    x, ids, weights = _routing(100 + lay.coords(ctx.rank).attn_dp_rank, tokens[lay.coords(ctx.rank).attn_dp_rank], h)
+    shared = torch.full((x.shape[0], h), 0.25, dtype=torch.bfloat16)  # partial: 0.5 over the TP pair
+    outs = []
+    for disp in (dep, ref):
+        inp, meta = disp.dispatch(x, ids, weights)
+        outs.append(disp.combine(identity_experts(inp), meta, shared))
+    return {"equal": torch.equal(*outs), "deepep_mode": dep.inner.last_mode, "limit": dep.graph_token_limit,
+            "name": dep.name, "graph_safe": dep.graph_safe}
+
+
+def test_deepep_under_attention_tp_equals_alltoall_and_doubles_the_token_bound(pool):
+    """Mixed TP2 × DP4 attention: each TP rank hands DeepEP its share of ≤ 3 rows, and a group may hold twice
+    the per-rank bound (16 tokens at ``max_decode_tokens=8``) in a captured step."""
+    lay = layout("tp2xdp4_ep8", "dispatcher=deepep")
+    for rank, r in enumerate(pool.run(_split_compare, lay, [5, 0, 3, 1], 2048)):
+        assert r["equal"], f"rank {rank}: output differs from alltoall"
+        assert (r["deepep_mode"], r["limit"], r["name"], r["graph_safe"]) == ("low_latency", 16, "deepep", True), r
