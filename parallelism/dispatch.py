@@ -191,12 +191,20 @@ class AttentionTPSplit(Dispatcher):
 
     needs_partitioned_tokens = False  # it takes the TP group's replicated tokens
 
-    def __init__(self, inner: Dispatcher, attn_tp: Comm):  # noqa: D107 - no routing tables of its own
+    def __init__(self, inner: Dispatcher, attn_tp: Comm):  # no routing tables of its own: inner has them
         self.inner, self.tp = inner, attn_tp.with_kind("attn_tp_split")
         self.groups, self.world, self.name = inner.groups, inner.world, inner.name
-        self.graph_safe, self.needs_nvlink = inner.graph_safe, inner.needs_nvlink
-        limit = inner.graph_token_limit  # per rank of inner: a TP group of T tokens hands it ceil(T / attn_tp)
-        self.graph_token_limit = None if limit is None else limit * attn_tp.size
+        self.needs_nvlink = inner.needs_nvlink
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.inner.graph_safe
+
+    @property
+    def graph_token_limit(self) -> int | None:
+        """``inner``'s per-rank bound × ``attn_tp``: a TP group of T tokens hands each rank ceil(T / attn_tp)."""
+        limit = self.inner.graph_token_limit
+        return None if limit is None else limit * self.tp.size
 
     def to(self, device):
         self.inner.to(device)
