@@ -437,7 +437,8 @@ def forward_calls(layout: Layout | str, model: ModelShape) -> dict[str, int]:
     """Collective calls of one forward per rank, by ``"group/op"``: parallelism.dispatch's documented formula."""
     from parallelism.dispatch import expected_forward_calls  # imports torch; keep this module light
 
-    return expected_forward_calls(_resolve(layout), model.num_layers, model.num_moe_layers)
+    return expected_forward_calls(_resolve(layout), model.num_layers, model.num_moe_layers,
+                                  shared_experts=model.num_shared_experts > 0)
 
 
 def rescale_calls(calls: Mapping[str, float], layout: Layout | str, measured: tuple[int, int],

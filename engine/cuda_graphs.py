@@ -9,7 +9,8 @@ the host, so :class:`GraphRunner` can capture it per shape (decode: N = 1 per ba
 N = budget + 1 per (batch size, budget)) and replay it after copying a step's inputs into the buffers. A
 batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
 scratch blocks. Shapes that cannot be captured run the same static step eagerly, with the reason
-recorded in :class:`engine.graphs.GraphCoverage`.
+recorded in :class:`engine.graphs.GraphCoverage` (a capture that fails in a job of several ranks stops the job
+instead: :func:`raise_if_any_rank_failed`).
 
 Off CUDA (this CPU box) nothing is captured: the static steps run eagerly and the tests check what a replay
 relies on — padding, buffer reuse across steps, equality with the dynamic forward.
@@ -209,15 +210,28 @@ def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph
     return graph, outputs
 
 
-def agreed_failure(world: Comm | None, failure: str) -> str:
-    """Every rank's answer to "did this capture fail?": the lowest failing rank's ``failure`` (prefixed with
-    that rank), or "" when all captured. A control-plane collective over ``world``: a graph holding collectives
-    must be replayed on every rank or on none, or the ranks' collectives stop lining up."""
-    if world is None or world.size == 1:
-        return failure
-    failures = world.all_gather_objects(failure)
+def capturable(device: torch.device) -> bool:
+    """Whether graphs can be captured on ``device``: CUDA only."""
+    return device.type == "cuda"
+
+
+def raise_if_any_rank_failed(control: Comm | None, key, failure: str) -> None:
+    """With more than one rank, a capture that failed on any rank (``failure`` non-empty there) stops the job on
+    every rank with :class:`GraphCaptureError` naming the lowest failing rank. A capture that dies half-way can
+    leave a rank's collective state out of step with the others' (DeepEP's low-latency double-buffer index
+    flips per call, captured or not; NCCL's), and an eager fallback would then hang or compute garbage. One
+    all-gather per newly captured key over ``control`` (gloo: it does not depend on NCCL's state); every rank
+    reaches it for the same keys in the same order (the runner prepares draft → verify → commit on every rank,
+    idle attention-DP ranks included)."""
+    if control is None or control.size == 1:
+        return
+    failures = control.all_gather_objects(failure)
     rank = next((r for r, f in enumerate(failures) if f), None)
-    return "" if rank is None else f"rank {world.ranks[rank]}: {failures[rank]}"
+    if rank is not None:
+        raise GraphCaptureError(
+            f"CUDA-graph capture of {key} failed on rank {control.ranks[rank]}: {failures[rank]}. With "
+            f"{control.size} ranks a half-done capture can leave the ranks' collective state apart, so every rank "
+            "stops; engine.static_steps=off runs every step eagerly")
 
 
 class CapturedGraphs:
@@ -227,34 +241,33 @@ class CapturedGraphs:
     Sharing the pool means a graph's static outputs may sit in memory another graph uses for scratch: they are
     valid until the next replay of *any* graph of this object, so a caller consumes (or clones) them first."""
 
-    def __init__(self, blocker: str = "", world: Comm | None = None):
+    def __init__(self, blocker: str = "", control: Comm | None = None):
         """``blocker``: why nothing here may be captured even on CUDA (``engine.graphs.capture_blocker``);
-        ``world``: the ranks that must all capture a key, or none of them (:func:`agreed_failure`)."""
+        ``control``: every rank of the job (``ParallelGroups.control``), see :func:`raise_if_any_rank_failed`."""
         self.graphs: dict = {}  # key → (graph, its static outputs)
         self.reasons: dict = {}  # key → why it runs eagerly
-        self.pool, self.blocker, self.world = None, blocker, world
+        self.pool, self.blocker, self.control = None, blocker, control
 
     def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable,
                  key_blocker: Callable[[], str] = str) -> str:
         """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
         ``key`` runs eagerly (``key_blocker()``: why this key alone may not be captured, asked once). Later
-        calls return the first answer. Every rank of ``world`` calls this for the same keys in the same order:
-        the blockers decide alike everywhere, a capture that fails on one rank is dropped on all."""
+        calls return the first answer. The blockers decide alike on every rank; a failed capture runs the key
+        eagerly on one rank and stops the job on several (:func:`raise_if_any_rank_failed`)."""
         if key in self.graphs or key in self.reasons:
             return self.reasons.get(key, "")
         blocker = self.blocker or key_blocker()
-        if device.type != "cuda" or blocker:
-            self.reasons[key] = blocker if device.type == "cuda" else "no CUDA device"
+        if not capturable(device) or blocker:
+            self.reasons[key] = blocker if capturable(device) else "no CUDA device"
             return self.reasons[key]
         prepare()
-        captured, failure = None, ""
         try:
-            captured = capture_graph(run, self.pool)
+            captured, failure = capture_graph(run, self.pool), ""
         except GraphCaptureError as exc:
-            failure = str(exc)
-        failure = agreed_failure(self.world, failure)
+            captured, failure = None, str(exc)
+        raise_if_any_rank_failed(self.control, f"{type(self).__name__}[{key!r}]", failure)
         if failure:
-            self.reasons[key] = f"capture failed on {failure}"
+            self.reasons[key] = f"capture failed: {failure}"
             return self.reasons[key]
         self.pool = captured[0].pool()
         self.graphs[key] = captured
@@ -279,7 +292,7 @@ class GraphRunner(CapturedGraphs):
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...] = (1, 2, 4, 8), capture: tuple[int, ...] = (),
                  coverage: GraphCoverage | None = None, blocker: str = ""):
-        super().__init__(blocker, model.groups.world)
+        super().__init__(blocker, model.groups.control)
         self.model, self.cache, self.max_blocks, self.scratch_blocks = model, cache, max_blocks, scratch_blocks
         self.batch_sizes, self.capture_layers = tuple(sorted(batch_sizes)), capture
         self.coverage = coverage or GraphCoverage()

@@ -49,8 +49,9 @@ def token_limit_blocker(model, tokens: int) -> str:
     if not limits:
         return ""
     limit, name = min(limits)
-    return (f"{tokens} tokens per rank exceed dispatcher {name!r}'s graph-safe bound of {limit} "
-            "(parallel.deepep_max_decode_tokens)") if tokens > limit else ""
+    return (f"{tokens} tokens per rank exceed dispatcher {name!r}'s graph-safe bound of {limit} (from "
+            "parallel.deepep_max_decode_tokens, times attn_tp when attention TP ranks split their tokens)"
+            ) if tokens > limit else ""
 
 
 def eager_reason(model, static_steps: str) -> str:

@@ -171,6 +171,7 @@ class ParallelGroups:
     attn_dp: Comm
     moe_tp: Comm
     moe_ep: Comm
+    control: Comm | None = None  # every rank over gloo: host-side agreements that must not depend on NCCL
 
     @property
     def coords(self):
@@ -182,7 +183,8 @@ def build_groups(layout: Layout, counter: CommCounter | None = None) -> Parallel
     counter = counter or CommCounter()
     if layout.world_size == 1:
         rank = 0
-        comms = {kind: Comm(kind, None, [0], counter) for kind in ("world", "attn_tp", "attn_dp", "moe_tp", "moe_ep")}
+        comms = {kind: Comm(kind, None, [0], counter)
+                 for kind in ("world", "attn_tp", "attn_dp", "moe_tp", "moe_ep", "control")}
         return ParallelGroups(layout=layout, rank=rank, counter=counter, **comms)
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:
@@ -193,6 +195,10 @@ def build_groups(layout: Layout, counter: CommCounter | None = None) -> Parallel
             group = dist.group.WORLD if kind == "world" else dist.new_group(ranks)
             if rank in ranks:
                 comms[kind] = Comm(kind, group, ranks, counter)
+    world = list(range(layout.world_size))
+    gloo = dist.get_backend() == "gloo"
+    comms["control"] = Comm("control", dist.group.WORLD if gloo else dist.new_group(world, backend="gloo"), world,
+                            counter)
     return ParallelGroups(layout=layout, rank=rank, counter=counter, **comms)
 
 

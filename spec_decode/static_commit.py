@@ -70,7 +70,7 @@ class CommitGraphs(CapturedGraphs):
     a ``commit`` for ``Speculator.walk_and_commit``)."""
 
     def __init__(self, spec: Speculator, scratch_blocks: tuple[int, ...], coverage: GraphCoverage | None = None):
-        super().__init__(world=spec.model.groups.world)
+        super().__init__(control=spec.model.groups.control)
         self.spec, self.scratch_blocks = spec, scratch_blocks
         self.coverage = coverage or GraphCoverage()
         self.commits: dict[tuple[int, int], StaticCommit] = {}

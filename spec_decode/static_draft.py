@@ -119,7 +119,8 @@ class DraftGraphs(CapturedGraphs):
 
     def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...], coverage: GraphCoverage | None = None):
-        super().__init__(kernel_blocker(spec.model), spec.model.groups.world)  # it attends through the target's kernels
+        # the drafter attends through the target's kernel set
+        super().__init__(kernel_blocker(spec.model), spec.model.groups.control)
         self.spec, self.max_blocks, self.scratch_blocks = spec, max_blocks, scratch_blocks
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.coverage = coverage or GraphCoverage()

@@ -145,6 +145,8 @@ def test_step_comm_bytes_for_kimi_under_mixed_attention():
     assert c["world/all_to_all"]["bytes"] == pytest.approx(60 * (8 * 8 + hits * (2 * row + 2 * 8 * 4)))
     assert c["attn_tp_split/all_gather"] == {"calls": 60, "bytes": 60 * row}
     assert c["attn_tp_split/reduce_scatter"] == {"calls": 60, "bytes": 60 * 2 * row}
+    no_shared = step_comm("tp2xdp4_ep8", replace(KIMI_K2, num_shared_experts=0), batch=8)
+    assert "attn_tp_split/reduce_scatter" not in no_shared and "attn_tp_split/all_gather" in no_shared
 
 
 # ---------------------------------------------------------------------------------------------- project

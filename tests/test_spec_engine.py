@@ -345,3 +345,59 @@ def test_static_commit_equals_the_eager_commit_outside_the_scratch_blocks(tiny_c
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x[outside], y[outside], rtol=1e-6, atol=1e-6)
     assert graphs.coverage.summary()["commit"]["eager_reason"] == "no CUDA device"
+
+
+def _faked_capture_job(ctx, lay, path, prompts, spec, params, fail_rank=-1):
+    """Static steps with capture faked (``tests/fake_capture.py``: every key captured, replays re-run eagerly
+    into the captured outputs), then without static steps. Rank 0 returns ((tokens, coverage) static,
+    (tokens, coverage) dynamic); with ``fail_rank`` every rank returns its GraphCaptureError message."""
+    from fake_capture import faked_capture
+
+    import engine.cuda_graphs as cg
+    from model.kernel_select import reference_kernels
+
+    model = load_model(path, ctx.groups(lay))
+    model.use_kernels(dataclasses.replace(reference_kernels(), graph_safe=True))  # as the Triton set is
+    out = []
+    with faked_capture(fail=ctx.rank == fail_rank):
+        for cfg in (dataclasses.replace(CFG, static_steps="on"), CFG):
+            try:
+                if ctx.rank != 0:
+                    worker_loop(make_runner(model, cfg, spec))
+                    continue
+                engine = Engine(model, cfg, spec=spec)
+                res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
+                out.append(({k: v for k, (v, _) in res.items()}, engine.graphs.summary()))
+                engine.shutdown()
+            except cg.GraphCaptureError as exc:
+                return str(exc)
+    return out if ctx.rank == 0 else None
+
+
+MIXED_GRAPH_SAFE = ("tp2xdp4_ep8", "dispatcher=allgather")  # alltoall waits on the host: never captured
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_replayed_static_steps_under_mixed_attention_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter,
+                                                                             method):
+    """Every decode, draft, verify and commit step "replays" (capture faked: the replay re-runs the step into
+    the captured outputs), on all 8 ranks of TP2 × DP4 attention with one idle group, and the tokens are the
+    dynamic path's: every rank captured the same keys in the same order, or the capture agreement would hang."""
+    spec = specs(random_drafter)[2 if method == "ddtree" else 1]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    (static, coverage), (dynamic, _) = pool.run(_faked_capture_job, layout(*MIXED_GRAPH_SAFE),
+                                                tiny_ckpts["tiny_deepseek"], PROMPTS, spec, params)[0]
+    assert static == dynamic
+    for kind in ("verify", "draft", "commit"):
+        assert coverage[kind]["steps"] > 0 and coverage[kind]["replays"] == coverage[kind]["steps"], coverage
+
+
+def test_a_capture_that_fails_on_one_rank_stops_every_rank(pool, tiny_ckpts, random_drafter):
+    """Rank 5's first capture (the draft graph) fails: all eight ranks raise at the same agreement, naming rank 5
+    and the fallback, instead of rank 5 running eagerly while the others replay."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    messages = pool.run(_faked_capture_job, layout(*MIXED_GRAPH_SAFE), tiny_ckpts["tiny_deepseek"], PROMPTS,
+                        specs(random_drafter)[2], params, 5)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("CUDA-graph capture of DraftGraphs[1] failed on rank 5: RuntimeError: CUDA error")
+    assert messages[0].endswith("engine.static_steps=off runs every step eagerly")
