@@ -13,8 +13,8 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
-# the layout A/B on the built-in trained pair: 4 layouts x 2 contexts x 3 concurrencies, with and without DDTree
-DEMO_ARGS := -m parallel=tp8,ep8,dp8_ep8,tp2_ep4 model=tiny_kimi 'bench.context=[32,96]' 'bench.concurrency=[1,2,4]' \
+# the layout A/B on the built-in trained pair: 5 layouts x 2 contexts x 3 concurrencies, with and without DDTree
+DEMO_ARGS := -m parallel=tp8,ep8,dp8_ep8,tp2_ep4,tp2xdp4_ep8 model=tiny_kimi 'bench.context=[32,96]' 'bench.concurrency=[1,2,4]' \
 	'bench.spec=[none,ddtree]' bench.output_len=4 bench.warmup=4 bench.output_dir=outputs/demo
 
 demo: $(STAMP)
