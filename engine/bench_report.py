@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from engine.cost_model import HARDWARE, KIMI_K2_INT4, ModelShape, project, rescale_calls
+from parallelism.layout import Layout
 
 COLUMNS = [
     ("layout", "layout"), ("spec_decode", "spec"), ("context", "ctx"), ("concurrency", "C"),
@@ -72,9 +73,10 @@ def projections(cells: list[dict], measured: ModelShape) -> list[dict]:
                   if k.split("/")[0] != "broadcast"}
         depth = (measured.num_layers, measured.num_layers - measured.num_dense_layers)
         target = (KIMI_K2_INT4.num_layers, KIMI_K2_INT4.num_layers - KIMI_K2_INT4.num_dense_layers)
-        calls = rescale_calls(per_op, c["layout"], depth, target)
+        layout = Layout(**c["parallel"]) if c.get("parallel") else c["layout"]  # the degrees run, overrides included
+        calls = rescale_calls(per_op, layout, depth, target)
         for hw_name, hw in HARDWARE.items():
-            p = project(c["layout"], hw, KIMI_K2_INT4, batch=1, context=2048, comm_calls_per_token_by_op=calls)
+            p = project(layout, hw, KIMI_K2_INT4, batch=1, context=2048, comm_calls_per_token_by_op=calls)
             out.append({"layout": c["layout"], "hardware": hw_name, "tok_s": p.tok_s, "step_ms": p.step_s * 1e3,
                         "bound": p.bound})
     return out

@@ -182,6 +182,22 @@ def apply_env(plan_: dict, environ: MutableMapping[str, str] | None = None) -> d
     return dict(plan_["env"])
 
 
+def prepare(mode: str, layout, links: dict | None = None, environ: MutableMapping[str, str] | None = None) -> dict:
+    """What the scripts call before they start any rank (spawned ranks inherit the env; under torchrun each rank
+    calls it before its process group exists): :func:`plan` for ``mode`` (``links``: detected links instead of
+    asking NVML), a refusal of ``layout``'s dispatcher if it needs NVLink and the links are not NVLink
+    (:func:`check_dispatcher`; without GPUs DeepEP's own capability check names what is missing), NCCL's
+    switches written into ``environ`` (default ``os.environ``). Returns ``{"mode", "effective", "env", "note",
+    "links"}`` with the links' one-line reason, for logs and reports."""
+    chosen = plan(mode, links)
+    if chosen["effective"] != CPU_FALLBACK:
+        dispatcher = layout.resolved_dispatcher
+        check_dispatcher(chosen, dispatcher, needs_nvlink=dispatcher == "deepep")
+    apply_env(chosen, environ)
+    return {"mode": mode, "effective": chosen["effective"], "env": chosen["env"], "note": chosen["note"],
+            "links": chosen["links"]["reason"]}
+
+
 def check_dispatcher(plan_: dict, dispatcher: str, needs_nvlink: bool) -> None:
     """Refuses a dispatcher that moves data outside NCCL over NVLink (DeepEP) when ``pcie`` is emulated or the
     box has no NVLink: the A/B would silently keep using NVLink, or fail later."""

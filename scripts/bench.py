@@ -8,10 +8,16 @@ fixed output length, greedy. Every cell writes ``cell_*.json`` to ``bench.output
 serve``-named metrics, τ, collective calls/bytes per output token, CUDA-graph coverage, telemetry, a
 verdict against the floors, and whether its tokens equal the reference layout's (the first layout run).
 After each layout ``summary.csv``, ``summary.md`` and PNG plots are refreshed.
+
+NVLink vs PCIe on one NVLink box: ``-m parallel=tp8,ep8 topology=nvlink,pcie``. Each server applies the mode
+(``scripts/common.apply_topology``: NCCL's switches before its ranks start), cells record the plan, and a mode
+other than ``auto`` labels the layout ``tp8@pcie`` in files and reports; the tokens must still equal the first
+job's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +30,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from common import CONF_DIR, REPO, layout_from, model_dir
+from common import CONF_DIR, REPO, apply_topology, layout_from, model_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -123,8 +129,10 @@ def cpu_hardware(world_size: int) -> object:
     return cpu_box(num_ranks=world_size, mem_bw_total=5e9, flops_total=50e9, alpha_s=25e-3, bus_bw=1e9)
 
 
-def run_cell(server: Server, cfg, layout, spec: str, context: int, concurrency: int, reference: dict,
-             out_dir: Path, shape: ModelShape, vocab: int, bar) -> dict:
+def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str, context: int, concurrency: int,
+             reference: dict, out_dir: Path, shape: ModelShape, vocab: int, bar) -> dict:
+    """One (layout, spec, context, concurrency) cell: ``label`` names the layout in files and reports (the
+    preset, with ``@mode`` when ``topology`` is not auto); the cell JSON is written and returned."""
     b = cfg.bench
     n = b.prompts_per_concurrency * concurrency
     prompts = make_prompts(vocab, context, n, b.seed)
@@ -144,7 +152,8 @@ def run_cell(server: Server, cfg, layout, spec: str, context: int, concurrency: 
     step_s = tpot * tau
     floors = compute_floors(shape, cpu_hardware(layout.world_size), layout, concurrency, context + b.output_len // 2)
     cell = {
-        "layout": HydraConfig.get().runtime.choices.get("parallel"), "layout_desc": layout.describe(),
+        "layout": label, "layout_desc": layout.describe(), "parallel": dataclasses.asdict(layout),
+        "topology": topology,
         "spec_decode": spec, "context": context, "concurrency": concurrency, "output_len": b.output_len,
         "num_prompts": n, **metrics, "acceptance_length": tau,
         "comm_per_output_token": comm_per_output_token(before["comm"]["per_op"], after["comm"]["per_op"],
@@ -162,6 +171,7 @@ def run_cell(server: Server, cfg, layout, spec: str, context: int, concurrency: 
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO)
     layout, ckpt = layout_from(cfg), model_dir(cfg)
+    topology = apply_topology(cfg, layout, environ={})  # refuses early; the servers apply it themselves
     out_dir = Path(cfg.bench.output_dir)
     if not out_dir.is_absolute():
         out_dir = Path(hydra.utils.get_original_cwd()) / out_dir
@@ -169,30 +179,32 @@ def main(cfg: DictConfig) -> None:
     ref_path = out_dir / "reference_tokens.json"
     reference = json.loads(ref_path.read_text()) if ref_path.exists() else {}
     name = HydraConfig.get().runtime.choices.get("parallel")
-    reference.setdefault("_layout", name)
+    label = name if topology["mode"] == "auto" else f"{name}@{topology['mode']}"  # topology=nvlink,pcie A/B
+    reference.setdefault("_layout", label)
     mcfg = load_config(ckpt)
     shape = ModelShape.from_config(mcfg, weight_bytes=4, expert_weight_bytes=4, kv_bytes=4, act_bytes=4)
     b = cfg.bench
     specs = list(b.spec)
     total = len(specs) * len(b.context) * len(b.concurrency)
     bar = tqdm(total=len(specs) * (b.warmup + sum(b.prompts_per_concurrency * c * len(b.context)
-                                                  for c in b.concurrency)), desc=f"{name} ({total} cells)", unit="req")
+                                                  for c in b.concurrency)), desc=f"{label} ({total} cells)", unit="req")
     max_c = max(b.concurrency)
     for spec in specs:
-        overrides = [f"model.path={ckpt}", f"parallel={name}", f"spec_decode={spec}",
+        overrides = [f"model.path={ckpt}", f"parallel={name}", f"spec_decode={spec}", f"topology={topology['mode']}",
                      f"engine.max_num_seqs={max(max_c, 1)}", f"server.max_num_seqs={max(max_c, 1)}"]
         if cfg.model.get("drafter_path"):
             overrides.append(f"++model.drafter_path={cfg.model.drafter_path}")
-        server = Server(overrides, out_dir / f"server_{name}_{spec}.log", b.server_timeout_s)
+        server = Server(overrides, out_dir / f"server_{label}_{spec}.log", b.server_timeout_s)
         try:  # warm-up once per server lifetime, at the largest context and concurrency
             warm = make_prompts(mcfg.vocab_size, max(b.context), b.warmup, b.seed + 1)
             closed_loop(server.client, warm, min(max_c, len(warm)) or 1, b.output_len, bar)
             for context in b.context:
                 for c in b.concurrency:
-                    run_cell(server, cfg, layout, spec, context, c, reference, out_dir, shape, mcfg.vocab_size, bar)
+                    run_cell(server, cfg, layout, label, topology, spec, context, c, reference, out_dir, shape,
+                             mcfg.vocab_size, bar)
         finally:
             code = server.stop()
-            log.info("server %s/%s exited with %s", name, spec, code)
+            log.info("server %s/%s exited with %s", label, spec, code)
     bar.close()
     ref_path.write_text(json.dumps(reference))
     paths = write_reports(out_dir, shape)

@@ -73,6 +73,17 @@ def spec_config(cfg: DictConfig):
     return SpecConfig(**s)
 
 
+def apply_topology(cfg: DictConfig, layout: Layout, environ=None) -> dict:
+    """``topology=auto|nvlink|pcie`` applied on this box before any rank starts (``engine.topology.prepare``);
+    the plan summary, also logged."""
+    from engine.topology import prepare
+
+    mode = cfg.topology.mode if "topology" in cfg else "auto"
+    summary = prepare(mode, layout, environ=environ)
+    logging.getLogger("topology").info("topology=%s: %s; NCCL env %s", mode, summary["effective"], summary["env"])
+    return summary
+
+
 def setup_logging(rank: int = 0) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s r{rank} %(levelname)s %(name)s: %(message)s")

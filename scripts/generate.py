@@ -15,7 +15,16 @@ import logging
 from pathlib import Path
 
 import hydra
-from common import CONF_DIR, layout_from, load_target, model_dir, placement, setup_logging, spec_config
+from common import (
+    CONF_DIR,
+    apply_topology,
+    layout_from,
+    load_target,
+    model_dir,
+    placement,
+    setup_logging,
+    spec_config,
+)
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
@@ -110,6 +119,7 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
+    apply_topology(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),

@@ -12,7 +12,7 @@ import json
 import logging
 
 import hydra
-from common import CONF_DIR, layout_from, model_dir, setup_logging
+from common import CONF_DIR, apply_topology, layout_from, model_dir, setup_logging
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 
@@ -52,6 +52,7 @@ def main(cfg: DictConfig) -> None:
     ckpt = model_dir(cfg)
     seqs = read_input(cfg.logits.input, load_config(ckpt).vocab_size)
     log.info("layout %s, %d sequences, checkpoint %s", layout.describe(), len(seqs), ckpt)
+    apply_topology(cfg, layout)
     launch(layout.world_size, rank_main, layout, ckpt, seqs, cfg.logits.output, master_port=cfg.master_port)
 
 

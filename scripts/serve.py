@@ -26,7 +26,16 @@ import sys
 
 import hydra
 import torch
-from common import CONF_DIR, layout_from, load_target, model_dir, placement, setup_logging, spec_config
+from common import (
+    CONF_DIR,
+    apply_topology,
+    layout_from,
+    load_target,
+    model_dir,
+    placement,
+    setup_logging,
+    spec_config,
+)
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
@@ -88,6 +97,7 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
+    apply_topology(cfg, layout)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")

@@ -8,10 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_bench(out: Path, ckpt: str, layouts: str) -> None:
+def run_bench(out: Path, ckpt: str, layouts: str, *extra: str) -> None:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "-m", f"parallel={layouts}",
                     f"model.path={ckpt}", "bench.context=[16]", "bench.concurrency=[1,2]", "bench.output_len=4",
-                    "bench.warmup=1", f"bench.output_dir={out}"], check=True, timeout=400, cwd=ROOT,
+                    "bench.warmup=1", f"bench.output_dir={out}", *extra], check=True, timeout=400, cwd=ROOT,
                    capture_output=True)
 
 
@@ -22,9 +22,12 @@ def test_bench_tiny_matrix(tiny_ckpts, tmp_path):
     assert ref["_layout"] == "tp8" and set(ref) == {"_layout", "none/ctx16/c1", "none/ctx16/c2"}
     ref["none/ctx16/c2"][0][0] += 1  # a wrong reference token: that cell must be marked as not matching
     (tmp_path / "reference_tokens.json").write_text(json.dumps(ref))
-    run_bench(tmp_path, ckpt, "dp8_ep8")
-    cells = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("cell_*.json")}
+    run_bench(tmp_path, ckpt, "dp8_ep8", "topology=pcie")  # a topology mode labels the layout dp8_ep8@pcie
+    cells = {p.name.replace("@pcie", ""): json.loads(p.read_text()) for p in tmp_path.glob("cell_*.json")}
     assert len(cells) == 4
+    topologies = {n: (c["layout"], c["topology"]["mode"], c["topology"]["effective"]) for n, c in cells.items()}
+    assert topologies["cell_tp8_none_ctx16_c1.json"] == ("tp8", "auto", "no GPU: gloo over loopback")
+    assert topologies["cell_dp8_ep8_none_ctx16_c2.json"] == ("dp8_ep8@pcie", "pcie", "no GPU: gloo over loopback")
     for name, c in cells.items():
         assert c["completed"] == 5 * c["concurrency"] and c["failed"] == 0, name
         assert c["output_throughput"] > 0 and c["median_ttft_ms"] > 0 and c["p99_tpot_ms"] >= c["median_tpot_ms"]
@@ -35,7 +38,7 @@ def test_bench_tiny_matrix(tiny_ckpts, tmp_path):
     assert cells["cell_dp8_ep8_none_ctx16_c2.json"]["matches_reference"] is False
     assert all(c["matches_reference"] for n, c in cells.items() if n.startswith("cell_tp8"))
     md = (tmp_path / "summary.md").read_text()
-    assert md.count("| tp8 | none |") == 2 and md.count("| dp8_ep8 | none |") == 2 and "✗" in md
+    assert md.count("| tp8 | none |") == 2 and md.count("| dp8_ep8@pcie | none |") == 2 and "✗" in md
     assert (tmp_path / "summary.csv").read_text().count("\n") == 5
     for plot in ("throughput_vs_concurrency", "latency_percentiles", "comm_bytes_per_token", "projected_tok_s"):
         assert (tmp_path / f"{plot}.png").stat().st_size > 1000

@@ -308,3 +308,23 @@ def test_plans_on_fake_boxes():
     check_dispatcher(forced, "alltoall", needs_nvlink=False)
     with pytest.raises(TopologyError, match="needs NVLink"):
         check_dispatcher(forced, "deepep", needs_nvlink=True)
+
+
+def test_prepare_sets_the_env_and_refuses_deepep_off_nvlink():
+    """What every script runs before its ranks start: the plan, NCCL's switches, the dispatcher check."""
+    from engine.topology import prepare
+    from parallelism.layout import Layout
+
+    nvl = detect_links(FakeBox(8, True))
+    env = {"PATH": "/bin"}
+    got = prepare("pcie", Layout(world_size=8, attn_tp=8, moe_ep=8), nvl, env)
+    assert env == {"PATH": "/bin", **nccl_env("pcie")} and got["env"] == nccl_env("pcie")
+    assert got["effective"].startswith("pcie (emulated") and got["links"] == "8 GPUs with NVLink P2P"
+    deepep = Layout(world_size=8, attn_dp=8, moe_ep=8, dispatcher="deepep")
+    with pytest.raises(TopologyError, match="'deepep' needs NVLink"):
+        prepare("pcie", deepep, nvl, {})
+    assert prepare("nvlink", deepep, nvl, {})["env"] == nccl_env("nvlink")
+    cpu = {"kind": "none", "backend": "gloo", "reason": CPU_FALLBACK, "gpus": [], "pairs": [], "errors": []}
+    env = {}
+    assert prepare("pcie", deepep, cpu, env)["effective"] == CPU_FALLBACK and env == {}  # DeepEP says why itself
+
