@@ -34,9 +34,6 @@ from engine.scheduler import RequestError, RequestOutput
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
-
-
 class Overloaded(RuntimeError):
     """Running + waiting requests are at the server's capacity."""
 

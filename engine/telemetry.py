@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 GPU_METRICS = ("power_w", "power_pct", "sm_clock_mhz", "mem_clock_mhz", "kernel_active_pct", "sm_active_pct",
                "sm_occupancy_pct", "dram_active_pct")
-BOUNDS = ("memory", "compute", "interconnect", "host/launch")
 
 
 # ---------------------------------------------------------------------------------------------- CPU side

@@ -29,20 +29,6 @@ class TensorSource(Protocol):
     def read(self) -> torch.Tensor: ...
 
 
-class InMemorySource:
-    """TensorSource over a tensor already in memory (tests, tied weights)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-        self.shape = tuple(tensor.shape)
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self.tensor.narrow(dim, start, length)
-
-    def read(self) -> torch.Tensor:
-        return self.tensor
-
-
 @dataclass(frozen=True)
 class CheckpointTensor:
     """One tensor a layer needs: checkpoint-name suffix, expected full shape, and how to load it."""

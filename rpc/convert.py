@@ -18,8 +18,6 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from engine.sampler import SamplingParams
 from engine.scheduler import RequestOutput
 
-CONSTRAINTS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
-
 
 class InvalidRequest(ValueError):
     """A GenerateRequest we cannot serve; the message names the field."""

@@ -33,7 +33,7 @@ from engine.scheduler import SchedulerConfig
 from model.config import load_config
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
-from parallelism.launch import launch
+from parallelism.launch import backend_for, launch
 
 log = logging.getLogger("generate")
 
@@ -122,8 +122,10 @@ def main(cfg: DictConfig) -> None:
     apply_topology(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
+    place = placement(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, spec_config(cfg), placement(cfg), master_port=cfg.master_port)
+           cfg.generate.output, spec_config(cfg), place, master_port=cfg.master_port,
+           backend=backend_for(place.get("type", "cpu")))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from model.config import load_config
 from model.forward import full_logits
 from model.loader import load_model
 from parallelism.comm import build_groups
-from parallelism.launch import launch
+from parallelism.launch import backend_for, launch
 
 log = logging.getLogger("logits")
 
@@ -53,7 +53,8 @@ def main(cfg: DictConfig) -> None:
     seqs = read_input(cfg.logits.input, load_config(ckpt).vocab_size)
     log.info("layout %s, %d sequences, checkpoint %s", layout.describe(), len(seqs), ckpt)
     apply_topology(cfg, layout)
-    launch(layout.world_size, rank_main, layout, ckpt, seqs, cfg.logits.output, master_port=cfg.master_port)
+    launch(layout.world_size, rank_main, layout, ckpt, seqs, cfg.logits.output, master_port=cfg.master_port,
+           backend=backend_for("cpu"))  # the logits script computes on the CPU
 
 
 if __name__ == "__main__":

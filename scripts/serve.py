@@ -42,7 +42,7 @@ from engine.engine import Engine, make_runner, worker_loop
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
 from parallelism.comm import build_groups
-from parallelism.launch import launch
+from parallelism.launch import backend_for, launch
 
 log = logging.getLogger("serve")
 
@@ -105,8 +105,9 @@ def main(cfg: DictConfig) -> None:
     if layout.world_size > 1 and "RANK" not in os.environ:
         forward_stop(rank0_pid)
     try:
+        place = placement(cfg)
         launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
-               placement(cfg), master_port=cfg.master_port)
+               place, master_port=cfg.master_port, backend=backend_for(place.get("type", "cpu")))
     except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
         log.error("serve failed: %s", err)
         sys.exit(1)

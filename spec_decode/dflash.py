@@ -216,11 +216,3 @@ class DFlashDrafter(nn.Module):
                                      f"expected {list(p.shape)}")
                 p.copy_(tensors[key])
         return drafter.eval().requires_grad_(False)
-
-
-def default_target_layer_ids(num_target_layers: int, k: int) -> tuple[int, ...]:
-    """DFlash's default: ``k`` layers spread evenly from layer 1 to ``N - 3`` (or as close as N allows)."""
-    lo, hi = min(1, num_target_layers - 1), max(min(1, num_target_layers - 1), num_target_layers - 3)
-    if k == 1:
-        return (lo,)
-    return tuple(sorted({round(lo + i * (hi - lo) / (k - 1)) for i in range(k)}))

@@ -37,6 +37,15 @@ def test_invalid_layouts_name_the_constraint(kw, words):
         Layout(**kw)
 
 
+def test_every_preset_takes_the_deepep_knobs_and_the_backend_follows_the_device():
+    from parallelism.launch import backend_for
+
+    for preset in PRESETS:  # plain overrides (no "+"): every preset carries the keys
+        lay = layout(preset, "deepep_low_latency=false", "deepep_max_decode_tokens=64")
+        assert (lay.deepep_low_latency, lay.deepep_max_decode_tokens) == (False, 64), preset
+    assert (backend_for("cuda"), backend_for("cpu")) == ("nccl", "gloo")
+
+
 def test_hydra_override_rejected_at_config_time():
     with pytest.raises(LayoutError, match="moe_tp\\*moe_ep must equal world_size"):
         layout("tp8", "moe_ep=2")
