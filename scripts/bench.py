@@ -35,10 +35,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from engine.bench_metrics import RequestRecord, comm_per_output_token, summarize_requests
+from engine.bench_metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
 from engine.bench_report import write_reports
 from engine.cost_model import ModelShape, cpu_box
-from engine.telemetry import TelemetrySampler, compute_floors, verdict
+from engine.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
 from model.config import load_config
 from parallelism.launch import free_port
 from rpc.client import Client
@@ -129,6 +129,25 @@ def cpu_hardware(world_size: int) -> object:
     return cpu_box(num_ranks=world_size, mem_bw_total=5e9, flops_total=50e9, alpha_s=25e-3, bus_bw=1e9)
 
 
+# set per server by bench itself (from bench.spec, the sweep's parallel=/topology= choice, the concurrency)
+_SET_HERE = ("parallel", "spec_decode", "topology", "model.path", "model.drafter_path", "engine.max_num_seqs",
+             "server.max_num_seqs")
+
+
+def server_overrides(task: list[str]) -> list[str]:
+    """The user's overrides of this job that configure its servers, as ``scripts/serve.py`` takes them:
+    ``engine.*``, ``server.*``, ``device=…``, ``model=…``, ``parallel.*`` (e.g. ``parallel.dispatcher=allgather``),
+    ``spec_decode.*`` (sent as ``++…``: not every spec mode's file has every key). Left out: ``bench.*``,
+    ``hydra.*`` and what bench sets per server (:data:`_SET_HERE`)."""
+    out = []
+    for override in task:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key.split(".")[0] in ("bench", "hydra") or key in _SET_HERE:
+            continue
+        out.append("++" + override.lstrip("+") if key.startswith("spec_decode.") else override)
+    return out
+
+
 def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str, context: int, concurrency: int,
              reference: dict, out_dir: Path, shape: ModelShape, vocab: int, bar) -> dict:
     """One (layout, spec, context, concurrency) cell: ``label`` names the layout in files and reports (the
@@ -148,8 +167,8 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
     key = f"{spec}/ctx{context}/c{concurrency}"
     ref = reference.setdefault(key, tokens)
     tau = cell_tau(before.get("spec_decode") or {}, after.get("spec_decode") or {})
-    tpot = (metrics["mean_tpot_ms"] or 0.0) / 1e3
-    step_s = tpot * tau
+    step_s = decode_step_time_s((metrics["mean_tpot_ms"] or 0.0) / 1e3, tau)
+    telemetry = sampler.summary()
     floors = compute_floors(shape, cpu_hardware(layout.world_size), layout, concurrency, context + b.output_len // 2)
     cell = {
         "layout": label, "layout_desc": layout.describe(), "parallel": dataclasses.asdict(layout),
@@ -158,8 +177,10 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
         "num_prompts": n, **metrics, "acceptance_length": tau,
         "comm_per_output_token": comm_per_output_token(before["comm"]["per_op"], after["comm"]["per_op"],
                                                        out_tokens),
-        "cuda_graphs": after.get("cuda_graphs"), "telemetry": sampler.summary(),
-        "telemetry_source": sampler.source, "verdict": verdict(step_s, floors) if step_s > 0 else None,
+        "cuda_graphs": after.get("cuda_graphs"), "telemetry": telemetry,
+        "energy_j_per_output_token": energy_per_token_j(telemetry, out_tokens),
+        "telemetry_source": sampler.source,
+        "verdict": verdict(step_s, floors, telemetry=telemetry) if step_s > 0 else None,
         "matches_reference": tokens == ref, "reference_layout": reference.get("_layout"),
     }
     (out_dir / f"cell_{cell['layout']}_{spec}_ctx{context}_c{concurrency}.json").write_text(
@@ -190,7 +211,8 @@ def main(cfg: DictConfig) -> None:
                                                   for c in b.concurrency)), desc=f"{label} ({total} cells)", unit="req")
     max_c = max(b.concurrency)
     for spec in specs:
-        overrides = [f"model.path={ckpt}", f"parallel={name}", f"spec_decode={spec}", f"topology={topology['mode']}",
+        overrides = [*server_overrides(list(HydraConfig.get().overrides.task)), f"model.path={ckpt}",
+                     f"parallel={name}", f"spec_decode={spec}", f"topology={topology['mode']}",
                      f"engine.max_num_seqs={max(max_c, 1)}", f"server.max_num_seqs={max(max_c, 1)}"]
         if cfg.model.get("drafter_path"):
             overrides.append(f"++model.drafter_path={cfg.model.drafter_path}")

@@ -22,12 +22,17 @@ def test_bench_tiny_matrix(tiny_ckpts, tmp_path):
     assert ref["_layout"] == "tp8" and set(ref) == {"_layout", "none/ctx16/c1", "none/ctx16/c2"}
     ref["none/ctx16/c2"][0][0] += 1  # a wrong reference token: that cell must be marked as not matching
     (tmp_path / "reference_tokens.json").write_text(json.dumps(ref))
-    run_bench(tmp_path, ckpt, "dp8_ep8", "topology=pcie")  # a topology mode labels the layout dp8_ep8@pcie
+    # a topology mode labels the layout dp8_ep8@pcie; parallel.* overrides reach the servers
+    run_bench(tmp_path, ckpt, "dp8_ep8", "topology=pcie", "parallel.dispatcher=allgather")
     cells = {p.name.replace("@pcie", ""): json.loads(p.read_text()) for p in tmp_path.glob("cell_*.json")}
     assert len(cells) == 4
     topologies = {n: (c["layout"], c["topology"]["mode"], c["topology"]["effective"]) for n, c in cells.items()}
     assert topologies["cell_tp8_none_ctx16_c1.json"] == ("tp8", "auto", "no GPU: gloo over loopback")
     assert topologies["cell_dp8_ep8_none_ctx16_c2.json"] == ("dp8_ep8@pcie", "pcie", "no GPU: gloo over loopback")
+    dp = cells["cell_dp8_ep8_none_ctx16_c1.json"]
+    assert dp["parallel"]["dispatcher"] == "allgather" and "(allgather)" in dp["layout_desc"]
+    ops = dp["comm_per_output_token"]["per_op"]
+    assert "world/all_gather" in ops and "world/all_to_all" not in ops, sorted(ops)
     for name, c in cells.items():
         assert c["completed"] == 5 * c["concurrency"] and c["failed"] == 0, name
         assert c["output_throughput"] > 0 and c["median_ttft_ms"] > 0 and c["p99_tpot_ms"] >= c["median_tpot_ms"]
