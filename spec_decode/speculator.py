@@ -29,12 +29,29 @@ from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host
 CommitFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # Speculator.commit_paths' signature
 
 
+def check_drafter_fits(drafter, target, path: str | None) -> None:
+    """Raises ValueError naming the drafter (``path``) and what does not match when a DFlash drafter's config
+    (``DFlashConfig``) was not made for ``target`` (``ModelConfig``): hidden size, the target layers it reads,
+    its mask token."""
+    where = f"spec_decode.drafter_path={path}" if path else "the drafter"
+    hint = ("it was trained for another target: set spec_decode.drafter_path=DIR (model.path=DIR alone keeps the "
+            "model group's drafter, e.g. tiny_kimi's)")
+    if drafter.hidden_size != target.hidden_size:
+        raise ValueError(f"{where} has hidden_size {drafter.hidden_size}, the target {target.hidden_size}; {hint}")
+    if drafter.num_target_layers and drafter.num_target_layers != target.num_layers:
+        raise ValueError(f"{where} was made for a {drafter.num_target_layers}-layer target, this one has "
+                         f"{target.num_layers}; {hint}")
+    if max(drafter.target_layer_ids) >= target.num_layers:
+        raise ValueError(f"{where} reads target layers {list(drafter.target_layer_ids)}, the target has "
+                         f"{target.num_layers}; {hint}")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        raise ValueError(f"{where} has mask_token_id {drafter.mask_token_id}, outside the target's vocab of "
+                         f"{target.vocab_size}; {hint}")
+
+
 class Speculator:
     def __init__(self, model: CausalLM, drafter: DFlashDrafter, cfg: SpecConfig, cache: PagedKVCache):
-        if drafter.c.hidden_size != model.cfg.hidden_size:
-            raise ValueError(f"drafter hidden_size {drafter.c.hidden_size} != target {model.cfg.hidden_size}")
-        if not 0 <= drafter.c.mask_token_id < model.cfg.vocab_size:
-            raise ValueError(f"drafter mask_token_id {drafter.c.mask_token_id} outside the target vocab")
+        check_drafter_fits(drafter.c, model.cfg, cfg.drafter_path)
         self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
         self.capture = tuple(drafter.c.target_layer_ids)
         c = drafter.c

@@ -401,3 +401,23 @@ def test_a_capture_that_fails_on_one_rank_stops_every_rank(pool, tiny_ckpts, ran
     assert len(set(messages)) == 1, messages
     assert messages[0].startswith("CUDA-graph capture of DraftGraphs[1] failed on rank 5: RuntimeError: CUDA error")
     assert messages[0].endswith("engine.static_steps=off runs every step eagerly")
+
+
+def test_a_drafter_made_for_another_target_is_refused_naming_the_path(tiny_ckpts, random_drafter):
+    """``model.path=DIR`` alone keeps the model group's drafter; one that does not fit says so up front."""
+    from model.config import load_config
+    from spec_decode.dflash import DFlashDrafter
+    from spec_decode.speculator import check_drafter_fits
+
+    target, drafter = load_config(tiny_ckpts["tiny_deepseek"]), DFlashDrafter.load(random_drafter).c
+    check_drafter_fits(drafter, target, random_drafter)  # the pair the tests use fits
+    cases = [(dict(hidden_size=32), "has hidden_size 32, the target 64"),
+             (dict(target_layer_ids=(0, 7)), "reads target layers [0, 7], the target has 3"),
+             (dict(num_target_layers=61), "was made for a 61-layer target, this one has 3"),
+             (dict(mask_token_id=10_000), "mask_token_id 10000, outside the target's vocab")]
+    for change, words in cases:
+        with pytest.raises(ValueError) as err:
+            check_drafter_fits(dataclasses.replace(drafter, **change), target, "/zoo/other")
+        message = str(err.value)
+        assert message.startswith("spec_decode.drafter_path=/zoo/other ") and words in message, message
+        assert "set spec_decode.drafter_path=DIR" in message
