@@ -140,6 +140,13 @@ RTX_PRO_6000_PCIE5 = Hardware(
 HARDWARE: dict[str, Hardware] = {"b300": B300_NVLINK5, "h200": H200_NVLINK4, "rtx_pro_6000": RTX_PRO_6000_PCIE5}
 
 
+def profile_for_gpu(name: str | None) -> Hardware | None:
+    """The profile of a box of ``name`` GPUs (an NVML device name, e.g. "NVIDIA H200"), or None when none is
+    known: floors for a measured cell on that box (its native links, also under ``topology=pcie``)."""
+    known = {"B300": B300_NVLINK5, "H200": H200_NVLINK4, "RTX PRO 6000": RTX_PRO_6000_PCIE5}
+    return next((hw for key, hw in known.items() if name and key in name), None)
+
+
 def cpu_box(num_ranks: int, mem_bw_total: float, flops_total: float, alpha_s: float, bus_bw: float,
             name: str = "CPU ranks, gloo over loopback") -> Hardware:
     """A crude profile for ranks sharing one CPU host (the gloo demo): totals (B/s, FLOP/s) split evenly

@@ -188,14 +188,14 @@ def prepare(mode: str, layout, links: dict | None = None, environ: MutableMappin
     asking NVML), a refusal of ``layout``'s dispatcher if it needs NVLink and the links are not NVLink
     (:func:`check_dispatcher`; without GPUs DeepEP's own capability check names what is missing), NCCL's
     switches written into ``environ`` (default ``os.environ``). Returns ``{"mode", "effective", "env", "note",
-    "links"}`` with the links' one-line reason, for logs and reports."""
+    "links", "gpus"}`` with the links' one-line reason and the GPU names, for logs and reports."""
     chosen = plan(mode, links)
     if chosen["effective"] != CPU_FALLBACK:
         dispatcher = layout.resolved_dispatcher
         check_dispatcher(chosen, dispatcher, needs_nvlink=dispatcher == "deepep")
     apply_env(chosen, environ)
     return {"mode": mode, "effective": chosen["effective"], "env": chosen["env"], "note": chosen["note"],
-            "links": chosen["links"]["reason"]}
+            "links": chosen["links"]["reason"], "gpus": [g["name"] for g in chosen["links"]["gpus"]]}
 
 
 def check_dispatcher(plan_: dict, dispatcher: str, needs_nvlink: bool) -> None:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from engine.bench_metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
 from engine.bench_report import write_reports
-from engine.cost_model import ModelShape, cpu_box
+from engine.cost_model import ModelShape, cpu_box, profile_for_gpu
 from engine.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
 from model.config import load_config
 from parallelism.launch import free_port
@@ -129,6 +129,14 @@ def cpu_hardware(world_size: int) -> object:
     return cpu_box(num_ranks=world_size, mem_bw_total=5e9, flops_total=50e9, alpha_s=25e-3, bus_bw=1e9)
 
 
+def floor_hardware(cfg, world_size: int, gpus: list[str]):
+    """The box the verdict's floors model: this CPU host for ``device=cpu``, else the profile of its GPUs
+    (``engine.cost_model.profile_for_gpu``; None for a GPU without one)."""
+    if cfg.device.get("type", "cpu") != "cuda":
+        return cpu_hardware(world_size)
+    return profile_for_gpu(gpus[0] if gpus else None)
+
+
 # set per server by bench itself (from bench.spec, the sweep's parallel=/topology= choice, the concurrency)
 _SET_HERE = ("parallel", "spec_decode", "topology", "model.path", "model.drafter_path", "engine.max_num_seqs",
              "server.max_num_seqs")
@@ -169,7 +177,8 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
     tau = cell_tau(before.get("spec_decode") or {}, after.get("spec_decode") or {})
     step_s = decode_step_time_s((metrics["mean_tpot_ms"] or 0.0) / 1e3, tau)
     telemetry = sampler.summary()
-    floors = compute_floors(shape, cpu_hardware(layout.world_size), layout, concurrency, context + b.output_len // 2)
+    hw = floor_hardware(cfg, layout.world_size, topology["gpus"])
+    floors = hw and compute_floors(shape, hw, layout, concurrency, context + b.output_len // 2)
     cell = {
         "layout": label, "layout_desc": layout.describe(), "parallel": dataclasses.asdict(layout),
         "topology": topology,
@@ -180,7 +189,8 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
         "cuda_graphs": after.get("cuda_graphs"), "telemetry": telemetry,
         "energy_j_per_output_token": energy_per_token_j(telemetry, out_tokens),
         "telemetry_source": sampler.source,
-        "verdict": verdict(step_s, floors, telemetry=telemetry) if step_s > 0 else None,
+        "verdict": verdict(step_s, floors, telemetry=telemetry) if step_s > 0 and floors else None,
+        "floors_hardware": hw.name if hw else f"no profile for GPU {topology['gpus'][:1]}: no verdict",
         "matches_reference": tokens == ref, "reference_layout": reference.get("_layout"),
     }
     (out_dir / f"cell_{cell['layout']}_{spec}_ctx{context}_c{concurrency}.json").write_text(

@@ -11,6 +11,7 @@ import yaml
 from layouts import layout
 
 from engine.cost_model import (
+    H200_NVLINK4,
     HARDWARE,
     KIMI_K2,
     KIMI_K2_INT4,
@@ -24,6 +25,7 @@ from engine.cost_model import (
     dispatch_time,
     forward_calls,
     hardware_table,
+    profile_for_gpu,
     project,
     project_matrix,
     projection_table,
@@ -320,6 +322,9 @@ def test_prepare_sets_the_env_and_refuses_deepep_off_nvlink():
     got = prepare("pcie", Layout(world_size=8, attn_tp=8, moe_ep=8), nvl, env)
     assert env == {"PATH": "/bin", **nccl_env("pcie")} and got["env"] == nccl_env("pcie")
     assert got["effective"].startswith("pcie (emulated") and got["links"] == "8 GPUs with NVLink P2P"
+    assert got["gpus"] == ["NVIDIA H200"] * 8 and profile_for_gpu(got["gpus"][0]) is H200_NVLINK4
+    assert profile_for_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") is RTX_PRO_6000_PCIE5
+    assert profile_for_gpu("NVIDIA A100-SXM4-80GB") is None and profile_for_gpu(None) is None
     deepep = Layout(world_size=8, attn_dp=8, moe_ep=8, dispatcher="deepep")
     with pytest.raises(TopologyError, match="'deepep' needs NVLink"):
         prepare("pcie", deepep, nvl, {})
