@@ -35,6 +35,7 @@ as ``host_overhead_s``, routing skew, prefill, the drafter's own cost).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
@@ -143,8 +144,8 @@ HARDWARE: dict[str, Hardware] = {"b300": B300_NVLINK5, "h200": H200_NVLINK4, "rt
 def profile_for_gpu(name: str | None) -> Hardware | None:
     """The profile of a box of ``name`` GPUs (an NVML device name, e.g. "NVIDIA H200"), or None when none is
     known: floors for a measured cell on that box (its native links, also under ``topology=pcie``)."""
-    known = {"B300": B300_NVLINK5, "H200": H200_NVLINK4, "RTX PRO 6000": RTX_PRO_6000_PCIE5}
-    return next((hw for key, hw in known.items() if name and key in name), None)
+    known = {r"\bB300\b": B300_NVLINK5, r"\bH200\b(?! NVL)": H200_NVLINK4, r"\bRTX PRO 6000\b": RTX_PRO_6000_PCIE5}
+    return next((hw for pattern, hw in known.items() if name and re.search(pattern, name)), None)
 
 
 def cpu_box(num_ranks: int, mem_bw_total: float, flops_total: float, alpha_s: float, bus_bw: float,

@@ -182,13 +182,22 @@ def apply_env(plan_: dict, environ: MutableMapping[str, str] | None = None) -> d
     return dict(plan_["env"])
 
 
-def prepare(mode: str, layout, links: dict | None = None, environ: MutableMapping[str, str] | None = None) -> dict:
+GLOO = "gloo: NCCL unused"
+
+
+def prepare(mode: str, layout, links: dict | None = None, environ: MutableMapping[str, str] | None = None,
+            backend: str = "nccl") -> dict:
     """What the scripts call before they start any rank (spawned ranks inherit the env; under torchrun each rank
     calls it before its process group exists): :func:`plan` for ``mode`` (``links``: detected links instead of
     asking NVML), a refusal of ``layout``'s dispatcher if it needs NVLink and the links are not NVLink
     (:func:`check_dispatcher`; without GPUs DeepEP's own capability check names what is missing), NCCL's
-    switches written into ``environ`` (default ``os.environ``). Returns ``{"mode", "effective", "env", "note",
-    "links", "gpus"}`` with the links' one-line reason and the GPU names, for logs and reports."""
+    switches written into ``environ`` (default ``os.environ``). A job on ``backend`` gloo (``device=cpu``, also
+    on a GPU host) uses no NCCL: nothing is planned, checked or set, whatever the mode. Returns ``{"mode",
+    "effective", "env", "note", "links", "gpus"}`` with the links' one-line reason and the GPU names, for logs
+    and reports."""
+    if backend != "nccl":
+        return {"mode": mode, "effective": GLOO, "env": {}, "note": "NCCL's switches do not apply to gloo",
+                "links": "not asked (gloo)", "gpus": []}
     chosen = plan(mode, links)
     if chosen["effective"] != CPU_FALLBACK:
         dispatcher = layout.resolved_dispatcher

@@ -20,9 +20,9 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, backend: str | None = None) -> None:
-    if torch.cuda.is_available():
+    if (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    else:
+    else:  # CPU ranks (a device=cpu job on a GPU host creates no CUDA context)
         torch.set_num_threads(1)
     init_distributed(rank, world_size, port, backend)
     try:

@@ -32,7 +32,7 @@ import hydra
 import torch
 from common import CONF_DIR, REPO, apply_topology, layout_from, model_dir
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from engine.bench_metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
@@ -40,7 +40,8 @@ from engine.bench_report import write_reports
 from engine.cost_model import ModelShape, cpu_box, profile_for_gpu
 from engine.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
 from model.config import load_config
-from parallelism.launch import free_port
+from parallelism.launch import backend_for, free_port
+from parallelism.layout import Layout
 from rpc.client import Client
 
 log = logging.getLogger("bench")
@@ -143,17 +144,30 @@ _SET_HERE = ("parallel", "spec_decode", "topology", "model.path", "model.drafter
 
 
 def server_overrides(task: list[str]) -> list[str]:
-    """The user's overrides of this job that configure its servers, as ``scripts/serve.py`` takes them:
-    ``engine.*``, ``server.*``, ``device=…``, ``model=…``, ``parallel.*`` (e.g. ``parallel.dispatcher=allgather``),
-    ``spec_decode.*`` (sent as ``++…``: not every spec mode's file has every key). Left out: ``bench.*``,
-    ``hydra.*`` and what bench sets per server (:data:`_SET_HERE`)."""
+    """The user's overrides of this job that configure its servers, as ``scripts/serve.py`` takes them: group
+    choices (``device=cuda``, ``model=hf``) as given, values (``engine.*``, ``server.*``, ``parallel.*`` such as
+    ``parallel.dispatcher=allgather``, ``spec_decode.*``) as ``++key=value`` (serve.yaml and bench.yaml do not
+    hold the same keys, and not every spec mode's file has every key), deletions (``~key``) as given. Left
+    out: ``bench.*``, ``hydra.*`` and what bench sets per server (:data:`_SET_HERE`)."""
     out = []
     for override in task:
         key = override.lstrip("+~").split("=", 1)[0]
-        if key.split(".")[0] in ("bench", "hydra") or key in _SET_HERE:
+        if override.startswith("~"):
+            out.append(override)
+        elif key.split(".")[0] in ("bench", "hydra") or key in _SET_HERE:
             continue
-        out.append("++" + override.lstrip("+") if key.startswith("spec_decode.") else override)
+        else:
+            out.append("++" + override.lstrip("+") if "." in key else override)
     return out
+
+
+def layout_label(name: str, layout, mode: str) -> str:
+    """The layout's name in cell files and reports: the preset, the fields an override changed from it
+    (``ep8[dispatcher=alltoall]``), ``@mode`` for a topology other than auto (``tp8@pcie``)."""
+    preset = Layout(**OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "parallel" / f"{name}.yaml")))
+    changed = [f"{f.name}={getattr(layout, f.name)}" for f in dataclasses.fields(layout)
+               if getattr(layout, f.name) != getattr(preset, f.name)]
+    return name + (f"[{','.join(changed)}]" if changed else "") + ("" if mode == "auto" else f"@{mode}")
 
 
 def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str, context: int, concurrency: int,
@@ -202,7 +216,10 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO)
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    topology = apply_topology(cfg, layout, environ={})  # refuses early; the servers apply it themselves
+    if any(o.lstrip("+").split("=", 1)[0] == "spec_decode" for o in HydraConfig.get().overrides.task):
+        raise SystemExit("bench: choose the spec modes with bench.spec=[none,ddtree,...], not spec_decode=...")
+    backend = backend_for(cfg.device.get("type", "cpu"))
+    topology = apply_topology(cfg, layout, backend, environ={})  # refuses early; the servers apply it themselves
     out_dir = Path(cfg.bench.output_dir)
     if not out_dir.is_absolute():
         out_dir = Path(hydra.utils.get_original_cwd()) / out_dir
@@ -210,7 +227,7 @@ def main(cfg: DictConfig) -> None:
     ref_path = out_dir / "reference_tokens.json"
     reference = json.loads(ref_path.read_text()) if ref_path.exists() else {}
     name = HydraConfig.get().runtime.choices.get("parallel")
-    label = name if topology["mode"] == "auto" else f"{name}@{topology['mode']}"  # topology=nvlink,pcie A/B
+    label = layout_label(name, layout, topology["mode"])
     reference.setdefault("_layout", label)
     mcfg = load_config(ckpt)
     shape = ModelShape.from_config(mcfg, weight_bytes=4, expert_weight_bytes=4, kv_bytes=4, act_bytes=4)

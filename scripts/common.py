@@ -73,13 +73,13 @@ def spec_config(cfg: DictConfig):
     return SpecConfig(**s)
 
 
-def apply_topology(cfg: DictConfig, layout: Layout, environ=None) -> dict:
-    """``topology=auto|nvlink|pcie`` applied on this box before any rank starts (``engine.topology.prepare``);
-    the plan summary, also logged."""
+def apply_topology(cfg: DictConfig, layout: Layout, backend: str, environ=None) -> dict:
+    """``topology=auto|nvlink|pcie`` applied on this box before any rank starts (``engine.topology.prepare``;
+    ``backend``: the job's process-group backend); the plan summary, also logged."""
     from engine.topology import prepare
 
     mode = cfg.topology.mode if "topology" in cfg else "auto"
-    summary = prepare(mode, layout, environ=environ)
+    summary = prepare(mode, layout, environ=environ, backend=backend)
     logging.getLogger("topology").info("topology=%s: %s; NCCL env %s", mode, summary["effective"], summary["env"])
     return summary
 

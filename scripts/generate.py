@@ -119,13 +119,13 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
-    apply_topology(cfg, layout)
+    place = placement(cfg)
+    backend = backend_for(place.get("type", "cpu"))
+    apply_topology(cfg, layout, backend)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
-    place = placement(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, spec_config(cfg), place, master_port=cfg.master_port,
-           backend=backend_for(place.get("type", "cpu")))
+           cfg.generate.output, spec_config(cfg), place, master_port=cfg.master_port, backend=backend)
 
 
 if __name__ == "__main__":

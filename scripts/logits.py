@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
     ckpt = model_dir(cfg)
     seqs = read_input(cfg.logits.input, load_config(ckpt).vocab_size)
     log.info("layout %s, %d sequences, checkpoint %s", layout.describe(), len(seqs), ckpt)
-    apply_topology(cfg, layout)
+    apply_topology(cfg, layout, backend_for("cpu"))
     launch(layout.world_size, rank_main, layout, ckpt, seqs, cfg.logits.output, master_port=cfg.master_port,
            backend=backend_for("cpu"))  # the logits script computes on the CPU
 

@@ -97,7 +97,9 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
-    apply_topology(cfg, layout)
+    place = placement(cfg)
+    backend = backend_for(place.get("type", "cpu"))
+    apply_topology(cfg, layout, backend)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
@@ -105,9 +107,8 @@ def main(cfg: DictConfig) -> None:
     if layout.world_size > 1 and "RANK" not in os.environ:
         forward_stop(rank0_pid)
     try:
-        place = placement(cfg)
         launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
-               place, master_port=cfg.master_port, backend=backend_for(place.get("type", "cpu")))
+               place, master_port=cfg.master_port, backend=backend)
     except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
         log.error("serve failed: %s", err)
         sys.exit(1)

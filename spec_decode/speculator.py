@@ -41,7 +41,8 @@ def check_drafter_fits(drafter, target, path: str | None) -> None:
     if drafter.num_target_layers and drafter.num_target_layers != target.num_layers:
         raise ValueError(f"{where} was made for a {drafter.num_target_layers}-layer target, this one has "
                          f"{target.num_layers}; {hint}")
-    if max(drafter.target_layer_ids) >= target.num_layers:
+    if not drafter.target_layer_ids or not 0 <= min(drafter.target_layer_ids) <= max(drafter.target_layer_ids) \
+            < target.num_layers:
         raise ValueError(f"{where} reads target layers {list(drafter.target_layer_ids)}, the target has "
                          f"{target.num_layers}; {hint}")
     if not 0 <= drafter.mask_token_id < target.vocab_size:

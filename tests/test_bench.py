@@ -22,13 +22,14 @@ def test_bench_tiny_matrix(tiny_ckpts, tmp_path):
     assert ref["_layout"] == "tp8" and set(ref) == {"_layout", "none/ctx16/c1", "none/ctx16/c2"}
     ref["none/ctx16/c2"][0][0] += 1  # a wrong reference token: that cell must be marked as not matching
     (tmp_path / "reference_tokens.json").write_text(json.dumps(ref))
-    # a topology mode labels the layout dp8_ep8@pcie; parallel.* overrides reach the servers
-    run_bench(tmp_path, ckpt, "dp8_ep8", "topology=pcie", "parallel.dispatcher=allgather")
-    cells = {p.name.replace("@pcie", ""): json.loads(p.read_text()) for p in tmp_path.glob("cell_*.json")}
+    # overrides reach the servers (a server.* key serve.yaml has, a parallel.* key) and label the layout
+    run_bench(tmp_path, ckpt, "dp8_ep8", "topology=pcie", "parallel.dispatcher=allgather", "server.max_queue=7")
+    mixed = "dp8_ep8[dispatcher=allgather]@pcie"
+    cells = {p.name.replace(mixed, "dp8_ep8"): json.loads(p.read_text()) for p in tmp_path.glob("cell_*.json")}
     assert len(cells) == 4
     topologies = {n: (c["layout"], c["topology"]["mode"], c["topology"]["effective"]) for n, c in cells.items()}
-    assert topologies["cell_tp8_none_ctx16_c1.json"] == ("tp8", "auto", "no GPU: gloo over loopback")
-    assert topologies["cell_dp8_ep8_none_ctx16_c2.json"] == ("dp8_ep8@pcie", "pcie", "no GPU: gloo over loopback")
+    assert topologies["cell_tp8_none_ctx16_c1.json"] == ("tp8", "auto", "gloo: NCCL unused")
+    assert topologies["cell_dp8_ep8_none_ctx16_c2.json"] == (mixed, "pcie", "gloo: NCCL unused")
     dp = cells["cell_dp8_ep8_none_ctx16_c1.json"]
     assert dp["parallel"]["dispatcher"] == "allgather" and "(allgather)" in dp["layout_desc"]
     ops = dp["comm_per_output_token"]["per_op"]
@@ -44,7 +45,7 @@ def test_bench_tiny_matrix(tiny_ckpts, tmp_path):
     assert cells["cell_dp8_ep8_none_ctx16_c2.json"]["matches_reference"] is False
     assert all(c["matches_reference"] for n, c in cells.items() if n.startswith("cell_tp8"))
     md = (tmp_path / "summary.md").read_text()
-    assert md.count("| tp8 | none |") == 2 and md.count("| dp8_ep8@pcie | none |") == 2 and "✗" in md
+    assert md.count("| tp8 | none |") == 2 and md.count(f"| {mixed} | none |") == 2 and "✗" in md
     assert (tmp_path / "summary.csv").read_text().count("\n") == 5
     for plot in ("throughput_vs_concurrency", "latency_percentiles", "comm_bytes_per_token", "projected_tok_s"):
         assert (tmp_path / f"{plot}.png").stat().st_size > 1000

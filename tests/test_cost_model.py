@@ -325,6 +325,7 @@ def test_prepare_sets_the_env_and_refuses_deepep_off_nvlink():
     assert got["gpus"] == ["NVIDIA H200"] * 8 and profile_for_gpu(got["gpus"][0]) is H200_NVLINK4
     assert profile_for_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") is RTX_PRO_6000_PCIE5
     assert profile_for_gpu("NVIDIA A100-SXM4-80GB") is None and profile_for_gpu(None) is None
+    assert profile_for_gpu("NVIDIA H200 NVL") is None and profile_for_gpu("NVIDIA GB300") is None
     deepep = Layout(world_size=8, attn_dp=8, moe_ep=8, dispatcher="deepep")
     with pytest.raises(TopologyError, match="'deepep' needs NVLink"):
         prepare("pcie", deepep, nvl, {})
@@ -332,4 +333,9 @@ def test_prepare_sets_the_env_and_refuses_deepep_off_nvlink():
     cpu = {"kind": "none", "backend": "gloo", "reason": CPU_FALLBACK, "gpus": [], "pairs": [], "errors": []}
     env = {}
     assert prepare("pcie", deepep, cpu, env)["effective"] == CPU_FALLBACK and env == {}  # DeepEP says why itself
+    pcie = detect_links(FakeBox(8, False))
+    with pytest.raises(TopologyError, match="this box has pcie links"):
+        prepare("nvlink", deepep, pcie, {})
+    gloo = prepare("nvlink", deepep, pcie, env, backend="gloo")  # a device=cpu job on a GPU host: no NCCL at all
+    assert (gloo["effective"], gloo["env"], env) == ("gloo: NCCL unused", {}, {})
 
