@@ -256,10 +256,10 @@ class CapturedGraphs:
         eagerly on one rank and stops the job on several (:func:`raise_if_any_rank_failed`)."""
         if key in self.graphs or key in self.reasons:
             return self.reasons.get(key, "")
-        blocker = self.blocker or key_blocker()
-        if not capturable(device) or blocker:
-            self.reasons[key] = blocker if capturable(device) else "no CUDA device"
-            return self.reasons[key]
+        blocker = (self.blocker or key_blocker()) if capturable(device) else "no CUDA device"
+        if blocker:
+            self.reasons[key] = blocker
+            return blocker
         prepare()
         try:
             captured, failure = capture_graph(run, self.pool), ""

@@ -20,7 +20,8 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, backend: str | None = None) -> None:
-    if (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "nccl":
+    backend = backend or backend_for("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:  # CPU ranks (a device=cpu job on a GPU host creates no CUDA context)
         torch.set_num_threads(1)

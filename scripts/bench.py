@@ -10,7 +10,7 @@ verdict against the floors, and whether its tokens equal the reference layout's 
 After each layout ``summary.csv``, ``summary.md`` and PNG plots are refreshed.
 
 NVLink vs PCIe on one NVLink box: ``-m parallel=tp8,ep8 topology=nvlink,pcie``. Each server applies the mode
-(``scripts/common.apply_topology``: NCCL's switches before its ranks start), cells record the plan, and a mode
+(``scripts/common.prepare_ranks``: NCCL's switches before its ranks start), cells record the plan, and a mode
 other than ``auto`` labels the layout ``tp8@pcie`` in files and reports; the tokens must still equal the first
 job's.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from common import CONF_DIR, REPO, apply_topology, layout_from, model_dir
+from common import CONF_DIR, REPO, layout_from, model_dir, prepare_ranks
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -40,7 +40,7 @@ from engine.bench_report import write_reports
 from engine.cost_model import ModelShape, cpu_box, profile_for_gpu
 from engine.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
 from model.config import load_config
-from parallelism.launch import backend_for, free_port
+from parallelism.launch import free_port
 from parallelism.layout import Layout
 from rpc.client import Client
 
@@ -218,8 +218,7 @@ def main(cfg: DictConfig) -> None:
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     if any(o.lstrip("+").split("=", 1)[0] == "spec_decode" for o in HydraConfig.get().overrides.task):
         raise SystemExit("bench: choose the spec modes with bench.spec=[none,ddtree,...], not spec_decode=...")
-    backend = backend_for(cfg.device.get("type", "cpu"))
-    topology = apply_topology(cfg, layout, backend, environ={})  # refuses early; the servers apply it themselves
+    _, _, topology = prepare_ranks(cfg, layout, environ={})  # refuses early; the servers apply it themselves
     out_dir = Path(cfg.bench.output_dir)
     if not out_dir.is_absolute():
         out_dir = Path(hydra.utils.get_original_cwd()) / out_dir

@@ -73,15 +73,20 @@ def spec_config(cfg: DictConfig):
     return SpecConfig(**s)
 
 
-def apply_topology(cfg: DictConfig, layout: Layout, backend: str, environ=None) -> dict:
-    """``topology=auto|nvlink|pcie`` applied on this box before any rank starts (``engine.topology.prepare``;
-    ``backend``: the job's process-group backend); the plan summary, also logged."""
+def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[dict, str, dict]:
+    """What a script settles before it starts any rank: the ``device`` placement (:func:`placement`), the
+    process-group backend it implies (``parallelism.launch.backend_for``) and ``topology=auto|nvlink|pcie``
+    applied for that backend (``engine.topology.prepare``: NCCL's switches written into ``environ``, default
+    ``os.environ``). Returns ``(placement, backend, topology summary)``; the summary is also logged."""
     from engine.topology import prepare
+    from parallelism.launch import backend_for
 
+    place = placement(cfg)
+    backend = backend_for(place.get("type", "cpu"))
     mode = cfg.topology.mode if "topology" in cfg else "auto"
     summary = prepare(mode, layout, environ=environ, backend=backend)
     logging.getLogger("topology").info("topology=%s: %s; NCCL env %s", mode, summary["effective"], summary["env"])
-    return summary
+    return place, backend, summary
 
 
 def setup_logging(rank: int = 0) -> None:

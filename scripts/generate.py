@@ -15,16 +15,7 @@ import logging
 from pathlib import Path
 
 import hydra
-from common import (
-    CONF_DIR,
-    apply_topology,
-    layout_from,
-    load_target,
-    model_dir,
-    placement,
-    setup_logging,
-    spec_config,
-)
+from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
@@ -33,7 +24,7 @@ from engine.scheduler import SchedulerConfig
 from model.config import load_config
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
-from parallelism.launch import backend_for, launch
+from parallelism.launch import launch
 
 log = logging.getLogger("generate")
 
@@ -119,9 +110,7 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
-    place = placement(cfg)
-    backend = backend_for(place.get("type", "cpu"))
-    apply_topology(cfg, layout, backend)
+    place, backend, _ = prepare_ranks(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),

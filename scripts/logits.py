@@ -12,7 +12,7 @@ import json
 import logging
 
 import hydra
-from common import CONF_DIR, apply_topology, layout_from, model_dir, setup_logging
+from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 
@@ -20,7 +20,7 @@ from model.config import load_config
 from model.forward import full_logits
 from model.loader import load_model
 from parallelism.comm import build_groups
-from parallelism.launch import backend_for, launch
+from parallelism.launch import launch
 
 log = logging.getLogger("logits")
 
@@ -52,9 +52,9 @@ def main(cfg: DictConfig) -> None:
     ckpt = model_dir(cfg)
     seqs = read_input(cfg.logits.input, load_config(ckpt).vocab_size)
     log.info("layout %s, %d sequences, checkpoint %s", layout.describe(), len(seqs), ckpt)
-    apply_topology(cfg, layout, backend_for("cpu"))
+    _, backend, _ = prepare_ranks(cfg, layout)  # no device group: the logits script computes on the CPU (gloo)
     launch(layout.world_size, rank_main, layout, ckpt, seqs, cfg.logits.output, master_port=cfg.master_port,
-           backend=backend_for("cpu"))  # the logits script computes on the CPU
+           backend=backend)
 
 
 if __name__ == "__main__":

@@ -26,23 +26,14 @@ import sys
 
 import hydra
 import torch
-from common import (
-    CONF_DIR,
-    apply_topology,
-    layout_from,
-    load_target,
-    model_dir,
-    placement,
-    setup_logging,
-    spec_config,
-)
+from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
 from parallelism.comm import build_groups
-from parallelism.launch import backend_for, launch
+from parallelism.launch import launch
 
 log = logging.getLogger("serve")
 
@@ -97,9 +88,7 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
-    place = placement(cfg)
-    backend = backend_for(place.get("type", "cpu"))
-    apply_topology(cfg, layout, backend)
+    place, backend, _ = prepare_ranks(cfg, layout)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
