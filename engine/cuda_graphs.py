@@ -100,7 +100,7 @@ class StaticStep:
                  scratch_blocks: tuple[int, ...], capture: tuple[int, ...] = ()):
         self.model, self.cache, self.shape, self.capture = model, cache, shape, capture
         self.max_blocks, self.scratch_blocks = max_blocks, scratch_blocks
-        dev = cache.layers[0][0].device
+        dev = cache.device
         t = shape.batch * shape.nodes
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
@@ -314,7 +314,7 @@ class GraphRunner(CapturedGraphs):
         """Captures ``shape``'s graph; returns "" or why it runs eagerly. The buffers hold a padding-only batch
         during capture, so the warm-up and capture launches touch just the scratch block."""
         step = self.step(shape)
-        return self._capture(shape, self.cache.layers[0][0].device, lambda: step.load([step.padding_seq()]),
+        return self._capture(shape, self.cache.device, lambda: step.load([step.padding_seq()]),
                              step.run, lambda: token_limit_blocker(self.model, shape.batch * shape.nodes))
 
     def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

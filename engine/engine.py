@@ -126,7 +126,7 @@ class Engine:
 def make_runner(model: CausalLM, cfg: SchedulerConfig, spec: SpecConfig | None = None) -> ModelRunner:
     """The rank's ModelRunner, with a Speculator (drafter loaded on every rank) when spec decoding is on, and
     static decode/verify steps per ``cfg.static_steps``."""
-    on_cuda = model.model.norm.weight.device.type == "cuda"
+    on_cuda = model.device.type == "cuda"
     static = cfg.static_steps == "on" or (cfg.static_steps == "auto" and on_cuda)
     sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()
     nodes = spec.scratch_slots if spec is not None and spec.enabled else 1
@@ -136,7 +136,7 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, spec: SpecConfig | None =
     from spec_decode.dflash import DFlashDrafter
     from spec_decode.speculator import Speculator
 
-    drafter = DFlashDrafter.load(spec.drafter_path).place(model.model.norm.weight.device)
+    drafter = DFlashDrafter.load(spec.drafter_path).place(model.device)
     return ModelRunner(model, cfg.num_blocks, cfg.block_size,
                        speculator_factory=lambda m, cache: Speculator(m, drafter, spec, cache), **kw)
 

@@ -57,7 +57,7 @@ def token_limit_blocker(model, tokens: int) -> str:
 def eager_reason(model, static_steps: str) -> str:
     """Why a process whose runner has no static steps replays no graphs (``static_steps``:
     ``engine.static_steps``)."""
-    if model.model.norm.weight.device.type != "cuda":
+    if model.device.type != "cuda":
         return "no CUDA device" if not torch.cuda.is_available() else "model not on a CUDA device"
     return capture_blocker(model) or f"static steps off (engine.static_steps={static_steps})"
 

@@ -31,7 +31,7 @@ class KVSpec:
     @staticmethod
     def for_model(model: CausalLM) -> KVSpec:
         cfg = model.cfg
-        dtype = model.model.norm.weight.dtype
+        dtype = model.dtype
         if cfg.mla is not None:
             shapes = ((cfg.mla.kv_lora_rank,), (cfg.mla.qk_rope_head_dim,))
         else:
@@ -73,6 +73,7 @@ class PagedKVCache:
 
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
         self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        self.device = torch.device(device)
         slots = num_blocks * block_size
         self.layers = [tuple(torch.zeros(slots, *shape, dtype=spec.dtype, device=device)
                              for shape in spec.entry_shapes) for _ in range(spec.num_layers)]
@@ -92,7 +93,7 @@ class PagedKVCache:
     def slot_tensor(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """:meth:`slots` as an int64 tensor ``[end - start]`` on the cache's device, computed there (long
         contexts: no per-token host loop)."""
-        bs, dev = self.block_size, self.layers[0][0].device if self.layers else torch.device("cpu")
+        bs, dev = self.block_size, self.device
         table = torch.tensor(block_table[:-(-end // bs)], dtype=torch.int64, device=dev)
         pos = torch.arange(start, end, device=dev)
         return table[pos // bs] * bs + pos % bs
@@ -116,7 +117,7 @@ class PagedKV:
 
     def __init__(self, cache: PagedKVCache, seqs: list[SeqSlots]):
         self.cache, self.seqs = cache, seqs
-        self.device = dev = cache.layers[0][0].device if cache.layers else torch.device("cpu")
+        self.device = dev = cache.device
         self.padded = bool(seqs) and all(s.query_len == 1 or s.mask is not None for s in seqs)
         reads = [cache.slots(s.block_table, 0, s.start + s.query_len) for s in seqs]
         self.write = torch.tensor([slot for s, r in zip(seqs, reads, strict=True) for slot in r[s.start:]],

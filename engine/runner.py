@@ -30,7 +30,7 @@ class ModelRunner:
         the ``num_blocks`` the scheduler hands out, enough for a ``max_nodes`` padding tree."""
         self.model = model
         scratch = -(-max_nodes // block_size) if static_batch_sizes else 0
-        device = model.model.norm.weight.device
+        device = model.device
         self.device = device
         self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, block_size, device=device)
         self.speculator = speculator_factory(model, self.cache) if speculator_factory else None

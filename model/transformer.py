@@ -63,6 +63,16 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
         self.kernels: KernelSet = reference_kernels()  # the set every module calls (use_kernels), for callers
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.model.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' (and activations') dtype."""
+        return self.model.norm.weight.dtype
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, capture: tuple[int, ...] = ()):
         """Final hidden states ``[T, H]``; with ``capture`` (layer ids) also the concatenated outputs of

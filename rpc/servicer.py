@@ -74,7 +74,7 @@ class ModelFacts:
             vocab_size=cfg.vocab_size, max_model_len=min(sched.max_model_len, cfg.max_position_embeddings),
             model_type=raw.get("model_type", cfg.model_type), architectures=tuple(raw.get("architectures") or ()),
             eos_token_ids=tuple(cfg.eos_token_ids), bos_token_id=int(raw.get("bos_token_id") or 0),
-            pad_token_id=int(pad if pad is not None else 0), dtype=str(engine.model.model.norm.weight.dtype),
+            pad_token_id=int(pad if pad is not None else 0), dtype=str(engine.model.dtype),
             attention="mla" if cfg.mla is not None else "gqa", block_size=sched.block_size,
             max_num_seqs=sched.max_num_seqs * dp)
 

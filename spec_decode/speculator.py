@@ -58,7 +58,7 @@ class Speculator:
         c = drafter.c
         self.context = PagedKVCache(KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers,
                                            next(drafter.parameters()).dtype),
-                                    cache.num_blocks, cache.block_size, device=cache.layers[0][0].device)
+                                    cache.num_blocks, cache.block_size, device=cache.device)
         self.draft_head = self._draft_head_weight()
 
     def _draft_head_weight(self) -> torch.Tensor | None:
@@ -110,7 +110,7 @@ class Speculator:
         their block tables and concatenated; each block sees only its own request's rows (as in training), so
         batching does not change any request's draft."""
         c, d = self.drafter.c, self.cfg.depth
-        dev = self.cache.layers[0][0].device
+        dev = self.cache.device
         ids = torch.tensor([[w.token_ids[0]] + [c.mask_token_id] * d for w in work], dtype=torch.int64, device=dev)
         emb = self.model.embed(ids.reshape(-1)).float().view(len(work), d + 1, -1)  # [J, B, H]
         pos = torch.tensor([w.start for w in work], device=dev)[:, None] + torch.arange(d + 1, device=dev)
@@ -130,7 +130,7 @@ class Speculator:
         """The target's LM head over drafter rows ``[R, H]`` → fp32 logits ``[R, V]`` on every rank (in
         ``draft_head``'s dtype when there is one)."""
         head = self.draft_head
-        hidden = hidden.to(self.model.model.norm.weight.dtype if head is None else head.dtype)
+        hidden = hidden.to(self.model.dtype if head is None else head.dtype)
         return self.model.logits_everywhere(hidden, head).float()
 
     @staticmethod

@@ -28,13 +28,13 @@ class StaticCommit:
 
     def __init__(self, spec: Speculator, batch: int, nodes: int, scratch_blocks: tuple[int, ...]):
         self.spec = spec
-        dev = spec.cache.layers[0][0].device
+        dev = spec.cache.device
         width = len(spec.capture) * spec.model.cfg.hidden_size
         self.tree = DraftTree(*(torch.zeros(batch, nodes, dtype=torch.int64, device=dev) for _ in range(3)),
                               torch.zeros(batch, nodes, dtype=torch.bool, device=dev),
                               torch.zeros(batch, nodes, nodes, dtype=torch.bool, device=dev))
         self.picks = torch.zeros(batch, nodes, dtype=torch.int64, device=dev)
-        self.feats = torch.zeros(batch * nodes, width, dtype=spec.model.model.norm.weight.dtype, device=dev)
+        self.feats = torch.zeros(batch * nodes, width, dtype=spec.model.dtype, device=dev)
         self.slots = torch.zeros(batch, nodes, dtype=torch.int64, device=dev)
         self.start = torch.zeros(batch, dtype=torch.int64, device=dev)
         need = -(-nodes // spec.cache.block_size)

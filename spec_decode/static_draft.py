@@ -41,7 +41,7 @@ class StaticDraft:
     def __init__(self, spec: Speculator, batch: int, max_blocks: int, scratch_blocks: tuple[int, ...]):
         self.spec, self.batch, self.max_blocks, self.scratch_blocks = spec, batch, max_blocks, scratch_blocks
         self.rows = spec.cfg.depth + 1  # [bonus, MASK × depth]
-        dev = spec.context.layers[0][0].device
+        dev = spec.context.device
         b, n = batch, self.rows
         self.bonus = torch.zeros(b, dtype=torch.int64, device=dev)
         self.start = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -178,7 +178,7 @@ def random_speculator(model, cache, budget: int, block_size: int = 16, **drafter
     drafter = DFlashDrafter(DFlashConfig(**{**fields, **drafter_overrides}))
     for name, p in drafter.named_parameters():
         p.data.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * p.shape[-1] ** -0.5)
-    drafter = drafter.place(cache.layers[0][0].device).eval().requires_grad_(False)
+    drafter = drafter.place(cache.device).eval().requires_grad_(False)
     cfg = SpecConfig("ddtree", budget=budget, block_size=block_size, drafter_path="random", tree_temperature=0.33)
     return Speculator(model, drafter, cfg, cache)
 
@@ -196,7 +196,7 @@ def check_draft(spec: Speculator, batch: int, ctx: int, scratch: tuple[int, ...]
         w = SeqWork(str(b), [int(torch.randint(2, spec.model.cfg.vocab_size, (1,), generator=gen))], ctx,
                     list(range(first_block + b * per_seq, first_block + (b + 1) * per_seq)), True, None, 0, 1,
                     True, spec=True)
-        spec.add_context(w, torch.randn(ctx, width, generator=gen).to(spec.context.layers[0][0].device), 0)
+        spec.add_context(w, torch.randn(ctx, width, generator=gen).to(spec.context.device), 0)
         work.append(w)
     graphs = DraftGraphs(spec, per_seq, scratch, (batch,))
     draft = graphs.draft(batch)
