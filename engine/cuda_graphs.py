@@ -9,7 +9,7 @@ the host, so :class:`GraphRunner` can capture it per shape (decode: N = 1 per ba
 N = budget + 1 per (batch size, budget)) and replay it after copying a step's inputs into the buffers. A
 batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
 scratch blocks. Shapes that cannot be captured run the same static step eagerly, with the reason
-recorded in :class:`engine.graphs.GraphCoverage` (a capture that fails in a job of several ranks stops the job
+recorded in :class:`engine.capture.GraphCoverage` (a capture that fails in a job of several ranks stops the job
 instead: :func:`raise_if_any_rank_failed`).
 
 Off CUDA (this CPU box) nothing is captured: the static steps run eagerly and the tests check what a replay
@@ -20,24 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from engine.graphs import GraphCoverage, token_limit_blocker
+from engine.capture import CapturedGraphs, GraphCoverage, token_limit_blocker
 from engine.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
-from parallelism.comm import Comm
 from parallelism.deepep import before_graph_replay
-
-if TYPE_CHECKING:
-    from spec_decode.tree import DraftTree
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -171,117 +163,6 @@ class StaticStep:
         return self.model.logits_everywhere(hidden), feats
 
 
-@contextmanager
-def no_host_sync(enabled: bool = True) -> Iterator[None]:
-    """Inside, any operation that makes the host wait on a CUDA device raises (CUDA sync debug mode "error");
-    a no-op when not ``enabled`` or without CUDA."""
-    if not (enabled and torch.cuda.is_available()):
-        yield
-        return
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-
-
-class GraphCaptureError(RuntimeError):
-    """Capturing a step failed although its eager warm-up runs had worked."""
-
-
-def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Two warm-up calls of ``run`` on a side stream (Triton compiles and autotunes outside the capture), then
-    one captured into a CUDA graph that shares the memory ``pool``. Returns the graph and ``run``'s outputs:
-    static tensors that every replay overwrites. A warm-up that raises propagates (the eager step is broken,
-    running it eagerly would fail alike); a failing capture raises :class:`GraphCaptureError`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = run()
-    except Exception as exc:  # noqa: BLE001 - the caller falls back to eager for this shape
-        raise GraphCaptureError(f"{type(exc).__name__}: {exc}") from exc
-    return graph, outputs
-
-
-def capturable(device: torch.device) -> bool:
-    """Whether graphs can be captured on ``device``: CUDA only."""
-    return device.type == "cuda"
-
-
-def raise_if_any_rank_failed(control: Comm | None, key, failure: str) -> None:
-    """With more than one rank, a capture that failed on any rank (``failure`` non-empty there) stops the job on
-    every rank with :class:`GraphCaptureError` naming the lowest failing rank. A capture that dies half-way can
-    leave a rank's collective state out of step with the others' (DeepEP's low-latency double-buffer index
-    flips per call, captured or not; NCCL's), and an eager fallback would then hang or compute garbage. One
-    all-gather per newly captured key over ``control`` (gloo: it does not depend on NCCL's state); every rank
-    reaches it for the same keys in the same order (the runner prepares draft → verify → commit on every rank,
-    idle attention-DP ranks included)."""
-    if control is None or control.size == 1:
-        return
-    failures = control.all_gather_objects(failure)
-    rank = next((r for r, f in enumerate(failures) if f), None)
-    if rank is not None:
-        raise GraphCaptureError(
-            f"CUDA-graph capture of {key} failed on rank {control.ranks[rank]}: {failures[rank]}. With "
-            f"{control.size} ranks a half-done capture can leave the ranks' collective state apart, so every rank "
-            "stops; engine.static_steps=off runs every step eagerly")
-
-
-class CapturedGraphs:
-    """CUDA graphs by key (a step shape, a batch size), each captured on first use into one shared memory pool;
-    a key that cannot be captured keeps the reason and runs eagerly from then on.
-
-    Sharing the pool means a graph's static outputs may sit in memory another graph uses for scratch: they are
-    valid until the next replay of *any* graph of this object, so a caller consumes (or clones) them first."""
-
-    def __init__(self, blocker: str = "", control: Comm | None = None):
-        """``blocker``: why nothing here may be captured even on CUDA (``engine.graphs.capture_blocker``);
-        ``control``: every rank of the job (``ParallelGroups.control``), see :func:`raise_if_any_rank_failed`."""
-        self.graphs: dict = {}  # key → (graph, its static outputs)
-        self.reasons: dict = {}  # key → why it runs eagerly
-        self.pool, self.blocker, self.control = None, blocker, control
-
-    def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable,
-                 key_blocker: Callable[[], str] = str) -> str:
-        """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
-        ``key`` runs eagerly (``key_blocker()``: why this key alone may not be captured, asked once). Later
-        calls return the first answer. The blockers decide alike on every rank; a failed capture runs the key
-        eagerly on one rank and stops the job on several (:func:`raise_if_any_rank_failed`)."""
-        if key in self.graphs or key in self.reasons:
-            return self.reasons.get(key, "")
-        blocker = (self.blocker or key_blocker()) if capturable(device) else "no CUDA device"
-        if blocker:
-            self.reasons[key] = blocker
-            return blocker
-        prepare()
-        try:
-            captured, failure = capture_graph(run, self.pool), ""
-        except GraphCaptureError as exc:
-            captured, failure = None, str(exc)
-        raise_if_any_rank_failed(self.control, f"{type(self).__name__}[{key!r}]", failure)
-        if failure:
-            self.reasons[key] = f"capture failed: {failure}"
-            return self.reasons[key]
-        self.pool = captured[0].pool()
-        self.graphs[key] = captured
-        return ""
-
-    def _replay_or_run(self, key, run: Callable):
-        """``(replayed, outputs)``: the replayed graph's static outputs, or ``run()``'s."""
-        if key in self.graphs:
-            graph, outputs = self.graphs[key]
-            graph.replay()
-            return True, outputs
-        return False, run()
-
-
 class GraphRunner(CapturedGraphs):
     """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
 
@@ -338,19 +219,18 @@ class GraphRunner(CapturedGraphs):
         self.step(shape).load_layout(seqs)
         return shape
 
-    def run_tree(self, shape: StepShape, tree: DraftTree, start: torch.Tensor
+    def run_tree(self, shape: StepShape, token_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Second half, on the device: ``tree`` ``[B, N]`` and ``start [B]`` (the static draft's outputs, padding
-        rows included) give the tokens (``tree.tokens``), positions (``start + tree.depth``) and ancestor
-        masks; then the replay. Returns logits ``[B*N, V]``, features and the write slots ``[B, N]`` (buffers
-        the next step overwrites)."""
+        """Second half, on the device: the trees' ``token_ids, positions [B*N]`` and ancestor masks ``tree_mask
+        [B, N, N]`` (from the static draft's outputs, padding rows included); then the replay. Returns logits
+        ``[B*N, V]``, features and the write slots ``[B, N]`` (buffers the next step overwrites)."""
         step = self.step(shape)
-        step.load_inputs(tree.tokens.reshape(-1), (start[:, None] + tree.depth).reshape(-1), tree.ancestors)
+        step.load_inputs(token_ids, positions, tree_mask)
         logits, feats = self._launch(shape)
         return logits, feats, step.write_slots.view(shape.batch, shape.nodes)
 
     def _launch(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if shape in self.graphs:
+        if shape in self.captured:
             before_graph_replay()  # a replay cannot run the Python that cleans DeepEP's buffers after normal steps
         replayed, outputs = self._replay_or_run(shape, self.step(shape).run)
         self.coverage.record(shape.kind, replayed, self.reasons.get(shape, ""))

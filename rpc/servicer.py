@@ -32,7 +32,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Overloaded
 from engine.engine import Engine
-from engine.scheduler import RequestOutput
+from engine.step import RequestOutput
 from rpc import convert, info
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,8 @@ def engine_info(engine: Engine) -> dict:
 
 
 def _graph_info(engine: Engine) -> dict:
-    graphs = getattr(engine, "graphs", None)
-    per_kind = graphs.summary() if graphs is not None else {}
+    coverage = getattr(engine, "coverage", None)
+    per_kind = coverage.summary() if coverage is not None else {}
     steps = sum(k["steps"] for k in per_kind.values())
     replays = sum(k["replays"] for k in per_kind.values())
     reasons = sorted({k["eager_reason"] for k in per_kind.values() if k["eager_reason"]})
@@ -113,7 +113,7 @@ def _graph_info(engine: Engine) -> dict:
 
 
 def _spec_info(engine: Engine) -> dict:
-    spec, s = getattr(engine, "spec", None), engine.stats
+    spec, s = getattr(getattr(engine, "speculation", None), "config", None), engine.stats
     enabled = bool(getattr(spec, "enabled", False))
     tau = getattr(s, "acceptance_length", 0.0) or None
     doc = {"enabled": enabled, "method": getattr(spec, "method", "none"), "acceptance_length": tau,

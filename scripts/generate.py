@@ -25,6 +25,7 @@ from model.config import load_config
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.launch import launch
+from spec_decode.speculation import load_speculation
 
 log = logging.getLogger("generate")
 
@@ -60,10 +61,11 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
               place: dict) -> None:
     setup_logging(rank)
     model = load_target(ckpt, build_groups(layout), rank, place)
+    speculation = load_speculation(spec, model)
     if rank != 0:
-        worker_loop(make_runner(model, sched_cfg, spec))
+        worker_loop(make_runner(model, sched_cfg, speculation))
         return
-    engine = Engine(model, sched_cfg, seed, spec)
+    engine = Engine(model, sched_cfg, seed, speculation=speculation)
     model.groups.counter.reset()
     outputs = generate_all(engine, prompts, params)
     engine.shutdown()

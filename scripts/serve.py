@@ -34,6 +34,7 @@ from engine.scheduler import SchedulerConfig
 from model.config import load_config
 from parallelism.comm import build_groups
 from parallelism.launch import launch
+from spec_decode.speculation import load_speculation
 
 log = logging.getLogger("serve")
 
@@ -62,12 +63,13 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
     groups = build_groups(layout)
     model = load_target(ckpt, groups, rank, place)
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
+    speculation = load_speculation(spec, model)
     if rank != 0:
-        worker_loop(make_runner(model, sched_cfg, spec))
+        worker_loop(make_runner(model, sched_cfg, speculation))
         return
     from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
 
-    serve(Engine(model, sched_cfg, seed, spec), ckpt, server_cfg, ranks)
+    serve(Engine(model, sched_cfg, seed, speculation=speculation), ckpt, server_cfg, ranks)
 
 
 def forward_stop(rank0_pid) -> None:

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from engine.cuda_graphs import CapturedGraphs, check_rows, seconds_per_call
-from engine.graphs import GraphCoverage, kernel_blocker
-from engine.scheduler import SeqWork
+from engine.capture import CapturedGraphs, GraphCoverage, kernel_blocker
+from engine.cuda_graphs import check_rows, seconds_per_call
+from engine.step import SeqWork
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
@@ -58,7 +58,8 @@ class StaticDraft:
         if need > len(self.scratch_blocks):
             raise ValueError(f"a draft block of {self.rows} rows needs {need} scratch blocks of {bs} slots, "
                              f"{len(self.scratch_blocks)} reserved")
-        return SeqWork("", [0], 0, list(self.scratch_blocks[:need]), False, None, 0, 0, True, spec=True)
+        return SeqWork(request_id="", token_ids=[0], start=0, block_table=list(self.scratch_blocks[:need]),
+                       sample=False, params=None, seed=0, num_generated=0, decode=True, spec=True)
 
     def load(self, work: list[SeqWork]) -> None:
         """Copies ``work`` (at most ``batch`` speculative items) into the buffers, padding the rest."""
@@ -125,7 +126,6 @@ class DraftGraphs(CapturedGraphs):
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.coverage = coverage or GraphCoverage()
         self.drafts: dict[int, StaticDraft] = {}
-        self.last: tuple[bool, str] = (False, "no draft yet")
 
     def draft(self, batch: int) -> StaticDraft:
         if batch not in self.drafts:
@@ -151,9 +151,8 @@ class DraftGraphs(CapturedGraphs):
         """Replays (or runs) the loaded ``batch`` draft → its trees ``[B, N]`` and first tree positions ``start
         [B]``, on the device in buffers the next launch overwrites: the step's tree verify reads them there
         (``GraphRunner.run_tree``)."""
-        replayed, (_, *fields) = self._replay_or_run(batch, self.draft(batch).run)
-        self.last = (replayed, self.reasons.get(batch, ""))
-        self.coverage.record("draft", *self.last)
+        _, (_, *fields) = self._replay_or_run(batch, self.draft(batch).run)
+        self.coverage.record("draft", *self.status(batch))
         return DraftTree(*fields), self.draft(batch).start
 
     def run(self, work: list[SeqWork], batch: int = 0) -> tuple[DraftTree, torch.Tensor]:

@@ -320,7 +320,7 @@ def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
     same logits and trees with the Triton kernels (interpreted) as with the torch references."""
     from engine.kv_cache import KVSpec, PagedKVCache
     from engine.sampler import SamplingParams
-    from engine.scheduler import SeqWork
+    from engine.step import SeqWork
     from model.kernel_select import KernelSet, reference_kernels
     from model.loader import load_model
     from parallelism.comm import build_groups
@@ -334,7 +334,8 @@ def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
     cache = PagedKVCache(KVSpec.for_model(model), 12, 4)
     spec = Speculator(model, DFlashDrafter.load(random_drafter),
                       SpecConfig("ddtree", budget=6, block_size=5, drafter_path=random_drafter), cache)
-    work = [SeqWork(str(i), [30 + i], n, t, True, SamplingParams(), 0, 1, True, spec=True)
+    work = [SeqWork(request_id=str(i), token_ids=[30 + i], start=n, block_table=t, sample=True,
+                    params=SamplingParams(), seed=0, num_generated=1, decode=True, spec=True)
             for i, (n, t) in enumerate(((7, [3, 5, 1]), (2, [8, 2])))]
     for w in work:
         spec.add_context(w, torch.randn(w.start, len(spec.capture) * model.cfg.hidden_size, generator=gen(6)), 0)
