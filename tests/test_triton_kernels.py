@@ -214,7 +214,7 @@ def test_select_kernels_on_cpu_uses_references():
     ks = select_kernels("cpu")
     assert ks.reasons == dict.fromkeys(OPS, "torch reference: no CUDA device (cpu)")
     assert ks.moe_experts is reference.local_experts and ks.rms_norm is kernels.rms_norm
-    assert not ks.graph_safe  # the references wait on the host: engine.graphs.kernel_blocker
+    assert not ks.graph_safe  # the references wait on the host: engine.capture.kernel_blocker
     assert select_kernels("cpu", backend="torch").reasons["rms_norm"].startswith("torch reference: requested")
     with pytest.raises(RuntimeError, match="no CUDA device.*torch references"):
         select_kernels("cpu", backend="triton")
