@@ -10,7 +10,7 @@ N = budget + 1 per (batch size, budget)) and replay it after copying a step's in
 batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
 scratch blocks. Shapes that cannot be captured run the same static step eagerly, with the reason
 recorded in :class:`engine.capture.GraphCoverage` (a capture that fails in a job of several ranks stops the job
-instead: :func:`raise_if_any_rank_failed`).
+instead: :func:`engine.capture.raise_if_any_rank_failed`).
 
 Off CUDA (this CPU box) nothing is captured: the static steps run eagerly and the tests check what a replay
 relies on — padding, buffer reuse across steps, equality with the dynamic forward.
