@@ -84,9 +84,9 @@ def reference_kernels(reason: str = "default (no kernel set chosen)") -> KernelS
 
 
 def _reference_set(reason: str) -> KernelSet:
-    k = kernels
-    return KernelSet(k.rms_norm, k.add_rms_norm, k.local_experts, k.paged_decode_gqa, k.paged_decode_mla,
-                     k.tree_verify_gqa, k.tree_verify_mla, reasons=dict.fromkeys(OPS, f"torch reference: {reason}"))
+    return KernelSet(kernels.rms_norm, kernels.add_rms_norm, kernels.local_experts, kernels.paged_decode_gqa,
+                     kernels.paged_decode_mla, kernels.tree_verify_gqa, kernels.tree_verify_mla,
+                     reasons=dict.fromkeys(OPS, f"torch reference: {reason}"))
 
 
 def _triton_set(device: torch.device) -> KernelSet:
