@@ -5,7 +5,7 @@ signature, and ``reasons[op]`` saying which implementation was chosen and why. T
 device of compute capability ≥ 8.0 when ``triton`` imports; anything else gets the references. The Triton
 modules are imported only then, so this module loads (and the references run) where triton is absent.
 
-Ops and their references (signatures in :mod:`model.triton.reference` and :mod:`model.kernels`):
+Ops and their references (signatures in :mod:`model.kernels`):
 
 ============================  ===============================================================
 ``rms_norm``                  ``(x, weight, eps)`` → :func:`model.kernels.rms_norm`
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from model import kernels
-from model.triton import reference
 
 OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
        "tree_verify_mla")
@@ -85,9 +84,9 @@ def reference_kernels(reason: str = "default (no kernel set chosen)") -> KernelS
 
 
 def _reference_set(reason: str) -> KernelSet:
-    r = reference
-    return KernelSet(kernels.rms_norm, r.add_rms_norm, r.local_experts, r.paged_decode_gqa, r.paged_decode_mla,
-                     r.tree_verify_gqa, r.tree_verify_mla, reasons=dict.fromkeys(OPS, f"torch reference: {reason}"))
+    return KernelSet(kernels.rms_norm, kernels.add_rms_norm, kernels.local_experts, kernels.paged_decode_gqa,
+                     kernels.paged_decode_mla, kernels.tree_verify_gqa, kernels.tree_verify_mla,
+                     reasons=dict.fromkeys(OPS, f"torch reference: {reason}"))
 
 
 def _triton_set(device: torch.device) -> KernelSet:

@@ -1,4 +1,5 @@
-"""Shard-on-load for HF safetensors checkpoints (one file, or shards with ``model.safetensors.index.json``).
+"""Shard-on-load for HF safetensors checkpoints (one file, or shards with ``model.safetensors.index.json``), and
+the rank's model as the entry points run it: loaded, placed on its device, calling the kernels chosen there.
 
 Each rank asks the model for the tensors it needs (``CausalLM.checkpoint_plan``) and reads only its
 slices through ``safe_open(...).get_slice``. A missing or misshapen tensor, or a quantized dtype, is a
@@ -8,12 +9,14 @@ slices through ``safe_open(...).get_slice``. A missing or misshapen tensor, or a
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from model.config import load_config
+from model.kernel_select import BACKENDS, select_kernels
 from model.transformer import CausalLM
 from parallelism.comm import ParallelGroups
 
@@ -89,3 +92,36 @@ def load_model(ckpt_dir: str | Path, groups: ParallelGroups, dtype=torch.float32
     model = CausalLM(load_config(ckpt_dir), groups, dtype)
     load_weights(model, ckpt_dir)
     return model.eval()
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where each rank's model runs (the ``device`` config group): ``type`` ``cpu`` or ``cuda`` (rank r on
+    ``cuda:<r % device_count>``), ``dtype`` a torch dtype name, ``kernels`` ``auto | triton | torch``
+    (:func:`model.kernel_select.select_kernels`)."""
+
+    type: str = "cpu"
+    dtype: str = "float32"
+    kernels: str = "auto"
+
+    def __post_init__(self):
+        if self.type not in ("cpu", "cuda"):
+            raise ValueError(f"device.type must be cpu or cuda, got {self.type!r}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"device.dtype must name a torch dtype, got {self.dtype!r}")
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"device.kernels must be one of {BACKENDS}, got {self.kernels!r}")
+
+
+def load_target(ckpt: str | Path, groups: ParallelGroups, rank: int, device: DeviceConfig) -> CausalLM:
+    """The rank's model in ``device.dtype`` on its device, calling the kernels :func:`select_kernels` picks
+    there."""
+    model = load_model(ckpt, groups, getattr(torch, device.dtype))
+    where = torch.device("cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("device=cuda, but torch.cuda.is_available() is False on this machine: use device=cpu")
+        where = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(where)
+        model.place(where)
+    return model.use_kernels(select_kernels(where, device.kernels))

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from parallelism.comm import ParallelGroups
-from parallelism.dispatch import DeepEPUnavailable, Dispatcher, ExpertInput, capturing
+from parallelism.dispatch_base import DeepEPUnavailable, Dispatcher, ExpertInput, capturing
 from parallelism.layout import ExpertPlacement
 
 FALLBACK = "parallel.dispatcher=alltoall"

@@ -15,13 +15,14 @@ import logging
 from pathlib import Path
 
 import hydra
-from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
+from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
+from model.loader import DeviceConfig, load_target
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.launch import launch
@@ -58,9 +59,9 @@ def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParam
 
 
 def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: int, output: str, spec,
-              place: dict) -> None:
+              device: DeviceConfig) -> None:
     setup_logging(rank)
-    model = load_target(ckpt, build_groups(layout), rank, place)
+    model = load_target(ckpt, build_groups(layout), rank, device)
     speculation = load_speculation(spec, model)
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, speculation))
@@ -112,11 +113,11 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
-    place, backend, _ = prepare_ranks(cfg, layout)
+    device, backend, _ = prepare_ranks(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, spec_config(cfg), place, master_port=cfg.master_port, backend=backend)
+           cfg.generate.output, spec_config(cfg), device, master_port=cfg.master_port, backend=backend)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ import sys
 
 import hydra
 import torch
-from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
+from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
+from model.loader import DeviceConfig, load_target
 from parallelism.comm import build_groups
 from parallelism.launch import launch
 from spec_decode.speculation import load_speculation
@@ -50,7 +51,7 @@ def configs(cfg: DictConfig):
 
 
 def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_cfg, spec, seed: int,
-              rank0_pid, place: dict) -> None:
+              rank0_pid, device: DeviceConfig) -> None:
     setup_logging(rank)
     if rank == 0:
         from rpc.server import request_stop_on_signals
@@ -61,7 +62,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then releases us (or SIGKILLs us)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups = build_groups(layout)
-    model = load_target(ckpt, groups, rank, place)
+    model = load_target(ckpt, groups, rank, device)
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     speculation = load_speculation(spec, model)
     if rank != 0:
@@ -90,7 +91,7 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     load_config(ckpt)
-    place, backend, _ = prepare_ranks(cfg, layout)
+    device, backend, _ = prepare_ranks(cfg, layout)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
@@ -99,7 +100,7 @@ def main(cfg: DictConfig) -> None:
         forward_stop(rank0_pid)
     try:
         launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
-               place, master_port=cfg.master_port, backend=backend)
+               device, master_port=cfg.master_port, backend=backend)
     except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
         log.error("serve failed: %s", err)
         sys.exit(1)

@@ -30,8 +30,8 @@ from model.batch import PaddedContext
 from model.config import MLAConfig, MoEConfig
 from model.kernel_select import OPS, select_kernels
 from model.moe import LocalExperts
-from model.tree_mask import ancestor_mask
-from model.triton import cases, reference
+from model.tree_mask import ancestor_mask, resolve_tree_mask
+from model.triton import cases
 from parallelism.layout import ExpertPlacement
 
 if not triton.knobs.runtime.interpret:
@@ -76,14 +76,14 @@ def test_ancestor_mask_hand_worked():
     assert mask[0, 2].nonzero().flatten().tolist() == [0, 1, 2]
     assert (mask[1].sum(dim=1) == torch.tensor([1] + [2] * 8)).all()
     with pytest.raises(ValueError, match="exactly one"):
-        reference.resolve_tree_mask(mask, parents)
+        resolve_tree_mask(mask, parents)
 
 
 @pytest.mark.parametrize("routing", ["spread", "one_expert", "none_local"])
 def test_fused_moe_matches_local_experts(routing):
     case = cases.expert_case(40, 3, hidden=24, inter=20, local_experts=4, routing=routing, gen=gen())
     out = moe.fused_moe(**case)
-    torch.testing.assert_close(out, reference.local_experts(**case), **TOL)
+    torch.testing.assert_close(out, kernels.local_experts(**case), **TOL)
     if routing == "none_local":
         assert not out.any()
 
@@ -96,7 +96,7 @@ def test_masked_moe_on_deepep_packed_rows(counts):
     case = cases.packed_expert_case(counts, 32, hidden=24, inter=20, gen=gen(3))
     inp = case["inp"]
     valid = (inp.slots >= 0).flatten()
-    want = reference.local_experts(**case)
+    want = kernels.local_experts(**case)
     direct = moe.masked_moe(inp.hidden.view(3, 32, 24), inp.packed_counts, case["w_gate_up"], case["w_down"])
     assert direct.shape == (3, 32, 24)
     for got in (direct.view(96, 24), moe.fused_moe(**case)):
@@ -112,17 +112,17 @@ def test_fused_moe_takes_the_masked_path_for_packed_rows():
     valid = (inp.slots >= 0).flatten()
     no_slots = dataclasses.replace(inp, slots=torch.full_like(inp.slots, -1))
     out = moe.fused_moe(no_slots, case["w_gate_up"], case["w_down"])
-    torch.testing.assert_close(out[valid], reference.local_experts(**case)[valid], **TOL)
+    torch.testing.assert_close(out[valid], kernels.local_experts(**case)[valid], **TOL)
 
 
 def test_local_experts_reference_is_the_module():
-    """reference.local_experts is LocalExperts.forward itself (bit-exact), for a rank holding 4 of 8 experts."""
+    """kernels.local_experts is LocalExperts.forward itself (bit-exact), for a rank holding 4 of 8 experts."""
     cfg = MoEConfig(num_experts=8, top_k=3, intermediate_size=20, scoring="softmax", norm_topk_prob=False)
     module = LocalExperts(24, cfg, ExpertPlacement(8, moe_ep=2, moe_tp=1), ep_rank=1, tp_rank=0)
     case = cases.expert_case(40, 3, hidden=24, inter=20, local_experts=4, routing="spread", gen=gen(1))
     module.w_gate_up.copy_(case["w_gate_up"])
     module.w_down.copy_(case["w_down"])
-    assert torch.equal(module(case["inp"]), reference.local_experts(**case))
+    assert torch.equal(module(case["inp"]), kernels.local_experts(**case))
 
 
 @pytest.mark.parametrize("inter", [20, 6], ids=["grouped_gemm", "unaligned_per_expert"])
@@ -138,21 +138,21 @@ def test_local_experts_match_a_per_row_sum(inter, routing):
             if slot >= 0:
                 gate, up = (w_gate_up[slot] @ inp.hidden[row]).split(inter)
                 want[row] += weight * (w_down[slot] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(reference.local_experts(**case), want, **TOL)
+    torch.testing.assert_close(kernels.local_experts(**case), want, **TOL)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_decode_gqa(num_splits):
     case = cases.gqa_case(LENS, heads=6, kv_heads=2, head_dim=24, block_size=4, gen=gen())
     out = attention.paged_decode_gqa(**case, num_splits=num_splits)
-    torch.testing.assert_close(out, reference.paged_decode_gqa(**case), **TOL)
+    torch.testing.assert_close(out, kernels.paged_decode_gqa(**case), **TOL)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_decode_mla(num_splits):
     case = cases.mla_case(LENS, heads=4, latent=40, rope=8, block_size=4, gen=gen())
     out = attention.paged_decode_mla(**case, num_splits=num_splits)
-    torch.testing.assert_close(out, reference.paged_decode_mla(**case), **TOL)
+    torch.testing.assert_close(out, kernels.paged_decode_mla(**case), **TOL)
 
 
 def test_mla_decode_kernel_inside_decode_absorbed():
@@ -169,7 +169,7 @@ def test_mla_decode_kernel_inside_decode_absorbed():
     m = max(LENS)
     valid = torch.arange(m)[None, :] < torch.tensor(LENS)[:, None]
     padded = [torch.stack([torch.nn.functional.pad(
-        reference.gather_paged(cache, case["block_tables"][b], n, 4), (0, 0, 0, m - n)) for b, n in enumerate(LENS)])
+        kernels.gather_paged(cache, case["block_tables"][b], n, 4), (0, 0, 0, m - n)) for b, n in enumerate(LENS)])
         for cache in (case["latent_cache"], case["rope_cache"])]
     layer = SimpleNamespace(mla=MLAConfig(None, latent, dn, dr, dv), heads=heads,
                             kv_b_proj=SimpleNamespace(weight=w), scale=case["scale"])
@@ -182,7 +182,7 @@ def test_mla_decode_kernel_inside_decode_absorbed():
 
 def test_tree_verify_gqa():
     case = cases.gqa_case([5, 9, 75], heads=6, kv_heads=2, head_dim=24, block_size=4, gen=gen(), tree=5)
-    ref = reference.tree_verify_gqa(**case)
+    ref = kernels.tree_verify_gqa(**case)
     torch.testing.assert_close(attention.tree_verify_gqa(**case, num_splits=2), ref, **TOL)
     by_mask = {k: v for k, v in case.items() if k != "parents"}
     mask = ancestor_mask(case["parents"])
@@ -191,7 +191,7 @@ def test_tree_verify_gqa():
 
 def test_tree_verify_mla():
     case = cases.mla_case([5, 9, 75], heads=4, latent=40, rope=8, block_size=4, gen=gen(), tree=5)
-    ref = reference.tree_verify_mla(**case)
+    ref = kernels.tree_verify_mla(**case)
     torch.testing.assert_close(attention.tree_verify_mla(**case, num_splits=2), ref, **TOL)
     by_mask = {k: v for k, v in case.items() if k != "parents"}
     mask = ancestor_mask(case["parents"])
@@ -205,7 +205,7 @@ def test_rms_norm_and_residual():
                                kernels.rms_norm(x3, case["weight"], case["eps"]), **TOL)
     case = cases.norm_case(6, 40, gen(1), residual=True)
     normed, residual = norm.add_rms_norm(**case)
-    ref_normed, ref_residual = reference.add_rms_norm(**case)
+    ref_normed, ref_residual = kernels.add_rms_norm(**case)
     torch.testing.assert_close(normed, ref_normed, **TOL)
     assert torch.equal(residual, ref_residual)
 
@@ -213,7 +213,7 @@ def test_rms_norm_and_residual():
 def test_select_kernels_on_cpu_uses_references():
     ks = select_kernels("cpu")
     assert ks.reasons == dict.fromkeys(OPS, "torch reference: no CUDA device (cpu)")
-    assert ks.moe_experts is reference.local_experts and ks.rms_norm is kernels.rms_norm
+    assert ks.moe_experts is kernels.local_experts and ks.rms_norm is kernels.rms_norm
     assert not ks.graph_safe  # the references wait on the host: engine.capture.kernel_blocker
     assert select_kernels("cpu", backend="torch").reasons["rms_norm"].startswith("torch reference: requested")
     with pytest.raises(RuntimeError, match="no CUDA device.*torch references"):
@@ -223,7 +223,7 @@ def test_select_kernels_on_cpu_uses_references():
 def test_every_kernel_compiles_for_sm90():
     """Real Triton compiler and ptxas (shipped with triton), production shapes, no GPU needed; the core set
     (every code path once, ~20 s cold, seconds with a warm Triton cache). The PTX of the fp32 configuration has
-    no TF32 MMA (with Triton's default ``input_precision`` it has; see ``reference.dot_precision``)."""
+    no TF32 MMA (with Triton's default ``input_precision`` it has; see ``model.triton.precision.dot_precision``)."""
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this triton build has no NVIDIA backend, so there is no compiler to run")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -254,17 +254,17 @@ def test_gpu_check_on_cpu_runs_the_cpu_parts_and_says_the_rest_was_skipped(tmp_p
 
 
 HALF_CASES = [  # (kernel, reference, inputs(generator)) in fp16
-    pytest.param(attention.paged_decode_gqa, reference.paged_decode_gqa,
+    pytest.param(attention.paged_decode_gqa, kernels.paged_decode_gqa,
                  lambda g: cases.gqa_case(LENS, 6, 2, 24, 4, g, dtype=torch.float16), id="paged_decode_gqa"),
-    pytest.param(attention.tree_verify_mla, reference.tree_verify_mla,
+    pytest.param(attention.tree_verify_mla, kernels.tree_verify_mla,
                  lambda g: cases.mla_case([5, 9, 75], 4, 40, 8, 4, g, tree=5, dtype=torch.float16),
                  id="tree_verify_mla"),
-    pytest.param(moe.fused_moe, reference.local_experts,
+    pytest.param(moe.fused_moe, kernels.local_experts,
                  lambda g: cases.expert_case(40, 3, 24, 20, 4, "spread", g, dtype=torch.float16), id="fused_moe"),
-    pytest.param(cases.valid_rows_only(moe.fused_moe), cases.valid_rows_only(reference.local_experts),
+    pytest.param(cases.valid_rows_only(moe.fused_moe), cases.valid_rows_only(kernels.local_experts),
                  lambda g: cases.packed_expert_case([0, 7, 16, 3], 16, 24, 20, g, dtype=torch.float16),
                  id="masked_moe"),
-    pytest.param(norm.add_rms_norm, reference.add_rms_norm,
+    pytest.param(norm.add_rms_norm, kernels.add_rms_norm,
                  lambda g: cases.norm_case(6, 40, g, residual=True, dtype=torch.float16), id="add_rms_norm"),
 ]
 

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from model.triton import attention, moe, norm
-from model.triton.reference import dot_precision
+from model.triton.precision import dot_precision
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may opt into on sm_90 and sm_100
 FLOAT_ARGS = ("scale", "eps")

@@ -1,6 +1,6 @@
 """Paged attention for decode and tree verify, GQA and MLA in absorbed form, as Triton kernels.
 
-Cache layout and ``context_lens`` as in :mod:`model.triton.reference` (flat ``[num_slots, ...]`` caches, block
+Cache layout and ``context_lens`` as in :mod:`model.kernels` (flat ``[num_slots, ...]`` caches, block
 tables, lengths that include this step's tokens). One kernel per attention kind serves both step kinds:
 decode is N = 1 with no tree mask; tree verify has N nodes that see every earlier key and, among the last N
 keys, the ones the ancestor mask allows.
@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.triton.reference import dot_precision, resolve_tree_mask
+from model.tree_mask import resolve_tree_mask
+from model.triton.precision import dot_precision
 
 
 @triton.jit
@@ -233,7 +234,7 @@ def paged_decode_gqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Decode GQA. ``q [B, H, D]``; ``k_cache, v_cache [num_slots, KVH, D]`` (same dtype as q, H % KVH == 0);
     ``block_tables [B, max_blocks]`` int32/int64; ``context_lens [B]`` int32/int64, ≥ 1. Returns ``[B, H, D]``
     in q's dtype. ``num_splits`` None = :func:`default_num_splits`. Reference:
-    :func:`model.triton.reference.paged_decode_gqa`."""
+    :func:`model.kernels.paged_decode_gqa`."""
     mask = _mask_arg(None, None, q)
     return _gqa(q[:, None], k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, num_splits)[:, 0]
 
@@ -243,7 +244,7 @@ def paged_decode_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torc
                      num_splits: int | None = None) -> torch.Tensor:
     """Decode MLA, absorbed. ``q_lat [B, H, L]``, ``q_pe [B, H, R]``; ``latent_cache [num_slots, L]``,
     ``rope_cache [num_slots, R]``; tables and lengths as :func:`paged_decode_gqa`. Returns ``[B, H, L]``
-    (latent space: the caller applies ``W_uv``). Reference: :func:`model.triton.reference.paged_decode_mla`."""
+    (latent space: the caller applies ``W_uv``). Reference: :func:`model.kernels.paged_decode_mla`."""
     mask = _mask_arg(None, None, q_lat)
     return _mla(q_lat[:, None], q_pe[:, None], latent_cache, rope_cache, block_tables, context_lens, block_size,
                 scale, mask, num_splits)[:, 0]
@@ -254,7 +255,7 @@ def tree_verify_gqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     parents: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Tree verify GQA. ``q [B, N, H, D]``: the N nodes are the last N of the ``context_lens[b]`` cached keys;
     give ``tree_mask [B, N, N]`` bool (True = node i sees tree node j) or ``parents [B, N]`` (−1 = root;
-    ancestors and self). Returns ``[B, N, H, D]``. Reference: :func:`model.triton.reference.tree_verify_gqa`."""
+    ancestors and self). Returns ``[B, N, H, D]``. Reference: :func:`model.kernels.tree_verify_gqa`."""
     mask = _mask_arg(tree_mask, parents, q)
     return _gqa(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, num_splits)
 
@@ -265,7 +266,7 @@ def tree_verify_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch
                     num_splits: int | None = None) -> torch.Tensor:
     """Tree verify MLA, absorbed. ``q_lat [B, N, H, L]``, ``q_pe [B, N, H, R]``; caches as
     :func:`paged_decode_mla`, mask as :func:`tree_verify_gqa`. Returns ``[B, N, H, L]``. Reference:
-    :func:`model.triton.reference.tree_verify_mla`."""
+    :func:`model.kernels.tree_verify_mla`."""
     mask = _mask_arg(tree_mask, parents, q_lat)
     return _mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale, mask,
                 num_splits)

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.triton.reference import dot_precision
-from parallelism.dispatch import ExpertInput
+from model.triton.precision import dot_precision
+from parallelism.dispatch_base import ExpertInput
 
 
 def moe_align_block_size(slots: torch.Tensor, num_experts: int,
@@ -206,7 +206,7 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
     ``inp.hidden [N, H]``, ``inp.slots [N, k]`` int (−1 = not local), ``inp.weights [N, k]`` fp32;
     ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]`` in hidden's dtype. Returns ``[N, H]`` in hidden's dtype
-    (accumulated in fp32). Reference: :func:`model.triton.reference.local_experts`. Rows in DeepEP's packed
+    (accumulated in fp32). Reference: :func:`model.kernels.local_experts`. Rows in DeepEP's packed
     layout (``inp.packed_counts`` set) go to :func:`masked_moe`.
     """
     if inp.packed_counts is not None:
@@ -244,7 +244,7 @@ def masked_moe(packed: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tens
     (on the device: no host sync, the grid depends on shapes only, so it is graph-safe), ``w_gate_up [E, 2I, H]``,
     ``w_down [E, H, I]``. Returns ``[E, R, H]`` in packed's dtype: ``down(silu(gate) * up)`` of every valid row;
     rows past the count are left unwritten (unspecified; ``low_latency_combine`` reads valid rows only).
-    Reference: :func:`model.triton.reference.local_experts` on :func:`parallelism.deepep.packed_to_expert_input`.
+    Reference: :func:`model.kernels.local_experts` on :func:`parallelism.deepep.packed_to_expert_input`.
     """
     (experts, rows_per_expert, hidden), inter = packed.shape, w_gate_up.shape[1] // 2
     out = torch.empty_like(packed)
