@@ -65,7 +65,7 @@ def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) 
     dev = logq.device
     neg = torch.full((), float("-inf"), dtype=logq.dtype, device=dev)  # made on the device: capture-safe
     beam_score = torch.full((budget,), float("-inf"), dtype=logq.dtype, device=dev)
-    beam_score[0] = 0.0  # the root
+    beam_score.narrow(0, 0, 1).fill_(0.0)  # the root; `beam_score[0] = 0.0` would copy a host scalar (no capture)
     scores, parents, tokens = [], [], []
     for d in range(d_max):
         cand = beam_score[:, None] + top_lp[d][None, :]  # [B, K]
