@@ -20,7 +20,7 @@ docs/gpu_path.md, "Capture-safety audit".
 
 from __future__ import annotations
 
-import traceback
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -86,9 +86,13 @@ class CaptureUnsafe(AssertionError):
 
 def user_frames(depth: int = 3) -> str:
     """The innermost ``depth`` frames in this repository's files (not torch's, not this module's)."""
-    frames = [f for f in traceback.extract_stack()
-              if f.filename.startswith(str(ROOT)) and f.filename != __file__ and "site-packages" not in f.filename]
-    return " ← ".join(f"{Path(f.filename).relative_to(ROOT)}:{f.lineno} {f.name}" for f in reversed(frames[-depth:]))
+    frames, frame = [], sys._getframe(1)
+    while frame is not None and len(frames) < depth:
+        name = frame.f_code.co_filename
+        if name.startswith(str(ROOT)) and name != __file__ and "site-packages" not in name:
+            frames.append(f"{Path(name).relative_to(ROOT)}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " ← ".join(frames)
 
 
 def _tensors(tree) -> list[torch.Tensor]:
