@@ -107,11 +107,10 @@ class StaticDraft:
         hidden = spec.drafter.run_blocks(emb, pos, attends).view(b, n, -1)[:, 1:1 + cfg.draft_rows]
         logits = spec.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(b, cfg.draft_rows, -1)  # [B, D', V]
         if cfg.method == "dflash":
-            trees = [build_chain(logits[j], self.bonus[j]) for j in range(b)]
-        else:
-            logq = (logits / cfg.tree_temperature).log_softmax(dim=-1)
-            trees = [build_tree(logq[j], self.bonus[j], cfg.budget) for j in range(b)]
-        return (logits, *(torch.stack([getattr(t, f) for t in trees]) for f in FIELDS))
+            trees = build_chain(logits, self.bonus)
+        else:  # one build for the whole batch
+            trees = build_tree((logits / cfg.tree_temperature).log_softmax(dim=-1), self.bonus, cfg.budget)
+        return (logits, *(getattr(trees, f) for f in FIELDS))
 
 
 class DraftGraphs(CapturedGraphs):
