@@ -253,7 +253,7 @@ def audited_capture() -> Iterator[AuditLog]:
     Yields the log."""
     from fake_capture import ReplayGraph
 
-    import engine.cuda_graphs as cg
+    import engine.capture as cg
     import engine.runner as runner
 
     log = AuditLog([], [])

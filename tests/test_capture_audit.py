@@ -4,8 +4,6 @@ engine — decode, verify, draft, commit and the strict_sync region, DFlash and 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from capture_audit import CaptureUnsafe, audit_region, audited_capture, check, stub_triton_launches, triton_kernel_set
@@ -13,7 +11,9 @@ from capture_audit import CaptureUnsafe, audit_region, audited_capture, check, s
 from engine.cuda_graphs import random_model  # the GPU checks' random-weight builders (issue 19 moves them)
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
-from engine.scheduler import SeqWork
+from engine.step import SeqWork
+from spec_decode.config import SpecConfig
+from spec_decode.speculation import speculation_from
 from spec_decode.static_draft import random_speculator
 from spec_decode.tree import build_tree
 
@@ -115,32 +115,33 @@ def spec_runner(method: str, budget: int, batch: int) -> ModelRunner:
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
     model.use_kernels(triton_kernel_set())
 
+    cfg = SpecConfig(method, budget=budget, block_size=BLOCK, drafter_path="random", tree_temperature=0.33)
+
     def factory(m, cache):
         spec = random_speculator(m, cache, budget, block_size=BLOCK)
-        spec.cfg = dataclasses.replace(spec.cfg, method=method)
+        spec.cfg = cfg
         return spec
 
-    nodes = max(budget + 1, BLOCK)
-    per_seq = -(-(CTX + 2 + nodes) // BLOCK)
-    runner = ModelRunner(model, batch * per_seq, BLOCK, factory, static_batch_sizes=(batch,),
-                         max_model_len=CTX + 2, max_nodes=nodes)
+    per_seq = -(-(CTX + 2 + cfg.scratch_slots) // BLOCK)
+    runner = ModelRunner(model, batch * per_seq, BLOCK, speculation_from(cfg, factory), static_batch_sizes=(batch,),
+                         max_model_len=CTX + 2)
     runner.strict_sync = True  # the region gpu_check's spec_steps runs under CUDA's sync debug mode
     return runner
 
 
 def run_every_kind(runner: ModelRunner, batch: int) -> dict:
     """Prefill (dynamic), one static decode step, one static speculative step (draft → verify → commit)."""
-    per_seq = runner.graphs.max_blocks  # request b in blocks b*per_seq ..; the scratch blocks come after
+    per_seq = runner.static.max_blocks  # request b in blocks b*per_seq ..; the scratch blocks come after
     gen = torch.Generator().manual_seed(0)
     seqs = [dict(request_id=str(b), block_table=list(range(b * per_seq, (b + 1) * per_seq)),
                  params=PARAMS[b % len(PARAMS)], seed=b) for b in range(batch)]
     prompts = [torch.randint(2, 64, (CTX,), generator=gen).tolist() for _ in range(batch)]
     out = runner.execute([SeqWork(**s, token_ids=p, start=0, sample=True, num_generated=0, decode=False)
-                          for s, p in zip(seqs, prompts, strict=True)])
+                          for s, p in zip(seqs, prompts, strict=True)]).results
     out = runner.execute([SeqWork(**s, token_ids=out[s["request_id"]].tokens, start=CTX, sample=True,
-                                  num_generated=1, decode=True) for s in seqs])
+                                  num_generated=1, decode=True) for s in seqs]).results
     return runner.execute([SeqWork(**s, token_ids=out[s["request_id"]].tokens, start=CTX + 1, sample=True,
-                                   num_generated=2, decode=True, spec=True) for s in seqs])
+                                   num_generated=2, decode=True, spec=True) for s in seqs]).results
 
 
 CASES = [("ddtree", b, n) for b in BUDGETS for n in (1, 8)] + [("dflash", 16, n) for n in (1, 8)]
