@@ -17,11 +17,11 @@ from pathlib import Path
 import hydra
 from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
+from preflight import one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
-from model.config import load_config
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.launch import launch
@@ -106,15 +106,18 @@ def read_prompts(path: str, ckpt: str) -> list[list[int]]:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="generate", version_base=None)
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    load_config(ckpt)
+    spec = spec_config(cfg)
+    preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None, input=cfg.generate.input,
+              output=cfg.generate.output)
     place, backend, _ = prepare_ranks(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, spec_config(cfg), place, master_port=cfg.master_port, backend=backend)
+           cfg.generate.output, spec, place, master_port=cfg.master_port, backend=backend)
 
 
 if __name__ == "__main__":
