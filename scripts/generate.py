@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from preflight import one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
+from engine.kv_budget import size_kv_cache
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from model.tokenizer import load_tokenizer
@@ -60,6 +61,7 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
               place: dict) -> None:
     setup_logging(rank)
     model = load_target(ckpt, build_groups(layout), rank, place)
+    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, spec))
         return

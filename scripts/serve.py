@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from preflight import one_line, one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
+from engine.kv_budget import size_kv_cache
 from engine.scheduler import SchedulerConfig
 from parallelism.comm import build_groups
 from parallelism.launch import launch
@@ -61,6 +62,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups = build_groups(layout)
     model = load_target(ckpt, groups, rank, place)
+    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, spec))
