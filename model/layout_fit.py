@@ -23,7 +23,8 @@ def layout_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
         out.append(f"num_key_value_heads={cfg.num_kv_heads} and parallel.attn_tp={tp}: one must divide the other")
     if any(cfg.moe_layers):
         if cfg.moe.num_experts % ep:
-            out.append(f"n_routed_experts/num_experts={cfg.moe.num_experts} is not divisible by parallel.moe_ep={ep} "
+            field = "n_routed_experts" if cfg.model_type == "deepseek_v3" else "num_experts"
+            out.append(f"{field}={cfg.moe.num_experts} is not divisible by parallel.moe_ep={ep} "
                        f"(moe_ep must divide it: {_divisors(cfg.moe.num_experts)})")
         if cfg.moe.intermediate_size % etp:
             out.append(f"moe_intermediate_size={cfg.moe.intermediate_size} is not divisible by parallel.moe_tp={etp}")
