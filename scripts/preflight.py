@@ -20,10 +20,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch.multiprocessing import ProcessRaisedException
 
-from model.checkpoint_errors import check_checkpoint_files
+from model.checkpoint_errors import check_checkpoint_files, read_json
 from model.config import ModelConfig, load_config
 from model.layout_fit import check_layout_fits
 from parallelism.layout import Layout
+from spec_decode.dflash import DFlashConfig
+from spec_decode.speculator import check_drafter_fits
 
 
 class PreflightError(ValueError):
@@ -31,21 +33,33 @@ class PreflightError(ValueError):
 
 
 def preflight(layout: Layout, ckpt: str, *, drafter: str | None = None, input: str | None = None,
-              output: str | None = None, bind: tuple[str, int] | None = None) -> ModelConfig:
-    """Checks everything that needs no weights; returns the model config. Raises on the first problem."""
+              output: str | None = None, bind: tuple[str, int] | None = None, group: str = "generate") -> ModelConfig:
+    """Checks everything that needs no weights; returns the model config. Raises on the first problem. ``group``:
+    the config group of ``input``/``output`` (``generate``, ``logits``), for the messages."""
     if input is not None:
-        check_json_file("generate.input", input)
+        check_json_file(f"{group}.input", input)
     if output is not None:
-        check_writable("generate.output", output)
+        check_writable(f"{group}.output", output)
     if bind is not None:
         check_bindable(*bind)
     check_checkpoint_files(ckpt)
     cfg = load_config(ckpt)
     check_layout_fits(cfg, layout, str(Path(ckpt) / "config.json"))
     if drafter is not None:
-        check_json_file("spec_decode.drafter_path", str(Path(drafter) / "config.json"))
-        check_checkpoint_files(drafter)
+        check_drafter(drafter, cfg)
     return cfg
+
+
+def check_drafter(drafter: str, target: ModelConfig) -> None:
+    """The DFlash drafter's files and its fit to the target (``check_drafter_fits``), without its weights."""
+    file = Path(drafter) / "config.json"
+    check_json_file("spec_decode.drafter_path", str(file))
+    check_checkpoint_files(drafter)
+    try:
+        dcfg = DFlashConfig.from_hf(read_json(file))
+    except KeyError as err:
+        raise PreflightError(f"{file}: missing field {err.args[0]!r} for a DFlash drafter") from None
+    check_drafter_fits(dcfg, target, drafter)
 
 
 def check_json_file(field: str, path: str) -> None:
