@@ -23,7 +23,7 @@ from rpc_helpers import ServerProcess, free_port
 from engine.kv_budget import blocks_for_memory, max_concurrency, size_kv_cache
 from engine.scheduler import RequestError, SchedulerConfig
 from model.checkpoint_errors import CheckpointError, check_checkpoint_files, open_shard
-from model.config import ConfigError, load_config
+from model.config import ConfigError, load_config, parse_config
 from model.layout_fit import check_layout_fits, layout_problems
 from parallelism.layout import Layout, LayoutError
 
@@ -96,8 +96,11 @@ def test_layout_problems_hand_worked():
         check_layout_fits(kimi, Layout(world_size=3, attn_tp=3, moe_ep=3))
 
 
-def test_gqa_kv_heads_against_attn_tp(tiny_ckpts):
-    qwen = load_config(tiny_ckpts["tiny_qwen3_moe"])  # 8 heads, 2 KV heads, experts of 16, dense 96
+def test_gqa_kv_heads_against_attn_tp():
+    qwen = parse_config(dict(  # tiny_qwen3_moe's shape: 8 heads, 2 KV heads, experts of 16, dense 96
+        model_type="qwen3_moe", vocab_size=203, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=16,
+        num_experts_per_tok=4, mlp_only_layers=[0]))
     for tp in (1, 2, 4, 8):
         assert layout_problems(qwen, Layout(world_size=tp, attn_tp=tp, moe_ep=tp)) == []
     assert layout_problems(qwen, Layout(world_size=6, attn_tp=6, moe_ep=2, moe_tp=3)) == [
