@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
@@ -106,8 +108,6 @@ def check_checkpoint_files(ckpt_dir: str | Path) -> dict[str, str]:
 @contextmanager
 def open_shard(path: str | Path) -> Iterator:
     """``safe_open(path, "pt")``; a corrupt or truncated file raises :class:`CheckpointError` naming it."""
-    from safetensors import SafetensorError, safe_open
-
     try:
         handle = safe_open(str(path), "pt")
     except SafetensorError as err:

@@ -28,7 +28,7 @@ import hydra
 import torch
 from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
-from preflight import one_line, one_line_errors, preflight
+from preflight import debug_requested, one_line, one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.kv_budget import size_kv_cache
@@ -103,7 +103,7 @@ def main(cfg: DictConfig) -> None:
         launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
                place, master_port=cfg.master_port, backend=backend)
     except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
-        log.error("serve failed: %s", err if cfg.get("debug") else one_line(err))
+        log.error("serve failed: %s", err if debug_requested(cfg) else one_line(err))
         sys.exit(1)
     log.info("serve exited cleanly")
 
