@@ -38,6 +38,9 @@ class SchedulerConfig:
     # decode / tree-verify steps over fixed-shape buffers (engine/cuda_graphs.py): "auto" = on a CUDA device,
     # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
     static_steps: str = "auto"
+    # on CUDA: share of the device's memory the engine may use; num_blocks is then sized from what is free after
+    # the weights (engine/kv_budget.py). None: num_blocks as given. Off CUDA num_blocks is always used.
+    gpu_memory_utilization: float | None = 0.9
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -45,6 +48,9 @@ class SchedulerConfig:
                 raise RequestError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.static_steps not in ("auto", "on", "off"):
             raise RequestError(f"engine.static_steps must be auto, on or off, got {self.static_steps!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"engine.gpu_memory_utilization must be in (0, 1] or null, got "
+                               f"{self.gpu_memory_utilization}")
 
 
 @dataclass

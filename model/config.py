@@ -7,9 +7,10 @@ Supported ``model_type``: ``deepseek_v3``, ``kimi_k2`` (DeepSeek-V3 architecture
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from model.checkpoint_errors import read_json
 
 DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
 SUPPORTED_TYPES = (*DEEPSEEK_TYPES, "kimi_k25", "qwen3_moe")
@@ -207,4 +208,4 @@ def load_config(path: str | Path) -> ModelConfig:
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"no config.json at {file}")
-    return parse_config(json.loads(file.read_text()), str(file))
+    return parse_config(read_json(file, ConfigError), str(file))

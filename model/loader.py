@@ -13,18 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from model.checkpoint_errors import CheckpointError, open_shard
 from model.config import load_config
 from model.kernel_select import BACKENDS, select_kernels
 from model.transformer import CausalLM
 from parallelism.comm import ParallelGroups
 
 QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "I32", "F4"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message names the tensor and the file."""
 
 
 class SliceSource:
@@ -53,7 +49,7 @@ def weight_map(ckpt_dir: Path) -> dict[str, str]:
         raise CheckpointError(f"no *.safetensors files in {ckpt_dir}")
     names: dict[str, str] = {}
     for file in files:
-        with safe_open(str(file), "pt") as f:
+        with open_shard(file) as f:
             names.update(dict.fromkeys(f.keys(), file.name))
     return names
 
@@ -73,7 +69,7 @@ def load_weights(model: CausalLM, ckpt_dir: str | Path) -> int:
         path = ckpt_dir / file
         if not path.exists():
             raise CheckpointError(f"index names {file!r}, which is missing from {ckpt_dir}")
-        with safe_open(str(path), "pt") as f:
+        with open_shard(path) as f:
             for name, ct in entries:
                 sl = f.get_slice(name)
                 if sl.get_dtype() in QUANTIZED_DTYPES:

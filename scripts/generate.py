@@ -17,11 +17,12 @@ from pathlib import Path
 import hydra
 from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
+from preflight import one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
+from engine.kv_budget import size_kv_cache
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
-from model.config import load_config
 from model.loader import DeviceConfig, load_target
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
@@ -62,6 +63,7 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
               device: DeviceConfig) -> None:
     setup_logging(rank)
     model = load_target(ckpt, build_groups(layout), rank, device)
+    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
     speculation = load_speculation(spec, model)
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, speculation))
@@ -109,15 +111,18 @@ def read_prompts(path: str, ckpt: str) -> list[list[int]]:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="generate", version_base=None)
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    load_config(ckpt)
+    spec = spec_config(cfg)
+    preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None, input=cfg.generate.input,
+              output=cfg.generate.output)
     device, backend, _ = prepare_ranks(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, spec_config(cfg), device, master_port=cfg.master_port, backend=backend)
+           cfg.generate.output, spec, device, master_port=cfg.master_port, backend=backend)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,11 @@ import hydra
 import torch
 from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
+from preflight import debug_requested, one_line, one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
+from engine.kv_budget import size_kv_cache
 from engine.scheduler import SchedulerConfig
-from model.config import load_config
 from model.loader import DeviceConfig, load_target
 from parallelism.comm import build_groups
 from parallelism.launch import launch
@@ -63,6 +64,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups = build_groups(layout)
     model = load_target(ckpt, groups, rank, device)
+    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     speculation = load_speculation(spec, model)
     if rank != 0:
@@ -87,13 +89,15 @@ def forward_stop(rank0_pid) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="serve", version_base=None)
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    load_config(ckpt)
-    device, backend, _ = prepare_ranks(cfg, layout)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
+    preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None,
+              bind=(server_cfg.host, server_cfg.port))
+    device, backend, _ = prepare_ranks(cfg, layout)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     rank0_pid = ctx.RawValue("i", 0)
     if layout.world_size > 1 and "RANK" not in os.environ:
@@ -102,7 +106,7 @@ def main(cfg: DictConfig) -> None:
         launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
                device, master_port=cfg.master_port, backend=backend)
     except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
-        log.error("serve failed: %s", err)
+        log.error("serve failed: %s", err if debug_requested(cfg) else one_line(err))
         sys.exit(1)
     log.info("serve exited cleanly")
 
