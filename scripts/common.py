@@ -76,10 +76,10 @@ def spec_config(cfg: DictConfig):
 def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[dict, str, dict]:
     """What a script settles before it starts any rank: the ``device`` placement (:func:`placement`), the
     process-group backend it implies (``parallelism.launch.backend_for``) and ``topology=auto|nvlink|pcie``
-    applied for that backend (``engine.topology.prepare``: NCCL's switches written into ``environ``, default
+    applied for that backend (``parallelism.topology.prepare``: NCCL's switches written into ``environ``, default
     ``os.environ``). Returns ``(placement, backend, topology summary)``; the summary is also logged."""
-    from engine.topology import prepare
     from parallelism.launch import backend_for
+    from parallelism.topology import prepare
 
     place = placement(cfg)
     backend = backend_for(place.get("type", "cpu"))

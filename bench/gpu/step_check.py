@@ -1,7 +1,7 @@
 """GPU check of whole speculative steps through the engine's :class:`engine.runner.ModelRunner`.
 
-Two runners share one random model (``engine.cuda_graphs.check_setup``) and a random drafter
-(``spec_decode.static_draft.random_speculator``): one with static steps — draft graph → verify graph → the walk
+Two runners share one random model (``bench.gpu.fixtures.check_setup``) and a random drafter
+(``bench.gpu.fixtures.random_speculator``): one with static steps — draft graph → verify graph → the walk
 and KV compaction on the device, with ``strict_sync`` on so that any host synchronisation between the draft
 and the commit raises — and one dynamic. Both prefill the same prompts, then run the same tree-verify step;
 the check reports whether they commit the same tokens, both step times and the graph coverage. A step is
@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from engine.cuda_graphs import check_rows, check_setup, seconds_per_call
+from bench.gpu.fixtures import GPU_CHECK_CASES, check_setup, random_speculator
+from bench.gpu.harness import check_rows, cuda_time_s
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.scheduler import SeqWork
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
-from spec_decode.static_draft import GPU_CHECK_CASES, random_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
@@ -45,9 +45,11 @@ def spec_runner(model: CausalLM, budget: int, batch: int, context: int, static: 
 def prefill(runner: ModelRunner, prompts: list[list[int]], per_seq: int) -> list[SeqWork]:
     """Prefills ``prompts`` (request b in blocks ``b*per_seq ..``) → each request's first speculative step."""
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(len(prompts))]
-    first = runner.execute([SeqWork(str(b), p, 0, tables[b], True, GREEDY, b, 0, False)
+    first = runner.execute([SeqWork(request_id=str(b), token_ids=p, start=0, block_table=tables[b], sample=True,
+                                    params=GREEDY, seed=b, num_generated=0, decode=False)
                             for b, p in enumerate(prompts)])
-    return [SeqWork(str(b), first[str(b)].tokens, len(p), tables[b], True, GREEDY, b, 1, True, spec=True)
+    return [SeqWork(request_id=str(b), token_ids=first[str(b)].tokens, start=len(p), block_table=tables[b],
+                    sample=True, params=GREEDY, seed=b, num_generated=1, decode=True, spec=True)
             for b, p in enumerate(prompts)]
 
 
@@ -69,8 +71,8 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
     row["tokens_per_step"] = sum(len(r.tokens) for r in got.values()) / batch
     row["host_syncs_draft_to_commit"] = 0 if torch.cuda.is_available() else "not checked off CUDA"
     if torch.cuda.is_available():
-        row["static_ms"] = 1e3 * seconds_per_call(lambda: static.execute(work["static"]))
-        row["dynamic_ms"] = 1e3 * seconds_per_call(lambda: dynamic.execute(work["dynamic"]))
+        row["static_ms"] = 1e3 * cuda_time_s(lambda: static.execute(work["static"]))
+        row["dynamic_ms"] = 1e3 * cuda_time_s(lambda: dynamic.execute(work["dynamic"]))
         row["speedup"] = row["dynamic_ms"] / row["static_ms"]
     coverage = {**static.graphs.coverage.summary(), **static.drafts.coverage.summary(),
                 **static.commits.coverage.summary()}
