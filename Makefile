@@ -6,7 +6,7 @@ STAMP := .venv/.installed
 $(STAMP): pyproject.toml
 	test -d .venv || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 test: $(STAMP)
