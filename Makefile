@@ -19,7 +19,7 @@ DEMO_ARGS := -m parallel=tp8,ep8,dp8_ep8,tp2_ep4,tp2xdp4_ep8 model=tiny_kimi 'be
 
 demo: $(STAMP)
 	rm -rf outputs/demo
-	OMP_NUM_THREADS=1 $(PY) scripts/bench.py $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_layouts.py $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

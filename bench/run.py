@@ -1,4 +1,4 @@
-"""The topology A/B sweep behind ``scripts/bench.py``: one layout's servers, closed-loop cells through gRPC, the
+"""The topology A/B sweep behind ``scripts/bench_layouts.py``: one layout's servers, closed-loop cells through gRPC, the
 cell JSONs and the reports (the script's docstring describes the run)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The topology A/B: the same weights under each layout, a closed-loop sweep through gRPC.
 
-    python scripts/bench.py -m parallel=tp8,ep8,dp8_ep8,tp2_ep4 bench.context=[64,256] bench.concurrency=[1,4]
+    python scripts/bench_layouts.py -m parallel=tp8,ep8,dp8_ep8,tp2_ep4 bench.context=[64,256] bench.concurrency=[1,4]
 
 Per layout (one hydra job each, outermost) and spec mode: one server lifetime (``scripts/serve.py``), then
 ``bench.warmup`` warm-up requests, then ``bench.context × bench.concurrency`` cells of ≥ 5·C measured prompts of
