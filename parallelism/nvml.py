@@ -2,15 +2,13 @@
 
 NVML numbers GPUs by PCI bus order whatever ``CUDA_VISIBLE_DEVICES`` says, so a CUDA index is not an NVML
 index: :func:`cuda_handle` looks the device up by the UUID torch reports for it. ``pynvml`` is imported
-inside the functions, so importing this module (or the runtime) never loads it. Every function takes an
-``nvml`` module to use instead of ``pynvml`` (the tests pass fakes).
+inside :func:`load`, so importing this module (or the runtime) never loads it; ``load(nvml)`` takes a module
+to use instead of ``pynvml`` (the tests pass fakes), and the other functions take the loaded module.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -30,16 +28,6 @@ def shutdown(nvml) -> None:
         nvml.nvmlShutdown()
     except Exception:  # noqa: BLE001
         pass
-
-
-@contextmanager
-def session(nvml=None) -> Iterator:
-    """:func:`load` for a ``with`` block, :func:`shutdown` after it."""
-    nv = load(nvml)
-    try:
-        yield nv
-    finally:
-        shutdown(nv)
 
 
 def cuda_uuid(device: int) -> str | None:

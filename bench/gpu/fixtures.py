@@ -65,7 +65,7 @@ def random_seqs(shape: StepShape, ctx: int, cache: PagedKVCache, gen: torch.Gene
     return seqs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckSetup:
     """What the GPU checks run on: a random bf16 model with the selected kernels, a cache with ``scratch``
     blocks (enough for a 257-node tree) and room for 8 sequences of ``context`` cached keys + 257 new ones
@@ -87,7 +87,7 @@ def check_setup(device: torch.device, context: int = 1024, block_size: int = 16)
     scratch = tuple(range(-(-257 // block_size)))
     per_seq = -(-(context + 257) // block_size)
     cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 8 * per_seq, block_size, device=device)
-    return CheckSetup(model, cache, scratch, context, per_seq)
+    return CheckSetup(model=model, cache=cache, scratch=scratch, context=context, blocks_per_seq=per_seq)
 
 
 def random_speculator(model, cache, budget: int, block_size: int = 16, **drafter_overrides) -> Speculator:
