@@ -55,10 +55,10 @@ def spec_config(cfg: DictConfig):
 def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[DeviceConfig, str, dict]:
     """What a script settles before it starts any rank: the ``device`` group (:func:`device_config`), the
     process-group backend it implies (``parallelism.launch.backend_for``) and ``topology=auto|nvlink|pcie``
-    applied for that backend (``engine.topology.prepare``: NCCL's switches written into ``environ``, default
+    applied for that backend (``parallelism.topology.prepare``: NCCL's switches written into ``environ``, default
     ``os.environ``). Returns ``(device, backend, topology summary)``; the summary is also logged."""
-    from engine.topology import prepare
     from parallelism.launch import backend_for
+    from parallelism.topology import prepare
 
     device = device_config(cfg)
     backend = backend_for(device.type)

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape, random_model, random_tree
+from bench.gpu.fixtures import random_model, random_tree
+from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from model.batch import ForwardBatch
 from model.loader import load_model
@@ -135,7 +136,8 @@ def test_random_model_for_the_gpu_check_builds_and_runs_on_cpu():
 def test_gpu_check_shapes_run_on_cpu_at_every_budget():
     """The GPU check's own inputs (random trees up to budget 256 + scratch padding) on a small CPU model: every
     shape runs its static step, reports 'no CUDA device' instead of capturing, and gives finite logits."""
-    from engine.cuda_graphs import _check_shape, random_seqs
+    from bench.gpu.fixtures import random_seqs
+    from bench.gpu.graph_check import _check_shape
 
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
@@ -157,7 +159,8 @@ def test_draft_gpu_check_runs_on_cpu():
     """The draft-graph check's own setup (random drafter, disjoint contexts, scratch padding) at budgets up to
     256 on a small CPU model: the static draft runs, reports 'no CUDA device' instead of capturing, and its
     logits are finite."""
-    from spec_decode.static_draft import check_draft, random_speculator
+    from bench.gpu.draft_check import check_draft
+    from bench.gpu.fixtures import random_speculator
 
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
@@ -174,7 +177,7 @@ def test_draft_gpu_check_runs_on_cpu():
 def test_spec_step_gpu_check_runs_on_cpu():
     """The whole-step check (static runner vs dynamic runner on the same prefilled prompts) on a small CPU
     model: the static step (eager here) commits the dynamic step's tokens, and says why nothing replayed."""
-    from spec_decode.step_check import check_spec_step
+    from bench.gpu.step_check import check_spec_step
 
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
@@ -267,7 +270,7 @@ def test_a_warm_up_that_raises_is_an_error_not_an_eager_fallback(monkeypatch):
 
 
 def test_check_rows_keeps_the_rows_after_a_failing_case_and_stops_at_the_budget():
-    from engine.cuda_graphs import check_rows
+    from bench.gpu.harness import check_rows
 
     def check(budget: int) -> dict:
         if budget == 256:
