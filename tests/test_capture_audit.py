@@ -8,13 +8,12 @@ import pytest
 import torch
 from capture_audit import CaptureUnsafe, audit_region, audited_capture, check, stub_triton_launches, triton_kernel_set
 
-from engine.cuda_graphs import random_model  # the GPU checks' random-weight builders (issue 19 moves them)
+from bench.gpu.fixtures import random_model, random_speculator
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.step import SeqWork
 from spec_decode.config import SpecConfig
 from spec_decode.speculation import speculation_from
-from spec_decode.static_draft import random_speculator
 from spec_decode.tree import build_tree
 
 BLOCK, CTX = 16, 20

@@ -31,15 +31,6 @@ ALLOWED = {
 PACKAGES = tuple(p for p in ALLOWED if (ROOT / p / "__init__.py").exists())  # bench/ may not exist yet
 NOT_WITH_THE_RUNTIME = ("matplotlib", "pynvml", "bench")  # import engine.engine must not pull these in
 
-# Known failure until the bench/ branch lands (the lead drops this mark after merging): importing the engine
-# imports pynvml (engine/telemetry.py).
-OTHER_BRANCHES = pytest.mark.xfail(strict=False, reason="fixed by the i19-core/i19-bench branches")
-
-
-def _params(names, known=()):
-    return [pytest.param(n, marks=OTHER_BRANCHES) if n in known else n for n in names]
-
-
 @functools.cache
 def module_graph() -> dict[str, dict[str, int]]:
     return graph_of(ROOT, PACKAGES)
@@ -180,7 +171,7 @@ def test_no_module_import_cycle_through(package):
     assert not bad, "import cycles:\n" + "\n".join(_show(c, graph) for c in bad)
 
 
-@pytest.mark.parametrize("package", _params(PACKAGES))
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_package_import_cycle_through(package):
     """No cycle between top-level packages passes through ``package`` (each arrow shown with one import)."""
     graph = package_graph()
@@ -188,21 +179,50 @@ def test_no_package_import_cycle_through(package):
     assert not bad, "package cycles:\n" + "\n".join(_show(c, graph) for c in bad)
 
 
-@pytest.mark.parametrize("package", _params(PACKAGES))
+@pytest.mark.parametrize("package", PACKAGES)
 def test_package_imports_only_the_packages_below_it(package):
     wrong = {dst: why for dst, why in package_graph()[package].items() if dst not in ALLOWED[package]}
     assert not wrong, f"{package} may import only {sorted(ALLOWED[package])}; it imports: {wrong}"
 
 
 @functools.cache
-def _imported_with_the_engine() -> list[str]:
-    code = "import json, sys; import engine.engine; print(json.dumps(sorted(sys.modules)))"
+def _modules_after(statement: str) -> frozenset[str]:
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return frozenset(json.loads(done.stdout.splitlines()[-1]))
 
 
-@pytest.mark.parametrize("tooling", _params(NOT_WITH_THE_RUNTIME, known=("pynvml",)))
+@pytest.mark.parametrize("tooling", ("matplotlib", "bench"))
 def test_importing_the_engine_does_not_import(tooling):
-    pulled = [m for m in _imported_with_the_engine() if m == tooling or m.startswith(tooling + ".")]
+    """What ``import engine.engine`` adds to ``import torch``."""
+    added = _modules_after("import engine.engine") - _modules_after("import torch")
+    pulled = sorted(m for m in added if m == tooling or m.startswith(tooling + "."))
     assert not pulled, f"`import engine.engine` imports {pulled[:5]}"
+
+
+def _module_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level name) of the imports a module runs when it is imported: its body, including ``if`` and
+    ``try`` blocks, but not function or class bodies."""
+    found, todo = [], list(ast.parse(path.read_text(), str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + [
+                s for h in getattr(node, "handlers", []) for s in h.body]
+    return found
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "bench"])
+def test_runtime_modules_import_tooling_only_lazily(package):
+    """pynvml (which ``import torch`` loads by itself where it is installed, so a module-count check cannot see
+    our own import of it), matplotlib and bench are imported inside the functions that need them, never when a
+    runtime module is imported."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for path in sorted((ROOT / package).rglob("*.py")) for line, name in _module_level_imports(path)
+           if name in NOT_WITH_THE_RUNTIME]
+    assert not bad, bad
