@@ -5,7 +5,7 @@ Every comparison is fp32 at tight tolerance (close, not bit-exact: the kernels s
 tiny shapes: ragged context lengths, shuffled non-contiguous block tables, key splits, head and latent dims
 that are not powers of two, experts with zero tokens, every token on one expert, rows with no local expert.
 Index helpers are checked against hand-worked values (exact). Last, every kernel is compiled ahead of time
-for sm_90 in a subprocess, which catches what the interpreter does not (``tl.dot`` shapes, dtypes,
+for sm_90 and sm_100 in a subprocess, which catches what the interpreter does not (``tl.dot`` shapes, dtypes,
 shared-memory budget).
 """
 

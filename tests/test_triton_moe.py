@@ -87,7 +87,7 @@ def test_fused_moe_in_grouped_order(group_m, routing):
 
 
 def test_moe_tables_are_untuned_defaults_and_are_looked_up():
-    from model.triton.launch_config import CONFIG_DIR, UNTUNED, moe_config
+    from model.triton.launch_tables import CONFIG_DIR, UNTUNED, moe_config
 
     files = sorted((CONFIG_DIR / "moe").glob("*.json"))
     assert any(f.name == "E=48,N=2048,K=7168,device_name=default.json" for f in files)

@@ -120,7 +120,7 @@ def test_attention_launch_table_is_untuned_and_fits_the_splits():
     shape falls back to the rule, labelled as such)."""
     import json
 
-    from model.triton.launch_config import CONFIG_DIR, NO_ENTRY, UNTUNED
+    from model.triton.launch_tables import CONFIG_DIR, NO_ENTRY, UNTUNED
 
     rows = json.loads((CONFIG_DIR / "attention.json").read_text())["entries"]
     keys = [(r["kernel"], r["q_heads_per_kv"], r["head_dim"]) for r in rows]

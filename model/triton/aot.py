@@ -66,7 +66,7 @@ def _attention_specs() -> list[Spec]:
     for n, split_out, tree, block, kind in ((1, False, False, 16, "decode"), (1, True, False, 16, "decode split"),
                                             (64, True, True, 16, "tree64 split"),
                                             (1, True, False, 64, "decode split block64")):
-        core = split_out
+        core = True  # direct output, split partials, tree masks and both tile-lookup forms are separate paths
         gqa = dict(attention.gqa_meta(n, 8, 128, tree, torch.bfloat16, block), SPLIT_OUT=split_out)
         mla = dict(attention.mla_meta(n, 16, 512, 64, tree, torch.bfloat16, block), SPLIT_OUT=split_out)
         if block == 16:

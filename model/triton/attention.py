@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.triton.launch_config import NO_ENTRY, attention_config
+from model.triton.launch_tables import NO_ENTRY, attention_config
 from model.triton.reference import dot_precision, resolve_tree_mask
 
 # Keys per split. 131072 keys / 256 = 512 splits: at batch 1 an MLA rank with ≤ 32 heads (one row block)

@@ -11,7 +11,7 @@ so an expert's weight tile is read from HBM once and reused from L2 by its neigh
 
 The intermediate stays in sorted order, so no gather or scatter happens between the GEMMs. The number of
 blocks is bounded from shapes alone (padding blocks exit at once), which keeps the launch graph-safe. Tiles
-come from vLLM-style tables (:mod:`model.triton.launch_config`, token bucket → tiles), else
+come from vLLM-style tables (:mod:`model.triton.launch_tables`, token bucket → tiles), else
 :func:`default_tiles`.
 
 DeepEP's low-latency dispatch already groups rows by expert (``[E_local, R, H]``, expert ``e``'s rows
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.triton.launch_config import moe_config
+from model.triton.launch_tables import moe_config
 from model.triton.reference import dot_precision
 from parallelism.dispatch import ExpertInput
 
