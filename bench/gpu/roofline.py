@@ -190,6 +190,8 @@ def install_routing(model, shape: SliceShape, routing: str, device: torch.device
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     gen = torch.Generator(device=device).manual_seed(1)
     for layer in _moe_layers(model):
+        if layer.dispatcher.name != "allreduce":  # the only one whose dispatch is the local_slot lookup alone
+            raise ValueError(f"routing emulation needs the allreduce dispatcher, got {layer.dispatcher.name!r}")
         cfg = dataclasses.replace(layer.gate.cfg, num_experts=shape.experts)
         gate = Router(shape.hidden, cfg).to(device)
         gate.weight.copy_(torch.randn(gate.weight.shape, generator=gen, device=device) * shape.hidden ** -0.5)
