@@ -23,7 +23,7 @@ from bench.gpu.harness import cuda_time_s
 from bench.gpu.power import PowerMeter
 from model import kernels
 from model.kernel_select import select_kernels
-from model.triton import attention, cases, moe, norm, reference
+from model.triton import attention, cases, moe, norm
 from parallelism.dispatch import ExpertInput
 
 CUDA = torch.cuda.is_available()
@@ -91,23 +91,23 @@ def checks(tiny: bool) -> list[Check]:
     rows, dim = (6, 40) if tiny else (512, 7168)
     out = [Check("rms_norm", norm.rms_norm, kernels.rms_norm,
                  lambda g, dt, dev: cases.norm_case(rows, dim, g, False, dt, dev)),
-           Check("add_rms_norm", norm.add_rms_norm, reference.add_rms_norm,
+           Check("add_rms_norm", norm.add_rms_norm, kernels.add_rms_norm,
                  lambda g, dt, dev: cases.norm_case(rows, dim, g, True, dt, dev)),
-           Check("paged_decode_gqa", attention.paged_decode_gqa, reference.paged_decode_gqa,
+           Check("paged_decode_gqa", attention.paged_decode_gqa, kernels.paged_decode_gqa,
                  lambda g, dt, dev: cases.gqa_case(lens, **gqa, gen=g, dtype=dt, device=dev)),
-           Check("paged_decode_mla", attention.paged_decode_mla, reference.paged_decode_mla,
+           Check("paged_decode_mla", attention.paged_decode_mla, kernels.paged_decode_mla,
                  lambda g, dt, dev: cases.mla_case(lens, **mla, gen=g, dtype=dt, device=dev)),
-           Check("tree_verify_gqa", attention.tree_verify_gqa, reference.tree_verify_gqa,
+           Check("tree_verify_gqa", attention.tree_verify_gqa, kernels.tree_verify_gqa,
                  lambda g, dt, dev: cases.gqa_case(tree_lens, **gqa, gen=g, tree=tree, dtype=dt, device=dev)),
-           Check("tree_verify_mla", attention.tree_verify_mla, reference.tree_verify_mla,
+           Check("tree_verify_mla", attention.tree_verify_mla, kernels.tree_verify_mla,
                  lambda g, dt, dev: cases.mla_case(tree_lens, **mla, gen=g, tree=tree, dtype=dt, device=dev))]
     for routing in ("spread", "one_expert", "none_local"):
-        out.append(Check(f"fused_moe ({routing})", moe.fused_moe, reference.local_experts,
+        out.append(Check(f"fused_moe ({routing})", moe.fused_moe, kernels.local_experts,
                          lambda g, dt, dev, r=routing: cases.expert_case(**expert, routing=r, gen=g, dtype=dt,
                                                                          device=dev)))
     counts, packed_rows = ([0, 7, 16, 3], 16) if tiny else ([0, 1, 16, 17, 64, 300, 512, 40], 512)
     out.append(Check("masked_moe (DeepEP packed)", cases.valid_rows_only(moe.fused_moe),
-                     cases.valid_rows_only(reference.local_experts),
+                     cases.valid_rows_only(kernels.local_experts),
                      lambda g, dt, dev: cases.packed_expert_case(counts, packed_rows, expert["hidden"], expert["inter"],
                                                                  g, dt, dev)))
     return out
@@ -141,7 +141,7 @@ def moe_timing(power: PowerMeter) -> list[dict] | str:
         case = cases.expert_case(tokens, 8, 7168, 2048, 32, "spread", torch.Generator().manual_seed(0),
                                  torch.bfloat16, "cuda")
         fused = cuda_time_s(lambda c=case: moe.fused_moe(**c))
-        ref = cuda_time_s(lambda c=case: reference.local_experts(**c), iters=5)
+        ref = cuda_time_s(lambda c=case: kernels.local_experts(**c), iters=5)
         power.measure(f"fused moe {phase}", lambda c=case: moe.fused_moe(**c))
         rows.append(dict(phase=phase, tokens=tokens, fused_ms=fused * 1e3, reference_ms=ref * 1e3,
                          speedup=ref / fused))
@@ -153,7 +153,7 @@ def moe_timing(power: PowerMeter) -> list[dict] | str:
     sorted_case = dict(case, inp=dataclasses.replace(case["inp"], packed_counts=None))
     masked = cuda_time_s(lambda: moe.fused_moe(**case))
     fused = cuda_time_s(lambda: moe.fused_moe(**sorted_case))
-    ref = cuda_time_s(lambda: reference.local_experts(**case), iters=5)
+    ref = cuda_time_s(lambda: kernels.local_experts(**case), iters=5)
     power.measure("masked moe (DeepEP packed)", lambda: moe.fused_moe(**case))
     rows.append(dict(phase="decode, DeepEP packed", tokens=sum(counts), masked_ms=masked * 1e3, fused_ms=fused * 1e3,
                      reference_ms=ref * 1e3, speedup=ref / masked, masked_vs_sorted=fused / masked))
