@@ -241,7 +241,7 @@ def test_efficiency_rules_by_hand():
         KernelEfficiency(eff.data, "fitted")
 
 
-def test_calibrated_projection_uses_the_file():
+def test_calibrated_projection_uses_the_file(tmp_path):
     eff = load_efficiency()
     ideal = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048)
     cal = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=eff)
@@ -255,7 +255,8 @@ def test_calibrated_projection_uses_the_file():
     changed = json.loads(EFFICIENCY_FILE.read_text())  # a slower measured decode step: a slower dense class
     for row in changed["decode_step"]["rows"]:
         row["step_ms"] *= 2
-    slower = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=KernelEfficiency(changed))
+    (tmp_path / "e.json").write_text(json.dumps(changed))
+    slower = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=load_efficiency(tmp_path / "e.json"))
     assert slower.step_s > cal.step_s and slower.floor_step_s == pytest.approx(cal.floor_step_s)
     kern = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=KernelEfficiency(eff.data, "kernel"))
     for row in changed["moe"]["rows"]:  # half the MoE fraction, kernels-only rule: exactly the MoE part doubles

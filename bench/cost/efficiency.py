@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from bench.cost.formulas import step_bytes
 from bench.cost.shapes import ModelShape
 from parallelism.layout import Layout
 
@@ -103,8 +104,6 @@ class KernelEfficiency:
     @cached_property
     def dense_kernel(self) -> float:
         """cuBLAS projections in the eager profile: their bytes / copy bandwidth over their share of GPU time."""
-        from bench.cost.formulas import step_bytes
-
         row = self.data["dense_gemm"]["rows"][0]
         m = step_model(self.data["decode_step"]["model"])
         b = step_bytes(Layout(), m, 1, self.data["decode_step"]["model"]["context"])
@@ -115,8 +114,6 @@ class KernelEfficiency:
     def step_residuals(self) -> list[dict]:
         """Per measured batch (graphs on): the dense class's fraction = its bytes / copy bandwidth over the step
         time minus attention and MoE at their fractions; also the floor recomputed here (``floor_ms``)."""
-        from bench.cost.formulas import step_bytes
-
         ds = self.data["decode_step"]
         m = step_model(ds["model"])
         out = []

@@ -40,15 +40,25 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 import yaml
 
 from bench import CONF
-from bench.cost.efficiency import KernelEfficiency
 from bench.cost.hardware import HARDWARE, Hardware
 from bench.cost.shapes import KIMI_K2_INT4, ModelShape
 from parallelism.layout import Layout
+
+
+class KernelEfficiency(Protocol):
+    """What a projection needs of measured efficiencies (:class:`bench.cost.efficiency.KernelEfficiency`)."""
+
+    copy_fraction: float
+    label: str
+
+    def fractions(self, bytes_by_part: Mapping[str, float], heads: float, seqs: int, tokens_rank: int,
+                  tokens_job: int, mla: bool = True) -> dict[str, float]: ...
 
 # the 8-GPU presets of conf/parallel/ that the projections cover, in table order
 BOX_PRESETS = ("tp8", "ep8", "dp8_ep8", "tp2_ep4", "tp4_ep2", "tp2xdp4_ep8")
