@@ -11,6 +11,7 @@ import csv
 import json
 from pathlib import Path
 
+from bench.cost.efficiency import ASSUMPTION, load_efficiency
 from bench.cost.formulas import project, rescale_calls
 from bench.cost.hardware import HARDWARE
 from bench.cost.shapes import KIMI_K2_INT4, ModelShape
@@ -65,8 +66,9 @@ def write_csv(cells: list[dict], path: Path) -> None:
 
 
 def projections(cells: list[dict], measured: ModelShape) -> list[dict]:
-    """Per layout: its measured calls/token (spec none, lowest concurrency) projected onto each box at C=1."""
-    out, seen = [], set()
+    """Per layout: its measured calls/token (spec none, lowest concurrency) projected onto each box at C=1, as the
+    ideal floor (``tok_s``) and at the H200-measured kernel efficiencies (``calibrated_tok_s``)."""
+    out, seen, eff = [], set(), load_efficiency()
     for c in cells:
         if c["spec_decode"] != "none" or c["layout"] in seen:
             continue
@@ -78,9 +80,10 @@ def projections(cells: list[dict], measured: ModelShape) -> list[dict]:
         layout = Layout(**c["parallel"]) if c.get("parallel") else c["layout"]  # the degrees run, overrides included
         calls = rescale_calls(per_op, layout, depth, target)
         for hw_name, hw in HARDWARE.items():
-            p = project(layout, hw, KIMI_K2_INT4, batch=1, context=2048, comm_calls_per_token_by_op=calls)
-            out.append({"layout": c["layout"], "hardware": hw_name, "tok_s": p.tok_s, "step_ms": p.step_s * 1e3,
-                        "bound": p.bound})
+            p = project(layout, hw, KIMI_K2_INT4, batch=1, context=2048, comm_calls_per_token_by_op=calls,
+                        efficiency=eff)
+            out.append({"layout": c["layout"], "hardware": hw_name, "tok_s": 1 / p.floor_step_s,
+                        "calibrated_tok_s": p.tok_s, "step_ms": p.step_s * 1e3, "bound": p.bound})
     return out
 
 
@@ -98,14 +101,16 @@ def write_markdown(cells: list[dict], proj: list[dict], path: Path, plots: list[
     if proj:
         lines += ["", "## Projection (cost model, not measured): Kimi K2 INT4, batch 1, context 2048", "",
                   "Each layout's measured collective calls per output token, rescaled to 61 layers, on the "
-                  "cost model's boxes (parameters and sources: docs/cost_model.md).", "",
+                  "cost model's boxes (parameters and sources: docs/cost_model.md): ideal floor / calibrated at the "
+                  f"kernel efficiencies measured on one H200 (docs/kernel_efficiency.json; {ASSUMPTION}).", "",
                   "| layout | " + " | ".join(HARDWARE) + " |", "|---|" + "---|" * len(HARDWARE)]
         by_layout: dict[str, dict] = {}
         for p in proj:
             by_layout.setdefault(p["layout"], {})[p["hardware"]] = p
         for lay, row in by_layout.items():
-            lines.append(f"| {lay} | " + " | ".join(f"{row[h]['tok_s']:.0f} tok/s ({row[h]['bound']})"
-                                                     for h in HARDWARE) + " |")
+            lines.append(f"| {lay} | " + " | ".join(
+                f"{row[h]['tok_s']:.0f} / {row[h]['calibrated_tok_s']:.0f} tok/s ({row[h]['bound']})"
+                for h in HARDWARE) + " |")
     lines += ["", "Plots:", *[f"- `{p}`" for p in plots], ""]
     path.write_text("\n".join(lines))
 
@@ -170,10 +175,11 @@ def write_plots(cells: list[dict], proj: list[dict], out_dir: Path) -> list[str]
         fig, ax = plt.subplots(figsize=(6, 3.2))
         hws = list(HARDWARE)
         for i, lay in enumerate(layouts):
-            ys = [next((p["tok_s"] for p in proj if p["layout"] == lay and p["hardware"] == h), 0) for h in hws]
+            ys = [next((p["calibrated_tok_s"] for p in proj if p["layout"] == lay and p["hardware"] == h), 0)
+                  for h in hws]
             ax.bar([j + i * 0.8 / len(layouts) for j in range(len(hws))], ys, width=0.8 / len(layouts), label=lay)
         ax.set_xticks(range(len(hws)), hws)
-        ax.set(title="PROJECTED decode tok/s, Kimi K2 INT4, C=1 (cost model)", ylabel="tok/s")
+        ax.set(title="PROJECTED decode tok/s, Kimi K2 INT4, C=1 (cost model, H200-calibrated)", ylabel="tok/s")
         ax.legend(fontsize=7)
         save(fig, "projected_tok_s.png")
     return paths

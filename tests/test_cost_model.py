@@ -1,6 +1,7 @@
 """Cost model against hand-worked cases, the layout presets, validation against published figures, and the
 topology switches (env mapping, NVML link detection on a fake NVML, the CPU fallback)."""
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import yaml
 from layouts import layout
 
+from bench.cost.efficiency import EFFICIENCY_FILE, KernelEfficiency, interp_log2, load_efficiency
 from bench.cost.formulas import (
     LAYOUTS,
     allreduce_time,
@@ -17,15 +19,17 @@ from bench.cost.formulas import (
     collective_time,
     dispatch_time,
     forward_calls,
+    memory_fit,
     project,
     project_matrix,
     remote_ranks_per_token,
     rescale_calls,
+    step_bytes,
     step_comm,
 )
-from bench.cost.hardware import H200_NVLINK4, HARDWARE, RTX_PRO_6000_PCIE5, Hardware, profile_for_gpu
+from bench.cost.hardware import B300_NVLINK5, H200_NVLINK4, HARDWARE, RTX_PRO_6000_PCIE5, Hardware, profile_for_gpu
 from bench.cost.shapes import KIMI_K2, KIMI_K2_INT4, ModelShape
-from bench.cost.tables import hardware_table, projection_table, validate, validation_table
+from bench.cost.tables import hardware_table, memory_table, projection_table, validate, validation_table
 from model.config import parse_config
 from parallelism.topology import (
     CPU_FALLBACK,
@@ -188,14 +192,110 @@ def test_matrix_and_tables():
 def test_validation_rows_and_docs_in_sync():
     rows = validate()
     named = [r for r in rows if r["ratio"] is not None]
-    assert len(named) == 7
+    assert len(named) == 8  # 6 published figures + 2 EP8/TP8 ratios
     for r in named:
         assert r["ratio"] == pytest.approx(r["projected_tok_s"] / r["published_tok_s"])
         assert r["error_pct"] == pytest.approx(100 * (r["ratio"] - 1))
+        assert r["floor_tok_s"] >= r["projected_tok_s"] or r["layout"] == "ep8/tp8"  # calibration only slows
     spec = rows[-1]
-    assert spec["tau_needed"] > 0 and spec["tau_for_2_15x"] > 1
+    assert spec["tau_needed_calibrated"] > spec["tau_needed_floor"] > 0 and spec["tau_for_2_15x_floor"] > 1
     doc = (REPO / "docs" / "cost_model.md").read_text()
-    assert validation_table(rows) in doc, "docs/cost_model.md's validation table is stale: regenerate it"
+    assert validation_table(rows) in doc, "docs/cost_model.md's validation table is stale: python -m bench.cost.tables"
+    assert memory_table() in doc, "docs/cost_model.md's memory table is stale: python -m bench.cost.tables"
+
+
+# ------------------------------------------------------------------------------- measured efficiencies
+def test_efficiency_file_entries_name_hardware_and_source(tmp_path):
+    eff = load_efficiency()
+    hw = eff.data["hardware"]
+    assert (hw["name"], hw["sms"], hw["power_limit_w"], hw["copy_gb_s"]) == ("NVIDIA H200", 132, 700, 4264)
+    assert eff.data["project_commit"] == "1cb31f7" and "GPU_FINDINGS.md" in eff.data["source"]
+    for section in ("attention", "moe", "decode_step", "dense_gemm", "power"):
+        for row in eff.data[section]["rows"]:
+            assert row["hardware"] == "H200" and row["source"] == "GPU_FINDINGS.md", (section, row)
+    assert {r["tokens"] for r in eff.data["moe"]["rows"]} == {64, 256, 1024, 4096}
+    assert {r["batch"] for r in eff.data["decode_step"]["rows"] if r["graphs"]} == {1, 8, 32, 64}
+    bad = json.loads(EFFICIENCY_FILE.read_text())
+    del bad["moe"]["rows"][0]["source"]
+    (tmp_path / "e.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="no hardware or source"):
+        load_efficiency(tmp_path / "e.json")
+
+
+def test_efficiency_rules_by_hand():
+    assert interp_log2([(8, 0.35), (64, 0.38)], 16) == pytest.approx(0.36)  # log2 16 is 1/3 of the way
+    assert interp_log2([(8, 0.35), (64, 0.38)], 1) == 0.35 and interp_log2([(8, 0.35), (64, 0.38)], 512) == 0.38
+    eff = load_efficiency()
+    assert eff.attention(8, 1) == 0.35 and eff.attention(8, 16) == pytest.approx(0.36)  # TP8: 8 local heads
+    assert eff.attention(64, 64) == 0.17 and eff.attention(16, 8) == pytest.approx(0.115)
+    assert eff.attention(32, 8) == pytest.approx(0.115)  # tie between 16 and 64 heads: the lower
+    assert eff.attention(64, 64, mla=False) == 0.65
+    assert eff.moe(1) == 0.84 and eff.moe(512) == pytest.approx(0.80) and eff.moe(10**5) == 0.47
+    assert eff.copy_fraction == pytest.approx(4264 / 4800)
+    for r in eff.step_residuals:  # this file's bytes accounting recomputes the measured floors
+        assert r["floor_ms"] == pytest.approx(r["measured_floor_ms"], rel=0.02)
+    assert [round(r["fraction"], 2) for r in eff.step_residuals] == [0.19, 0.23, 0.15, 0.12]
+    assert eff.dense(1) == pytest.approx(0.193, abs=1e-3) and eff.dense(4) == pytest.approx(0.220, abs=1e-3)
+    assert KernelEfficiency(eff.data, "kernel").dense(64) == pytest.approx(0.83, abs=0.005)
+    with pytest.raises(ValueError, match="dense_rule"):
+        KernelEfficiency(eff.data, "fitted")
+
+
+def test_calibrated_projection_uses_the_file(tmp_path):
+    eff = load_efficiency()
+    ideal = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048)
+    cal = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=eff)
+    assert cal.floor_step_s == pytest.approx(ideal.step_s) and ideal.floor_step_s == pytest.approx(ideal.step_s)
+    b = step_bytes("tp8", KIMI_K2_INT4, 1, 2048)
+    frac = dict.fromkeys(b, eff.dense(1)) | {"kv_cache": 0.35, "routed_experts": 0.84}
+    assert cal.fractions == pytest.approx(frac)
+    memory = sum(v / (frac[k] * 4264 / 4800 * 8.0e12) for k, v in b.items())
+    assert cal.step_s == pytest.approx(memory + cal.comm_s)
+    assert cal.calibration.startswith("NVIDIA H200") and ideal.calibration == "ideal floors"
+    changed = json.loads(EFFICIENCY_FILE.read_text())  # a slower measured decode step: a slower dense class
+    for row in changed["decode_step"]["rows"]:
+        row["step_ms"] *= 2
+    (tmp_path / "e.json").write_text(json.dumps(changed))
+    slower = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=load_efficiency(tmp_path / "e.json"))
+    assert slower.step_s > cal.step_s and slower.floor_step_s == pytest.approx(cal.floor_step_s)
+    kern = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=KernelEfficiency(eff.data, "kernel"))
+    for row in changed["moe"]["rows"]:  # half the MoE fraction, kernels-only rule: exactly the MoE part doubles
+        row["fraction"] /= 2
+    half = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, 2048, efficiency=KernelEfficiency(changed, "kernel"))
+    assert half.step_s - kern.step_s == pytest.approx(b["routed_experts"] / (0.84 * 4264 / 4800 * 8.0e12))
+
+
+# ------------------------------------------------------------------------------------- memory per rank
+def test_int4_weights_per_rank_by_hand():
+    """EP8, Kimi K2.6 INT4: 48 whole experts per MoE layer at 4 bits + a bf16 scale per 32 weights; attention,
+    dense MLP, shared expert, embedding and LM head bf16 split over attention TP8; the fp32 router whole."""
+    experts = 60 * 48 * 3 * 7168 * 2048 * (0.5 + 2 / 32)                # 71.345 GB
+    attention = 61 * ((7168 * 1536 + 7168 * 576)                      # q_a, kv_a (replicated)
+                      + (1536 * 64 * 192 + 512 * 64 * 256 + 64 * 128 * 7168) / 8) * 2  # q_b, kv_b, o / TP8
+    dense = 3 * 7168 * 18432 / 8 * 2
+    shared = 60 * 3 * 7168 * 2048 / 8 * 2
+    router = 60 * 384 * 7168 * 4
+    vocab = 2 * 163840 / 8 * 7168 * 2
+    total = experts + attention + dense + shared + router + vocab
+    assert experts == pytest.approx(71_345_111_040) and attention == pytest.approx(3_158_179_840)
+    m = memory_fit("ep8", H200_NVLINK4, KIMI_K2_INT4, 0.9)
+    assert m["weights"] == pytest.approx(total) and total == pytest.approx(76.51e9, rel=1e-3)
+    assert memory_fit("tp8", H200_NVLINK4, KIMI_K2_INT4)["weights"] == pytest.approx(total)  # 1/8 of every expert
+
+
+def test_fit_decision_and_kv_tokens():
+    m = memory_fit("ep8", H200_NVLINK4, KIMI_K2_INT4, 0.9)
+    per_token = 61 * (512 + 64) * 2  # MLA latent + rope key, bf16, every layer, replicated over attention TP
+    assert m["fits"] and m["kv_room"] == pytest.approx(0.9 * 141e9 - m["weights"])
+    assert m["kv_tokens_rank"] == int(m["kv_room"] // per_token) and m["kv_tokens_box"] == m["kv_tokens_rank"]
+    dp = memory_fit("dp8_ep8", H200_NVLINK4, KIMI_K2_INT4, 0.9)
+    assert dp["weights"] > m["weights"] and dp["kv_tokens_box"] == 8 * dp["kv_tokens_rank"]
+    bf16 = memory_fit("ep8", H200_NVLINK4, KIMI_K2, 0.9)  # bf16 experts: ~2 TB over 8 ranks
+    assert not bf16["fits"] and bf16["kv_room"] == 0 and bf16["kv_tokens_rank"] == 0
+    assert memory_fit("ep8", B300_NVLINK5, KIMI_K2, 0.85)["fits"] is False  # 257 GB > 0.85 x 288 GB
+    assert memory_fit("ep8", H200_NVLINK4, KIMI_K2_INT4, 0.5)["fits"] is False  # 76.5 GB > 70.5 GB
+    table = memory_table()
+    assert table.count("\n") == 2 * len(LAYOUTS) + 1 and "| 8x H200 NVLink4 | tp8 | 76.5 | yes |" in table
 
 
 # --------------------------------------------------------------------------------------------- topology

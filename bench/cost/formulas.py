@@ -28,8 +28,11 @@ The all-to-all line is REFERENCES.md's dispatch formula ``α + (tokens/p)·R·by
 ``R = (p−1)(1−(1−1/p)^k)`` remote ranks per token: under uniform routing a token's rows go to
 ``p(1−(1−1/p)^k)`` ranks, ``(p−1)/p`` of them remote.
 
-What the model ignores is listed in docs/cost_model.md (kernel efficiency, launch overhead unless given
-as ``host_overhead_s``, routing skew, prefill, the drafter's own cost).
+Calibration (``project(..., efficiency=load_efficiency())``): each part of the bytes read is timed at the
+fraction of the byte floor its kernel class reached on one H200 (:mod:`bench.cost.efficiency`); without it the
+projection is the ideal floor, which every projection also carries (``floor_step_s``). What the model ignores
+is listed in docs/cost_model.md (launch overhead unless given as ``host_overhead_s``, routing skew, prefill,
+the drafter's own cost).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 import yaml
@@ -45,6 +49,16 @@ from bench import CONF
 from bench.cost.hardware import HARDWARE, Hardware
 from bench.cost.shapes import KIMI_K2_INT4, ModelShape
 from parallelism.layout import Layout
+
+
+class KernelEfficiency(Protocol):
+    """What a projection needs of measured efficiencies (:class:`bench.cost.efficiency.KernelEfficiency`)."""
+
+    copy_fraction: float
+    label: str
+
+    def fractions(self, bytes_by_part: Mapping[str, float], heads: float, seqs: int, tokens_rank: int,
+                  tokens_job: int, mla: bool = True) -> dict[str, float]: ...
 
 # the 8-GPU presets of conf/parallel/ that the projections cover, in table order
 BOX_PRESETS = ("tp8", "ep8", "dp8_ep8", "tp2_ep4", "tp4_ep2", "tp2xdp4_ep8")
@@ -226,7 +240,9 @@ def step_flops(layout: Layout | str, model: ModelShape, batch: int, context: int
 
 
 def resident_bytes(layout: Layout | str, model: ModelShape) -> float:
-    """Weight bytes one rank holds (capacity check; KV and activations not included)."""
+    """Weight bytes one rank holds (capacity check; KV and activations not included): attention
+    ``repl + shard/attn_tp``, dense MLP, shared experts, embedding and LM head ``/attn_tp``, the router whole,
+    ``E/moe_ep`` routed experts at ``1/moe_tp`` each (``expert_weight_bytes``: 0.5625 for INT4 group 32)."""
     lay, m = _resolve(layout), model
     tp, w = lay.attn_tp, m.weight_bytes
     repl, shard = m.attn_params
@@ -235,6 +251,28 @@ def resident_bytes(layout: Layout | str, model: ModelShape) -> float:
             + m.num_moe_layers * (experts + m.num_shared_experts * m.expert_params / tp * w
                                   + m.num_experts * m.hidden * m.router_bytes)
             + 2 * m.vocab / tp * m.hidden * w)
+
+
+def kv_bytes_per_token_rank(layout: Layout | str, model: ModelShape) -> float:
+    """KV bytes one cached token costs on a rank that holds its sequence, all layers: MLA's latent + rope key is
+    replicated on every attention-TP rank; GQA splits the KV heads (at least one per rank)."""
+    lay, m = _resolve(layout), model
+    if m.mla:
+        return m.kv_elems_per_token_layer * m.kv_bytes * m.num_layers
+    return 2 * max(1.0, m.num_kv_heads / lay.attn_tp) * m.head_dim * m.kv_bytes * m.num_layers
+
+
+def memory_fit(layout: Layout | str, hw: Hardware, model: ModelShape, utilization: float = 0.9) -> dict:
+    """Weights per rank (:func:`resident_bytes`) against ``utilization × mem_capacity``: ``weights``, ``fits``,
+    ``kv_room`` (bytes left, 0 when they do not fit), ``kv_tokens_rank`` (tokens of KV that room holds) and
+    ``kv_tokens_box`` (× ``attn_dp``: each attention-DP group caches its own sequences). Activations, CUDA graphs
+    and the allocator's slack are not counted (they come out of the ``1 − utilization`` share)."""
+    lay = _resolve(layout)
+    weights = resident_bytes(lay, model)
+    room = max(0.0, utilization * hw.mem_capacity - weights)
+    tokens = int(room // kv_bytes_per_token_rank(lay, model))
+    return {"weights": weights, "fits": weights <= utilization * hw.mem_capacity, "kv_room": room,
+            "kv_tokens_rank": tokens, "kv_tokens_box": tokens * lay.attn_dp}
 
 
 def forward_calls(layout: Layout | str, model: ModelShape) -> dict[str, int]:
@@ -305,17 +343,25 @@ class Floors:
 
 
 def step_floors(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, context: int,
-                comm_per_step: Mapping[str, Mapping[str, float]] | None = None, tokens_per_seq: int = 1) -> Floors:
+                comm_per_step: Mapping[str, Mapping[str, float]] | None = None, tokens_per_seq: int = 1,
+                efficiency: KernelEfficiency | None = None) -> Floors:
     """Memory floor = bytes read / ``mem_bw``; compute floor = FLOPs / ``peak_flops``; interconnect floor =
     Σ calls·α + bytes·factor/bandwidth over ``comm_per_step`` (``{"group/op": {"calls", "bytes"}}`` per step,
-    e.g. a measured CommCounter delta divided by steps; default: :func:`step_comm` for ``model``)."""
+    e.g. a measured CommCounter delta divided by steps; default: :func:`step_comm` for ``model``).
+    ``efficiency``: memory time = Σ part bytes / (part's measured fraction × copy fraction × ``mem_bw``)."""
     lay = _resolve(layout)
     b = step_bytes(lay, model, batch, context, tokens_per_seq)
     f = step_flops(lay, model, batch, context, tokens_per_seq)
     comm = step_comm(lay, model, batch, tokens_per_seq=tokens_per_seq) if comm_per_step is None else comm_per_step
     comm_s, comm_detail = comm_time(comm, lay, hw)
-    return Floors(sum(b.values()) / hw.mem_bw, sum(f.values()) / hw.peak_flops, comm_s,
-                  {"bytes": b, "flops": f, "comm": comm_detail})
+    detail = {"bytes": b, "flops": f, "comm": comm_detail}
+    memory_s = sum(b.values()) / hw.mem_bw
+    if efficiency is not None:
+        seqs, t_rank, t_all = _ranks_tokens(lay, batch, tokens_per_seq)
+        frac = efficiency.fractions(b, model.num_heads / lay.attn_tp, seqs, t_rank, t_all, model.mla)
+        memory_s = sum(v / (frac[k] * efficiency.copy_fraction * hw.mem_bw) for k, v in b.items())
+        detail["fractions"] = frac
+    return Floors(memory_s, sum(f.values()) / hw.peak_flops, comm_s, detail)
 
 
 # ------------------------------------------------------------------------------------------- projection
@@ -342,6 +388,9 @@ class Projection:
     fits: bool
     overlap: str
     comm: Mapping = field(default_factory=dict)
+    floor_step_s: float = 0.0  # the ideal-floor step (equal to step_s when no efficiency was applied)
+    calibration: str = "ideal floors"
+    fractions: Mapping = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -349,7 +398,8 @@ class Projection:
 
 def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, context: int,
             comm_calls_per_token_by_op: Mapping[str, float] | None = None, *, tokens_per_seq: int = 1,
-            tau: float = 1.0, host_overhead_s: float = 0.0, overlap: str = "serial") -> Projection:
+            tau: float = 1.0, host_overhead_s: float = 0.0, overlap: str = "serial",
+            efficiency: KernelEfficiency | None = None) -> Projection:
     """Projected decode step time and tok/s of ``layout`` on ``hw`` for ``model``.
 
     ``batch`` concurrent sequences with ``context`` cached tokens each. ``comm_calls_per_token_by_op``: calls
@@ -358,6 +408,8 @@ def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, c
     documented forward formula. Speculative decoding: ``tokens_per_seq`` = verify width, ``tau`` = mean
     tokens accepted per step; ``tok_s = batch·tau/step_s``. ``overlap``: "serial" (default) or "full", see
     the module docstring. ``host_overhead_s`` adds a fixed host/launch time per step (default 0: pure floors).
+    ``efficiency`` (:func:`bench.cost.efficiency.load_efficiency`): memory time at the measured per-class
+    fractions instead of the ideal floor; ``floor_step_s`` keeps the ideal step either way.
     """
     if overlap not in ("serial", "full"):
         raise ValueError(f"overlap must be 'serial' or 'full', got {overlap!r}")
@@ -367,12 +419,16 @@ def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, c
     if comm_calls_per_token_by_op is not None:
         calls = {k: v * batch * tau for k, v in comm_calls_per_token_by_op.items()}
     comm = step_comm(lay, model, batch, calls, tokens_per_seq)
-    fl = step_floors(lay, hw, model, batch, context, comm, tokens_per_seq)
-    local = max(fl.memory_s, fl.compute_s)
-    if overlap == "serial":
-        step = local + fl.interconnect_s + host_overhead_s
-    else:
-        step = max(local, fl.interconnect_s) + host_overhead_s
+    fl = step_floors(lay, hw, model, batch, context, comm, tokens_per_seq, efficiency)
+    ideal = fl if efficiency is None else step_floors(lay, hw, model, batch, context, comm, tokens_per_seq)
+
+    def combine(memory_s: float) -> float:
+        local = max(memory_s, fl.compute_s)
+        if overlap == "serial":
+            return local + fl.interconnect_s + host_overhead_s
+        return max(local, fl.interconnect_s) + host_overhead_s
+
+    step = combine(fl.memory_s)
     parts = {"memory": fl.memory_s, "compute": fl.compute_s, "interconnect": fl.interconnect_s,
              "host/launch": host_overhead_s}
     resident = resident_bytes(lay, model)
@@ -383,6 +439,8 @@ def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, c
         comm_s=fl.interconnect_s, host_s=host_overhead_s, step_s=step, tok_s=batch * tau / step,
         tok_s_per_user=tau / step, bound=max(parts, key=parts.get), resident_gb_per_rank=resident / 1e9,
         fits=resident + kv <= hw.mem_capacity, overlap=overlap, comm=fl.detail["comm"],
+        floor_step_s=combine(ideal.memory_s), calibration="ideal floors" if efficiency is None else efficiency.label,
+        fractions=fl.detail.get("fractions", {}),
     )
 
 
