@@ -201,9 +201,13 @@ def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> 
     cfg = SchedulerConfig(**kv, **({} if arm.overlap is None else {"overlap": arm.overlap}))
     spec = arm.spec()
     engine = Engine(model, cfg, seed=0, speculation=load_speculation(spec, model))
-    warm = ["Engine.warm_up()"] if callable(getattr(engine, "warm_up", None)) else []
-    if warm:
-        engine.warm_up()
+    warm = []
+    if callable(getattr(engine, "warm_up", None)):
+        try:
+            engine.warm_up()
+            warm.append("Engine.warm_up()")
+        except TypeError as exc:  # another change's API; this check calls it without arguments
+            warm.append(f"Engine.warm_up() not called: {exc}")
     generate(engine, groups[:1], arm, new_tokens, device)
     warm.append("one untimed pass of the first batch")
     engine.stats, engine.coverage = EngineStats(), GraphCoverage()
@@ -268,7 +272,7 @@ def hf_reference(device: torch.device, dtype: str, prompts: list[list[int]], new
     except ImportError as exc:
         return dict(dtype=dtype, skipped=f"transformers not importable: {exc}")
     t0 = time.time()
-    hf = AutoModelForCausalLM.from_pretrained(ZOO / "target", dtype=getattr(torch, dtype)).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(ZOO / "target"), dtype=getattr(torch, dtype)).to(device).eval()
 
     def timed(ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
         if device.type == "cuda":

@@ -65,10 +65,11 @@ def slice_drafter(model: CausalLM) -> DFlashDrafter:
     """A random 2-layer DFlash drafter (fp32) at ``model``'s hidden size, on its device, fed by its first and last
     layers (``bench.gpu.fixtures.random_speculator``'s sizes; drawn on the device)."""
     h = model.cfg.hidden_size
-    drafter = DFlashDrafter(DFlashConfig(hidden_size=h, num_layers=2, num_heads=max(1, h // 128),
-                                         num_kv_heads=max(1, h // 512), head_dim=min(128, h), intermediate_size=2 * h,
-                                         target_layer_ids=(0, model.cfg.num_layers - 1), mask_token_id=1,
-                                         block_size=DRAFTER_BLOCK)).place(model.device)
+    cfg = DFlashConfig(hidden_size=h, num_layers=2, num_heads=max(1, h // 128), num_kv_heads=max(1, h // 512),
+                       head_dim=min(128, h), intermediate_size=2 * h, target_layer_ids=(0, model.cfg.num_layers - 1),
+                       mask_token_id=1, block_size=DRAFTER_BLOCK)
+    with torch.device(model.device):  # nn.Linear's init of ~0.9 G weights takes half a minute on a host core
+        drafter = DFlashDrafter(cfg).place(model.device)
     gen = torch.Generator(device=model.device).manual_seed(1)
     with torch.no_grad():
         for name, p in drafter.named_parameters():

@@ -70,8 +70,11 @@ class Context:
 
 
 def _power_summary(ctx: Context, budget_s: float) -> dict | str:
+    """NVML readings taken while moe_timing and bandwidth ran."""
     if not CUDA:
         return NO_GPU
+    if ctx.power.backend is not None and not ctx.power.rows:
+        return "skipped: nothing measured (power reads NVML while moe_timing and bandwidth run; neither did)"
     return ctx.power.summary()
 
 
@@ -293,9 +296,9 @@ def verdict_of(sections: dict) -> tuple[str, bool]:
         problems.append(f"fp32 engine tokens differ from plain decoding: {eng.get('fp32_unequal')}")
     if problems:
         return f"FAILED: {problems}", True
-    checked = "all kernels within tolerance" if isinstance(rows, list) else "correctness not run"
-    where = "" if CUDA else " (CPU: Triton interpreter, tiny fp32/fp16 shapes)"
-    return checked + where, False
+    if not isinstance(rows, list):
+        return "correctness not run", False
+    return "all kernels within tolerance" + ("" if CUDA else " (CPU: Triton interpreter, tiny fp32/fp16 shapes)"), False
 
 
 def main(argv: list[str] | None = None) -> None:
