@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out) if args.out else default_out()
     log.info("report directory: %s", out)
-    report = Report(out, args.budget_s, Context(aot=args.aot, explicit=frozenset(chosen if args.sections else ())))
+    named = args.sections is not None and args.sections.strip() != "all"  # the dry runs off CUDA need their name
+    report = Report(out, args.budget_s, Context(aot=args.aot, explicit=frozenset(chosen if named else ())))
     report.sections["machine"] = f"{torch.cuda.get_device_name(0)} (CUDA)" if CUDA else \
         "no CUDA device: the GPU sections are skipped; correctness runs the Triton kernels under TRITON_INTERPRET=1"
     for name in chosen:
