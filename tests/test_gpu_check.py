@@ -160,3 +160,18 @@ def test_first_diff():
     assert engine_check.first_diff([1, 2, 3], [1, 2, 3]) is None
     assert engine_check.first_diff([1, 2, 3], [1, 5, 3]) == 1
     assert engine_check.first_diff([1, 2], [1, 2, 3]) == 2
+
+
+def test_correctness_past_its_budget_skips_the_rest_and_the_verdict_says_so():
+    """Checks not started within the budget are rows marked ``skipped`` — not failures, but named in the verdict;
+    a row out of tolerance still fails the run."""
+    from bench.gpu.kernels import correctness
+
+    rows = correctness(budget_s=0)
+    assert rows and all(r["skipped"] == "time budget" for r in rows)
+    line, failed = report.verdict_of({"correctness": [*rows[:1], dict(kernel="rms_norm", dtype="float32", ok=True)]})
+    assert not failed and "not checked (time budget)" in line and rows[0]["kernel"] in line
+    line, failed = report.verdict_of({"correctness": [dict(kernel="rms_norm", dtype="float32", ok=False)]})
+    assert failed and "rms_norm float32 out of tolerance" in line
+    line, failed = report.verdict_of({"engine": {"fp32_equal": False, "fp32_unequal": ["ddtree 16"]}})
+    assert failed and "ddtree 16" in line
