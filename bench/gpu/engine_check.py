@@ -39,6 +39,8 @@ ZOO = REPO / "model/zoo/tiny_kimi"
 DFLASH_BLOCK = 9  # DFlash's best block on this pair (docs/tiny_kimi.md, GPU_FINDINGS)
 DDTREE_BLOCK = 16  # the drafter's training block
 BUDGETS = (16, 64, 256)
+# seconds a reference needs on a GPU to be worth starting (HF: two generate passes; projection: a 10 GiB slice)
+MIN_LEFT_S = {"hf_generate": 15.0, "projection": 40.0}
 ROW_KEYS = ("arm", "method", "budget", "block_size", "batch", "temperature", "dtype", "static_steps", "overlap",
             "prompts", "new_tokens", "decode_tok_s", "x_plain", "tau", "decode_steps", "host_ms_per_step",
             "gpu_ms_per_step", "draft_ms_per_step", "verify_ms_per_step", "coverage", "eager_reasons",
@@ -365,12 +367,13 @@ def _references(extra: dict, plan: Plan, device: torch.device, ids: list[list[in
                 done: dict[Arm, dict], left) -> None:
     """HF generate, the stored HF greedy continuations and the slice projection, each if time is left."""
     prompts = load_prompts()[:plan.prompts]
+    need = MIN_LEFT_S if device.type == "cuda" else dict.fromkeys(MIN_LEFT_S, 0.0)
     for dtype in plan.hf_dtypes:
         plain = tokens.get(Arm(dtype=dtype))
         if plain is not None:
             extra["stored_hf_greedy"][dtype] = stored_reference(prompts, plain)
-        if left() <= 0:
-            extra["hf_generate"].append(dict(dtype=dtype, skipped="time budget"))
+        if left() <= need["hf_generate"]:
+            extra["hf_generate"].append(dict(dtype=dtype, skipped=f"time budget ({left():.0f} s left)"))
             continue
         try:
             extra["hf_generate"].append(hf_reference(device, dtype, ids[:plan.prompts], plan.new_tokens, plain))
@@ -380,7 +383,9 @@ def _references(extra: dict, plan: Plan, device: torch.device, ids: list[list[in
             if a.method == "ddtree" and a.batch == 1 and a.temperature == 0 and a.dtype == plan.arms[0].dtype}
     if not taus:
         extra["projection"] = "skipped: no DDTree arm at batch 1 greedy ran, so no τ to project with"
-    elif left() > 0:
+    elif left() <= need["projection"]:
+        extra["projection"] = f"skipped: time budget ({left():.0f} s left, it needs about {need['projection']:.0f})"
+    else:
         try:
             extra["projection"] = projection.run(device, taus, left(), context=4096 if device.type == "cuda" else 64)
         except Exception as exc:  # noqa: BLE001 - recorded in the report
