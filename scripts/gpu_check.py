@@ -1,8 +1,10 @@
 """One call on one GPU (≤ 8 minutes): are the kernels right, fast, and where is the floor?
 
-    python scripts/gpu_check.py [--out DIR] [--budget-s 450] [--aot core|full|none]
+    python scripts/gpu_check.py [--sections a,b,c] [--budget NAME=SECONDS ...] [--budget-s 420] [--out DIR]
+                                [--aot core|full|none]
 
-Sections, each recorded even when another fails (the report is rewritten after every section):
+Sections, in this order, each under its own time budget (``bench.gpu.report.BUDGETS_S``; ``--budget NAME=S``
+overrides one, 0 skips it) inside the whole run's ``--budget-s``; each is recorded even when another fails:
 
 - ``environment`` and ``kernel_select``: versions, the device, which implementation each op gets and why;
 - ``aot_compile`` (CPU only): every kernel compiled for sm_90 and sm_100 without a GPU (``model.triton.aot``);
@@ -13,16 +15,23 @@ Sections, each recorded even when another fails (the report is rewritten after e
   on DeepEP's low-latency packed layout the masked grouped GEMM vs the sorted fused MoE vs the reference;
 - ``bandwidth`` (GPU): device copy bandwidth of a 4 GiB copy, and the achieved bandwidth of paged decode
   attention (GQA and MLA) on memory-bound sizes as a fraction of it;
-- ``power``: when ``pynvml`` (nvidia-ml-py) imports, NVML power while each timed kernel runs back to back for
-  1.5 s (mean from the energy counter, % of the power limit, clocks, GPM SM/DRAM activity);
+- ``power``: when ``pynvml`` (nvidia-ml-py) imports, NVML power while each kernel that moe_timing and bandwidth
+  time runs back to back for 1.5 s (mean from the energy counter, % of the power limit, clocks, GPM activity);
 - ``cuda_graphs`` (GPU): ``bench.gpu.graph_check.gpu_check``, decode and tree-verify graphs at budgets 8…256;
 - ``draft_graphs`` (GPU): ``bench.gpu.draft_check.gpu_check``, the drafter step's graphs at budgets 8…256;
 - ``spec_steps`` (GPU): ``bench.gpu.step_check.gpu_check``, whole speculative steps through the engine's runner
   — static (draft graph → verify graph → walk on the device, raising on any host sync in between) vs dynamic:
-  same tokens?, step times, coverage.
+  same tokens?, step times, coverage;
+- ``engine`` (GPU; on CPU only when named, a smoke version): ``bench.gpu.engine_check.run``, the engine end to end
+  on the trained tiny_kimi pair — none / dflash / ddtree arms, tok/s, τ, coverage, tokens vs plain decoding, HF
+  ``generate`` as the outside reference, DDTree projected onto the Kimi-shaped slice;
+- ``roofline`` (GPU; on CPU only when named, a tiny dry run): ``bench.gpu.roofline.run``, decode steps of a
+  Kimi-K2-shaped rank against the HBM floor.
 
-Writes ``gpu_report.json`` and ``gpu_report.md`` to ``--out``, else ``$OUT``, else ``./gpu_report``. On a box
-without CUDA the GPU sections say that they were skipped and why. The sections live in ``bench/gpu/``.
+Writes ``gpu_report.json`` and ``gpu_report.md`` to ``--out``, else ``$OUT``, else a new directory under the
+system temp dir (its path is printed; never the checkout unless ``--out`` says so). The last console lines say
+which sections ran, which were skipped and why, and the verdict. Needs no hydra or omegaconf. The sections live
+in ``bench/gpu/``.
 """
 
 import os
