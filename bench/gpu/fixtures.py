@@ -25,19 +25,21 @@ GPU_CHECK_CASES = [{"batch": 1, "budget": b} for b in (8, 16, 32, 64, 128, 256)]
 
 
 def random_model(device: torch.device, dtype: torch.dtype, **overrides) -> CausalLM:
-    """The committed tiny_kimi target's architecture (``overrides`` rescale it) with random weights: no
-    checkpoint and no transformers needed on the GPU box."""
+    """The committed tiny_kimi target's architecture (``overrides`` rescale it) with random weights drawn on
+    ``device`` (a 10 GiB slice drawn on the host takes minutes): no checkpoint and no transformers needed on the
+    GPU box."""
     raw = json.loads((REPO / "model/zoo/tiny_kimi/target/config.json").read_text())
-    model = CausalLM(parse_config({**raw, **overrides}), build_groups(Layout()), dtype)
-    gen = torch.Generator().manual_seed(0)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        elif "e_score_correction_bias" in name:
-            p.data.zero_()
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    return model.place(device)
+    model = CausalLM(parse_config({**raw, **overrides}), build_groups(Layout()), dtype).place(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif "e_score_correction_bias" in name:
+                p.zero_()
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    return model
 
 
 def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,24 +10,19 @@ a random 2-layer DFlash drafter at the slice's hidden size in fp32, as the engin
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
 import torch
 
-from bench import REPO
-from bench.gpu.fixtures import random_seqs
+from bench.gpu.fixtures import random_model, random_seqs
 from bench.gpu.harness import cuda_time_s
 from bench.gpu.roofline import KIMI_SLICE, TINY_SLICE, SliceShape, install_routing
 from engine.cuda_graphs import GraphRunner, StepShape
 from engine.kv_cache import KVSpec, PagedKVCache
 from engine.step import SeqWork
-from model.config import parse_config
 from model.kernel_select import select_kernels
 from model.transformer import CausalLM
-from parallelism.comm import build_groups
-from parallelism.layout import Layout
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashConfig, DFlashDrafter
 from spec_decode.speculator import Speculator
@@ -43,19 +38,9 @@ def project(tau: float, decode_ms: float, draft_ms: float, verify_ms: float) -> 
 
 
 def slice_model(device: torch.device, shape: SliceShape, dtype: torch.dtype) -> CausalLM:
-    """The slice with random weights drawn on ``device`` (a 10 GiB model drawn on the host takes minutes), routed as
-    an EP8 rank sees it (:func:`bench.gpu.roofline.install_routing`), calling the kernels selected there."""
-    raw = json.loads((REPO / "model/zoo/tiny_kimi/target/config.json").read_text())
-    model = CausalLM(parse_config({**raw, **shape.overrides()}), build_groups(Layout()), dtype).place(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif "e_score_correction_bias" in name:
-                p.zero_()
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    """The slice with random weights drawn on ``device``, routed as an EP8 rank sees it
+    (:func:`bench.gpu.roofline.install_routing`), calling the kernels selected there."""
+    model = random_model(device, dtype, **shape.overrides())
     model.use_kernels(select_kernels(device))
     install_routing(model, shape, "ep8", device, dtype)
     return model
