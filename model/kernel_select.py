@@ -15,6 +15,10 @@ Ops and their references (signatures in :mod:`model.triton.reference` and :mod:`
 ``paged_decode_mla``          ``(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale)``
 ``tree_verify_gqa``           ``paged_decode_gqa``'s arguments with ``q [B, N, H, D]``, + ``tree_mask=`` or ``parents=``
 ``tree_verify_mla``           ``paged_decode_mla``'s arguments with a node dim, + ``tree_mask=`` or ``parents=``
+``w4a16_linear``              ``(x, packed, scale, group_size)`` → :func:`model.quant.reference.w4a16_linear`
+``fp8_linear``                ``(x, weight, scale_inv, block)`` → ``w8a8_linear`` (FP8 device) or ``w8a16_linear``
+``w4a16_moe``                 ``(inp, w13, w13_scale, w2, w2_scale, group_size)`` → ``quant.reference.w4a16_moe``
+``fp8_moe``                   ``(inp, w13, w13_scale, w2, w2_scale, block)`` → ``w8a8_moe`` or ``w8a16_moe``
 ============================  ===============================================================
 """
 
@@ -26,12 +30,15 @@ from dataclasses import dataclass, field
 import torch
 
 from model import kernels
+from model.quant import reference as qref
 from model.triton import reference
 
 OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
        "tree_verify_mla")
 BACKENDS = ("auto", "triton", "torch")
+QUANT_OPS = ("w4a16_linear", "fp8_linear", "w4a16_moe", "fp8_moe")
 MIN_CAPABILITY = (8, 0)  # bf16 tl.dot
+FP8_CAPABILITY = (8, 9)  # e4m3 tensor cores (Ada, Hopper, Blackwell)
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,10 @@ class KernelSet:
     tree_verify_mla: Callable
     reasons: dict[str, str] = field(default_factory=dict)
     graph_safe: bool = False  # no host synchronisation in any op: the Triton set (the references read lengths/counts)
+    w4a16_linear: Callable = qref.w4a16_linear
+    fp8_linear: Callable = qref.w8a16_linear
+    w4a16_moe: Callable = qref.w4a16_moe
+    fp8_moe: Callable = qref.w8a16_moe
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -79,15 +90,23 @@ def triton_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
-def reference_kernels(reason: str = "default (no kernel set chosen)") -> KernelSet:
-    """The torch references for every op (what a model uses until :meth:`CausalLM.use_kernels`)."""
-    return _reference_set(reason)
+def reference_kernels(reason: str = "default (no kernel set chosen)", fp8_acts: bool = False) -> KernelSet:
+    """The torch references for every op (what a model uses until :meth:`CausalLM.use_kernels`); ``fp8_acts``:
+    FP8 layers quantize their activations (W8A8) as an FP8 device does, else W8A16."""
+    return _reference_set(reason, fp8_acts)
 
 
-def _reference_set(reason: str) -> KernelSet:
+def _reference_set(reason: str, fp8_acts: bool = False) -> KernelSet:
+    """``fp8_acts``: the FP8 ops quantize activations (W8A8, what an FP8 device runs), else W8A16."""
     r = reference
+    reasons = dict.fromkeys(OPS + QUANT_OPS, f"torch reference: {reason}")
+    scheme = "W8A8, per-token 1xB activations" if fp8_acts else "W8A16, activations unquantized"
+    for op in ("fp8_linear", "fp8_moe"):
+        reasons[op] += f" ({scheme})"
     return KernelSet(kernels.rms_norm, r.add_rms_norm, r.local_experts, r.paged_decode_gqa, r.paged_decode_mla,
-                     r.tree_verify_gqa, r.tree_verify_mla, reasons=dict.fromkeys(OPS, f"torch reference: {reason}"))
+                     r.tree_verify_gqa, r.tree_verify_mla, reasons=reasons,
+                     fp8_linear=qref.w8a8_linear if fp8_acts else qref.w8a16_linear,
+                     fp8_moe=qref.w8a8_moe if fp8_acts else qref.w8a16_moe)
 
 
 def _triton_set(device: torch.device) -> KernelSet:
