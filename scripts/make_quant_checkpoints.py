@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 KIMI_IGNORE = ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
 ROUTED = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 PROJ = re.compile(r".*_proj(_with_mqa)?\.weight$")
-DIMS = dict(moe_intermediate_size=64, intermediate_size=128)  # expert-TP 2 leaves 32 = one INT4 group / 4 FP8 blocks
+DIMS = dict(moe_intermediate_size=256, intermediate_size=128)  # expert-TP 8 leaves 32 = one INT4 group, 4 FP8 blocks
 FP8_BLOCK = 8  # releases use 128; tiny dims cut by TP8 need a small block
 
 # name: (model.tiny preset, format, config.json wrapping)

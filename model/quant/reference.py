@@ -54,10 +54,10 @@ def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     ⌈K/group⌉]`` fp32) with ``x ≈ x_q * scale`` (``scale = amax / 448``; an all-zero group gets scale 1)."""
     t, k = x.shape
     pad = -k % group
-    xg = F.pad(x.float(), (0, pad)).view(t, -1, group)
+    xg = F.pad(x.float(), (0, pad)).view(t, (k + pad) // group, group)
     amax = xg.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    xq = (xg / scale[..., None]).to(torch.float8_e4m3fn).view(t, -1)[:, :k]
+    xq = (xg / scale[..., None]).to(torch.float8_e4m3fn).view(t, k + pad)[:, :k]
     return xq, scale
 
 
