@@ -22,6 +22,7 @@ from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
+from model.quant.layout import check_layout
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.launch import launch
@@ -109,7 +110,7 @@ def read_prompts(path: str, ckpt: str) -> list[list[int]]:
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    load_config(ckpt)
+    check_layout(load_config(ckpt), layout)  # a quantized checkpoint's groups/blocks vs the layout, before any rank
     place, backend, _ = prepare_ranks(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from engine.engine import Engine, make_runner, worker_loop
 from engine.scheduler import SchedulerConfig
 from model.config import load_config
+from model.quant.layout import check_layout
 from parallelism.comm import build_groups
 from parallelism.launch import launch
 
@@ -87,7 +88,7 @@ def forward_stop(rank0_pid) -> None:
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    load_config(ckpt)
+    check_layout(load_config(ckpt), layout)  # a quantized checkpoint's groups/blocks vs the layout, before any rank
     place, backend, _ = prepare_ranks(cfg, layout)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
