@@ -109,17 +109,31 @@ def _reference_set(reason: str, fp8_acts: bool = False) -> KernelSet:
                      fp8_moe=qref.w8a8_moe if fp8_acts else qref.w8a16_moe)
 
 
+def fp8_scheme(capability: tuple[int, int]) -> tuple[bool, str]:
+    """Whether FP8 layers run W8A8 (per-token FP8 activations on FP8 tensor cores) on a device of
+    ``capability``, and why; W8A16 (weights dequantized in registers) where the device lacks FP8."""
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if capability >= FP8_CAPABILITY:
+        return True, f"{sm} has FP8 tensor cores: W8A8, activations quantized per token in 1xB groups"
+    return False, f"{sm} < sm_89 has no FP8 tensor cores: W8A16, activations unquantized"
+
+
 def _triton_set(device: torch.device) -> KernelSet:
     import triton
 
-    from model.triton import attention, moe, norm
+    from model.triton import attention, moe, norm, quant_gemm, quant_moe
 
     name = torch.cuda.get_device_name(device)
     major, minor = torch.cuda.get_device_capability(device)
     reason = f"triton {triton.__version__}: {name} (sm_{major}{minor})"
+    w8a8, why = fp8_scheme((major, minor))
+    reasons = dict.fromkeys(OPS + QUANT_OPS, reason)
+    reasons["fp8_linear"] = reasons["fp8_moe"] = f"{reason}; {why}"
     return KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
                      attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
-                     reasons=dict.fromkeys(OPS, reason), graph_safe=True)
+                     reasons=reasons, graph_safe=True, w4a16_linear=quant_gemm.w4a16_linear,
+                     fp8_linear=quant_gemm.w8a8_linear if w8a8 else quant_gemm.w8a16_linear,
+                     w4a16_moe=quant_moe.w4a16_moe, fp8_moe=quant_moe.w8a8_moe if w8a8 else quant_moe.w8a16_moe)
 
 
 def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:

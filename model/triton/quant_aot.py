@@ -4,7 +4,7 @@ at production shapes for a GPU architecture, no GPU needed — :mod:`model.trito
     python -m model.triton.quant_aot --arch 90 100   # one JSON line per configuration
 
 Shapes: Kimi K2.6 routed experts in INT4 (H 7168, I 2048, group 32, bf16 scales), DeepSeek-V3 FP8 (128×128
-blocks) experts and dense projections, decode and prefill tiles.
+blocks) experts and dense projections (W8A16 and W8A8), decode and prefill tiles.
 """
 
 from __future__ import annotations
@@ -41,11 +41,16 @@ def specs() -> list[Spec]:
         t = moe.default_tiles(64 * 8 if kind == "decode" else 4096 * 8, 7168, 2048)
         mt = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot)
         ids = dict(sorted_ptr="i32", expert_ptr="i32", num_post_ptr="i32")
-        for name, fmt, ptrs in (("w4a16", INT4, PTR_INT4), ("w8a16", FP8, PTR_FP8)):
-            out.append(Spec(f"{name}_moe gate_up {kind}", quant_moe._q_gate_up_kernel, dict(fmt, **mt),
-                            dict(ids, **ptrs), t.num_warps))
-            out.append(Spec(f"{name}_moe down {kind}", quant_moe._q_down_kernel, dict(fmt, **mt),
-                            dict(ids, **ptrs, out_ptr="fp32", weight_ptr="fp32"), t.num_warps))
+        a8 = dict(x_ptr="fp8e4nv", xs_ptr="fp32", h_ptr="fp8e4nv", hs_ptr="fp32")
+        for name, fmt, ptrs, acts in (("w4a16", INT4, PTR_INT4, {}), ("w8a16", FP8, PTR_FP8, {}),
+                                      ("w8a8", FP8, PTR_FP8, a8)):
+            c = dict(fmt, **mt, A_FP8=bool(acts))
+            if acts:
+                c["BLOCK_K"] = 128
+            out.append(Spec(f"{name}_moe gate_up {kind}", quant_moe._q_gate_up_kernel, c,
+                            {**ids, **ptrs, **acts, "h_ptr": "bf16"}, t.num_warps))
+            out.append(Spec(f"{name}_moe down {kind}", quant_moe._q_down_kernel, c,
+                            dict(ids, **ptrs, **acts, out_ptr="fp32", weight_ptr="fp32"), t.num_warps))
     return out
 
 

@@ -37,6 +37,15 @@ def dequant_tile(w_ptr, s_ptr, rows, kk, mask, stride_wn, stride_sn,
 
 
 @triton.jit
+def fp8_block_dot(a, a_s, w_ptr, s_ptr, rows, kk, kb, mask, rows_ok, stride_wn, stride_sn, S_ROWS: tl.constexpr):
+    """``(a · wᵀ)`` over one scale block of columns, scaled: ``a [BLOCK_M, BLOCK_K]`` e4m3 with per-row scales
+    ``a_s [BLOCK_M]``, weight rows ``rows`` and columns ``kk`` (block ``kb``) e4m3 with their block scale."""
+    w = tl.load(w_ptr + rows[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=mask, other=0.0)
+    w_s = tl.load(s_ptr + (rows // S_ROWS).to(tl.int64) * stride_sn + kb, mask=rows_ok, other=0.0)
+    return tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+
+
+@triton.jit
 def _dequant_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_wn, stride_sn, stride_o,
                            INT4: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
@@ -71,11 +80,9 @@ def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, strid
         k_ok = kk < K
         a = tl.load(xq_ptr + m[:, None].to(tl.int64) * stride_x + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
         a_s = tl.load(xs_ptr + m.to(tl.int64) * stride_xs + kb, mask=m_ok, other=0.0)
-        w_s = tl.load(s_ptr + (n // S_ROWS).to(tl.int64) * stride_sn + kb, mask=n_ok, other=0.0)
-        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        acc += fp8_block_dot(a, a_s, w_ptr, s_ptr, n, kk, kb, k_ok[:, None] & n_ok[None, :], n_ok, stride_wn,
+                             stride_sn, S_ROWS)
     tl.store(out_ptr + m[:, None].to(tl.int64) * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 

@@ -17,18 +17,20 @@ import torch
 import triton
 import triton.language as tl
 
+from model.quant.reference import act_qdq, act_quant
 from model.triton.moe import _block_rows, default_tiles, moe_align_block_size
-from model.triton.quant_gemm import dequant_tile
+from model.triton.quant_gemm import dequant_tile, fp8_block_dot
 from model.triton.reference import dot_precision
 from parallelism.dispatch import ExpertInput
 
 
 @triton.jit
-def _q_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k, hidden,
-                      inter, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-                      INT4: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Grid ``(P // BLOCK_M, cdiv(I, BLOCK_N))``: ``h[row] = silu(x[tok] @ Wg[e]ᵀ) * (x[tok] @ Wu[e]ᵀ)``."""
+def _q_gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k,
+                      hidden, inter, stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+                      INT4: tl.constexpr, A_FP8: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """Grid ``(P // BLOCK_M, cdiv(I, BLOCK_N))``: ``h[row] = silu(x[tok] @ Wg[e]ᵀ) * (x[tok] @ Wu[e]ᵀ)``.
+    ``A_FP8`` (W8A8): ``x`` is e4m3 with per-token block scales ``xs [N, H/BLOCK_K]``, ``BLOCK_K == S_COLS``."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -44,21 +46,28 @@ def _q_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, num_po
         a = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + kk[None, :], mask=ok[:, None] & k_ok[None, :],
                     other=0.0)
         mask = k_ok[:, None] & n_ok[None, :]
-        wg = dequant_tile(w_e, s_e, n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
-        wu = dequant_tile(w_e, s_e, inter + n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
-        gate += tl.dot(a, wg.to(a.dtype), input_precision=DOT)
-        up += tl.dot(a, wu.to(a.dtype), input_precision=DOT)
+        if A_FP8:
+            kb = k0 // BLOCK_K
+            a_s = tl.load(xs_ptr + tok.to(tl.int64) * stride_xs + kb, mask=ok, other=0.0)
+            gate += fp8_block_dot(a, a_s, w_e, s_e, n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
+            up += fp8_block_dot(a, a_s, w_e, s_e, inter + n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
+        else:
+            wg = dequant_tile(w_e, s_e, n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            wu = dequant_tile(w_e, s_e, inter + n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            gate += tl.dot(a, wg.to(a.dtype), input_precision=DOT)
+            up += tl.dot(a, wu.to(a.dtype), input_precision=DOT)
     h = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _q_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k,
-                   hidden, inter, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                   INT4: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Grid ``(P // BLOCK_M, cdiv(H, BLOCK_N))``: ``out[tok] += weight[pair] * (h[row] @ Wd[e]ᵀ)`` (fp32 out)."""
+def _q_down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs,
+                   top_k, hidden, inter, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                   INT4: tl.constexpr, A_FP8: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """Grid ``(P // BLOCK_M, cdiv(H, BLOCK_N))``: ``out[tok] += weight[pair] * (h[row] @ Wd[e]ᵀ)`` (fp32 out);
+    ``A_FP8``: ``h`` e4m3 with per-row block scales ``hs [P, I/BLOCK_K]``."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -72,33 +81,48 @@ def _q_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr, expert_
         k_ok = kk < inter
         a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :], mask=ok[:, None] & k_ok[None, :],
                     other=0.0)
-        w = dequant_tile(w_e, s_e, n, kk, k_ok[:, None] & n_ok[None, :], stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
-        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT)
+        mask = k_ok[:, None] & n_ok[None, :]
+        if A_FP8:
+            kb = k0 // BLOCK_K
+            a_s = tl.load(hs_ptr + rows.to(tl.int64) * stride_hs + kb, mask=ok, other=0.0)
+            acc += fp8_block_dot(a, a_s, w_e, s_e, n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
+        else:
+            w = dequant_tile(w_e, s_e, n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT)
     acc *= tl.load(weight_ptr + pair, mask=ok, other=0.0)[:, None]
     tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc,
                   mask=ok[:, None] & n_ok[None, :])
 
 
-def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: int, inter: int) -> torch.Tensor:
+def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: int, inter: int,
+           a_fp8: bool = False) -> torch.Tensor:
+    """Both GEMMs; ``a_fp8``: W8A8 (activations quantized per token in ``1 × s_cols`` groups before each)."""
     x = inp.hidden.contiguous()
     (n, hidden), experts, pairs = x.shape, w13.shape[0], inp.slots.numel()
     if pairs == 0 or experts == 0:
         return torch.zeros_like(x)
     t = default_tiles(pairs, hidden, inter)
+    qdq = a_fp8 and s_cols < 16  # tl.dot needs K >= 16: quantize-dequantize the activations, dequantized weights
+    a_fp8 = a_fp8 and not qdq
+    if qdq:
+        x = act_qdq(x, s_cols)
+    block_k = s_cols if a_fp8 else t.block_k
     sorted_ids, expert_ids, num_post = moe_align_block_size(inp.slots, experts, t.block_m)
     w13, s13, w2, s2 = (v.contiguous() for v in (w13, s13, w2, s2))
+    a, a_s = act_quant(x, s_cols) if a_fp8 else (x, x)
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
     blocks, top_k = expert_ids.numel(), inp.slots.shape[1]
-    meta = dict(INT4=int4, S_ROWS=s_rows, S_COLS=s_cols, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                DOT=dot_precision(x.dtype), num_warps=t.num_warps)
+    meta = dict(INT4=int4, A_FP8=a_fp8, S_ROWS=s_rows, S_COLS=s_cols, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                BLOCK_K=block_k, DOT=dot_precision(x.dtype), num_warps=t.num_warps)
     _q_gate_up_kernel[(blocks, triton.cdiv(inter, t.block_n))](
-        x, w13, s13, h, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), **meta)
+        a, a_s, w13, s13, h, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, a.stride(0),
+        a_s.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), **meta)
     weights = inp.weights.reshape(-1).float().contiguous()
+    hq, h_s = act_quant(h, s_cols) if a_fp8 else (act_qdq(h, s_cols) if qdq else h, h)
     _q_down_kernel[(blocks, triton.cdiv(hidden, t.block_n))](
-        h, w2, s2, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, h.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), **meta)
+        hq, h_s, w2, s2, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, hq.stride(0),
+        h_s.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), **meta)
     return out.to(x.dtype)
 
 
@@ -113,3 +137,12 @@ def w8a16_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.
     """Routed experts with FP8 block weights, activations unquantized → ``[N, H]``.
     Reference: :func:`model.quant.reference.w8a16_moe`."""
     return _fused(inp, w13, s13, w2, s2, False, block[0], block[1], w13.shape[1] // 2)
+
+
+def w8a8_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+             block: tuple[int, int]) -> torch.Tensor:
+    """Routed experts with FP8 block weights and per-token ``1 × block[1]`` FP8 activations before both GEMMs
+    (FP8 tensor cores, sm ≥ 89; with ``block[1]`` < 16, too narrow for ``tl.dot``, the activations are quantized
+    and dequantized and the weights dequantized in registers: the same definition). Reference:
+    :func:`model.quant.reference.w8a8_moe`."""
+    return _fused(inp, w13, s13, w2, s2, False, block[0], block[1], w13.shape[1] // 2, a_fp8=True)
