@@ -136,3 +136,61 @@ def test_fp8_partial_blocks_and_activation_groups():
     x = torch.tensor([[1.0, -448.0, 2.0, 0.0, 0.0]])
     xq, scale = act_quant(x, 2)
     assert scale[0].tolist() == pytest.approx([1.0, 2.0 / 448, 1.0]) and xq.float()[0, :2].tolist() == [1.0, -448.0]
+
+
+def _fake_groups(lay, rank):
+    """A rank's view without processes: construction and loading read only rank/size."""
+    from parallelism.comm import CommCounter, ParallelGroups
+
+    class FakeComm:
+        def __init__(self, kind, rank, size):
+            self.kind, self.rank, self.size = kind, rank, size
+
+    c = lay.coords(rank)
+    return ParallelGroups(lay, rank, CommCounter(), FakeComm("world", rank, lay.world_size),
+                          FakeComm("attn_tp", c.attn_tp_rank, lay.attn_tp), FakeComm("attn_dp", c.attn_dp_rank,
+                                                                                       lay.attn_dp),
+                          FakeComm("moe_tp", c.moe_tp_rank, lay.moe_tp), FakeComm("moe_ep", c.moe_ep_rank, lay.moe_ep))
+
+
+@pytest.mark.parametrize("ckpt", ["kimi_k25_int4", "deepseek_fp8"])
+def test_each_quantized_byte_is_read_by_the_ranks_that_hold_it(quant_ckpts, monkeypatch, ckpt):
+    """tp2_ep4 (attention TP8, experts EP4 x expert-TP2), all 8 ranks loaded in turn: every sharded quantized
+    tensor (packed weights and scales) is read exactly once over all ranks — each rank reads only its slice —
+    and the replicated ones (kv_a_proj_with_mqa, q_a_proj) once per rank."""
+    from collections import Counter
+
+    from safetensors import safe_open
+
+    import model.loader as loader
+    from model.transformer import CausalLM
+
+    path = quant_ckpts[ckpt][0]
+    read = Counter()
+    narrow, whole = loader.SliceSource.narrow, loader.SliceSource.read
+
+    def count(fn):
+        def run(self, *args):
+            t = fn(self, *args)
+            read[self.name] += t.numel() * t.element_size()
+            return t
+        return run
+    monkeypatch.setattr(loader.SliceSource, "narrow", count(narrow))
+    monkeypatch.setattr(loader.SliceSource, "read", count(whole))
+    lay = Layout(world_size=8, attn_tp=8, moe_tp=2, moe_ep=4)
+    for rank in range(8):
+        model = CausalLM(load_config(path), _fake_groups(lay, rank))
+        loader.load_weights(model, path)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        size = {k: f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()}
+    fp8_weight = k_is_proj if ckpt == "deepseek_fp8" else (lambda _: False)
+    quantized = [k for k in size if k.endswith(("weight_packed", "weight_scale", "weight_scale_inv"))
+                 or fp8_weight(k)]
+    assert len(quantized) > 100
+    for k in quantized:
+        replicas = 8 if ("q_a_proj" in k or "kv_a_proj" in k) else 1
+        assert read[k] == replicas * size[k], (k, read[k], size[k])
+
+
+def k_is_proj(name: str) -> bool:
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
