@@ -103,15 +103,18 @@ def test_layout_that_cuts_a_group_fails_naming_tensor_and_degree(tiny_ckpts):
     check_layout(fp8, Layout())
     with pytest.raises(LayoutError, match=r"attn_tp=8 cuts model.layers.0.self_attn.q_b_proj.weight .*16 rows"):
         check_layout(fp8, Layout(world_size=8, attn_tp=8, moe_ep=8))
+    fp8_32 = parse_config(_raw(tiny_ckpts, {**FP8_CFG, "weight_block_size": [32, 32]}))
+    with pytest.raises(LayoutError, match=r"model.layers.1.mlp.experts.\*.gate_proj.weight has 16 rows.*stacked"):
+        check_layout(fp8_32, Layout())
 
 
 def test_layout_check_runs_before_weights_are_read(tiny_ckpts, tmp_path):
     from model.loader import load_model
     from parallelism.comm import build_groups
 
-    raw = _raw(tiny_ckpts, {**FP8_CFG, "weight_block_size": [3, 3]})
+    raw = _raw(tiny_ckpts, {**FP8_CFG, "weight_block_size": [16, 16]})
     (tmp_path / "config.json").write_text(json.dumps(raw))  # no weights at all
-    assert load_config(tmp_path).quant.block == (3, 3)
+    assert load_config(tmp_path).quant.block == (16, 16)
     with pytest.raises(LayoutError, match="moe_tp=2 cuts"):
         check_layout(load_config(tmp_path), Layout(world_size=2, attn_tp=1, attn_dp=2, moe_tp=2))
     with pytest.raises(Exception, match="no .*safetensors"):

@@ -57,13 +57,18 @@ def _cuts(cfg: ModelConfig, layout: Layout) -> Iterator[tuple[str, str, int, int
 
 def check_layout(cfg: ModelConfig, layout: Layout) -> None:
     """Raises LayoutError naming the tensor and the degree where ``layout`` cuts a quantized layer's rows or
-    columns off a group (INT4: columns in groups of ``group_size``) or block (FP8: ``block`` rows × columns)."""
+    columns off a group (INT4: columns in groups of ``group_size``) or block (FP8: ``block`` rows × columns),
+    or where FP8 gate/up rows, stacked into one GEMM, would share a block."""
     q = cfg.quant
     if q is None:
         return
     for name, dim, local, shards, degree in _cuts(cfg, layout):
-        if shards == 1 or not q.quantizes(name.replace("*", "0")):
+        stacked = q.method == FP8 and name.endswith(("gate_proj", "up_proj"))  # gate | up rows share one scale grid
+        if (shards == 1 and not stacked) or not q.quantizes(name.replace("*", "0")):
             continue
+        if shards == 1 and local % q.block[0]:
+            raise LayoutError(f"{name}.weight has {local} rows, not a multiple of the FP8 block of {q.block[0]} rows: "
+                              "gate_proj and up_proj are stacked and must each fill whole blocks")
         if q.method == INT4:
             unit, what = (1, "") if dim == "out" else (q.group_size, f"INT4 group of {q.group_size} columns")
         else:
