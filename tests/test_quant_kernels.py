@@ -114,7 +114,8 @@ def test_quant_moe_sorted_layout(fmt, kind, routing):
 
 @pytest.mark.parametrize("fmt,kind", MOE, ids=[k for _, k in MOE])
 def test_quant_moe_deepep_packed_rows(fmt, kind):
-    """DeepEP's low-latency layout (3 experts × 32 rows, NaN garbage past each count): valid rows match."""
+    """DeepEP's low-latency layout (3 experts × 32 rows, NaN garbage past each count), masked grouped GEMM: valid
+    rows match the reference."""
     g = gen(4)
     inp = cases.packed_expert_case([0, 5, 32], 32, hidden=64, inter=64, gen=g)["inp"]
     weights, q = _moe_weights(fmt, 3, 64, 64, g)
@@ -122,6 +123,9 @@ def test_quant_moe_deepep_packed_rows(fmt, kind):
     got = getattr(quant_moe, f"{kind}_moe")(inp, *weights, q)[valid]
     want = getattr(R, f"{kind}_moe")(inp, *weights, q)[valid]
     assert not got.isnan().any() and rel(got, want) <= 1e-5
+    # the masked GEMM reads the counts, not the slots: with every slot -1 (the sorted path would compute nothing)
+    no_slots = dataclasses.replace(inp, slots=torch.full_like(inp.slots, -1))
+    assert torch.equal(getattr(quant_moe, f"{kind}_moe")(no_slots, *weights, q)[valid], got)
 
 
 def test_kernel_choice_names_the_reason():
@@ -141,7 +145,7 @@ def test_quantized_kernels_compile_for_sm90_and_sm100():
                           text=True, capture_output=True, cwd=Path(__file__).parents[1], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert {r["arch"] for r in rows} == {"sm_90", "sm_100"} and len(rows) == 2 * 18
+    assert {r["arch"] for r in rows} == {"sm_90", "sm_100"} and len(rows) == 2 * 22
     assert [r for r in rows if not r["ok"]] == []
 
 

@@ -51,6 +51,15 @@ def specs() -> list[Spec]:
                             {**ids, **ptrs, **acts, "h_ptr": "bf16"}, t.num_warps))
             out.append(Spec(f"{name}_moe down {kind}", quant_moe._q_down_kernel, c,
                             dict(ids, **ptrs, **acts, out_ptr="fp32", weight_ptr="fp32"), t.num_warps))
+    t = moe.default_tiles(128 * 8, 7168, 2048)  # DeepEP low latency: 128 tokens per rank × 8 ranks per expert
+    for name, fmt, ptrs, acts in (("w4a16", INT4, PTR_INT4, {}), ("w8a8", FP8, PTR_FP8, a8)):
+        c = dict(fmt, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=128 if acts else t.block_k, DOT=dot,
+                 A_FP8=bool(acts))
+        p = {**ptrs, **acts, "counts_ptr": "i32"}
+        out.append(Spec(f"{name}_moe masked gate_up", quant_moe._q_masked_gate_up_kernel, c, {**p, "h_ptr": "bf16"},
+                        t.num_warps))
+        out.append(Spec(f"{name}_moe masked down", quant_moe._q_masked_down_kernel, c, {**p, "out_ptr": "bf16"},
+                        t.num_warps))
     return out
 
 
