@@ -22,13 +22,18 @@ from model.triton.reference import dot_precision
 
 
 @triton.jit
-def dequant_tile(w_ptr, s_ptr, rows, kk, mask, stride_wn, stride_sn,
+def dequant_tile(w_ptr, s_ptr, rows, kk, mask, k0, K, stride_wn, stride_sn,
                  INT4: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr):
     """``Wᵀ[kk, rows]`` dequantized to fp32 (``[BLOCK_K, BLOCK_N]``): output rows ``rows``, input columns
-    ``kk``; the scale of ``(r, k)`` sits at ``s[r // S_ROWS, k // S_COLS]``."""
+    ``kk = k0 + arange(BLOCK_K)`` (``mask``: in range); the scale of ``(r, k)`` sits at
+    ``s[r // S_ROWS, k // S_COLS]``. INT4 loads each packed word once (``[BLOCK_K/8, BLOCK_N]``) and splits it
+    into its eight nibbles in registers."""
     if INT4:
-        word = tl.load(w_ptr + rows[None, :].to(tl.int64) * stride_wn + kk[:, None] // 8, mask=mask, other=0)
-        v = (((word >> ((kk[:, None] % 8) * 4)) & 0xF) - 8).to(tl.float32)
+        words = k0 // 8 + tl.arange(0, kk.shape[0] // 8)
+        w_mask = (words < K // 8)[:, None] & (tl.max(mask.to(tl.int32), axis=0) > 0)[None, :]
+        word = tl.load(w_ptr + rows[None, :].to(tl.int64) * stride_wn + words[:, None], mask=w_mask, other=0)
+        nibbles = (word[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
+        v = (tl.reshape(nibbles, (kk.shape[0], rows.shape[0])) - 8).to(tl.float32)
     else:
         v = tl.load(w_ptr + rows[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + (rows[None, :] // S_ROWS).to(tl.int64) * stride_sn + kk[:, None] // S_COLS, mask=mask,
@@ -59,7 +64,7 @@ def _dequant_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stri
         k_ok = kk < K
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_x + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        w = dequant_tile(w_ptr, s_ptr, n, kk, k_ok[:, None] & n_ok[None, :], stride_wn, stride_sn, INT4, S_ROWS,
+        w = dequant_tile(w_ptr, s_ptr, n, kk, k_ok[:, None] & n_ok[None, :], k0, K, stride_wn, stride_sn, INT4, S_ROWS,
                          S_COLS)
         acc += tl.dot(a, w.to(a.dtype), input_precision=DOT)
     tl.store(out_ptr + m[:, None].to(tl.int64) * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),

@@ -53,8 +53,8 @@ def _q_gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr
             gate += fp8_block_dot(a, a_s, w_e, s_e, n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
             up += fp8_block_dot(a, a_s, w_e, s_e, inter + n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
         else:
-            wg = dequant_tile(w_e, s_e, n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
-            wu = dequant_tile(w_e, s_e, inter + n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            wg = dequant_tile(w_e, s_e, n, kk, mask, k0, hidden, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            wu = dequant_tile(w_e, s_e, inter + n, kk, mask, k0, hidden, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
             gate += tl.dot(a, wg.to(a.dtype), input_precision=DOT)
             up += tl.dot(a, wu.to(a.dtype), input_precision=DOT)
     h = gate * tl.sigmoid(gate) * up
@@ -88,7 +88,7 @@ def _q_down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr,
             a_s = tl.load(hs_ptr + rows.to(tl.int64) * stride_hs + kb, mask=ok, other=0.0)
             acc += fp8_block_dot(a, a_s, w_e, s_e, n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
         else:
-            w = dequant_tile(w_e, s_e, n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            w = dequant_tile(w_e, s_e, n, kk, mask, k0, inter, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
             acc += tl.dot(a, w.to(a.dtype), input_precision=DOT)
     acc *= tl.load(weight_ptr + pair, mask=ok, other=0.0)[:, None]
     tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc,
@@ -123,8 +123,8 @@ def _q_masked_gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, counts_ptr, row
             gate += fp8_block_dot(a, a_s, w_e, s_e, n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
             up += fp8_block_dot(a, a_s, w_e, s_e, inter + n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
         else:
-            wg = dequant_tile(w_e, s_e, n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
-            wu = dequant_tile(w_e, s_e, inter + n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            wg = dequant_tile(w_e, s_e, n, kk, mask, k0, hidden, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            wu = dequant_tile(w_e, s_e, inter + n, kk, mask, k0, hidden, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
             gate += tl.dot(a, wg.to(a.dtype), input_precision=DOT)
             up += tl.dot(a, wu.to(a.dtype), input_precision=DOT)
     h = gate * tl.sigmoid(gate) * up
@@ -158,7 +158,7 @@ def _q_masked_down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, counts_ptr, rows
             a_s = tl.load(hs_ptr + (e * rows_per_expert + rows) * stride_hs + kb, mask=ok, other=0.0)
             acc += fp8_block_dot(a, a_s, w_e, s_e, n, kk, kb, mask, n_ok, stride_wn, stride_sn, S_ROWS)
         else:
-            w = dequant_tile(w_e, s_e, n, kk, mask, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
+            w = dequant_tile(w_e, s_e, n, kk, mask, k0, inter, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
             acc += tl.dot(a, w.to(a.dtype), input_precision=DOT)
     tl.store(out_ptr + e * stride_oe + rows[:, None].to(tl.int64) * stride_o + n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
