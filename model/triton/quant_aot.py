@@ -1,7 +1,7 @@
 """Ahead-of-time compile of the quantized kernels (:mod:`model.triton.quant_gemm`, :mod:`model.triton.quant_moe`)
 at production shapes for a GPU architecture, no GPU needed — :mod:`model.triton.aot`'s machinery, own list.
 
-    python -m model.triton.quant_aot --arch 90 100   # one JSON line per configuration
+    python -m model.triton.quant_aot --arch 90 100 [--core]   # one JSON line per configuration
 
 Shapes: Kimi K2.6 routed experts in INT4 (H 7168, I 2048, group 32, bf16 scales), DeepSeek-V3 FP8 (128×128
 blocks) experts and dense projections (W8A16 and W8A8), decode and prefill tiles.
@@ -66,13 +66,16 @@ def specs() -> list[Spec]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 100])
+    parser.add_argument("--core", action="store_true",
+                        help="skip the prefill tiles (the decode tiles reach every code path)")
     args = parser.parse_args()
     if triton.knobs.runtime.interpret:
         raise SystemExit("model.triton.quant_aot: unset TRITON_INTERPRET (interpreted kernels do not compile)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     for arch in args.arch:
         for spec in specs():
-            print(json.dumps(compile_spec(spec, arch)), flush=True)
+            if not (args.core and "prefill" in spec.name):
+                print(json.dumps(compile_spec(spec, arch)), flush=True)
 
 
 if __name__ == "__main__":
