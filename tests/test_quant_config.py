@@ -197,3 +197,27 @@ def test_each_quantized_byte_is_read_by_the_ranks_that_hold_it(quant_ckpts, monk
 
 def k_is_proj(name: str) -> bool:
     return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
+def test_checkpoint_that_disagrees_with_its_config_is_named(quant_ckpts, tmp_path):
+    """A wrong ``weight_shape``, or a quantized config over unquantized tensors, fails naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from model.loader import CheckpointError, load_model
+    from parallelism.comm import build_groups
+
+    d = tmp_path / "shape"
+    shutil.copytree(quant_ckpts["kimi_k25_int4"][0], d)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.2.mlp.experts.3.up_proj.weight_shape"] = torch.tensor([256, 63])
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"experts.3.up_proj.weight_shape in .*model.safetensors is \[256, 63\], "
+                                         r"expected \[256, 64\]"):
+        load_model(d, build_groups(Layout()))
+    d = tmp_path / "plain"
+    shutil.copytree(quant_ckpts["kimi_k25_int4"][1], d)  # dequantized tensors, quantized config
+    shutil.copy(f"{quant_ckpts['kimi_k25_int4'][0]}/config.json", d / "config.json")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.experts.0.gate_proj.weight_packed'"):
+        load_model(d, build_groups(Layout()))

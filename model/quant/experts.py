@@ -16,7 +16,7 @@ import torch
 
 from model.kernel_select import KernelSet, reference_kernels
 from model.quant.config import INT4, QuantConfig
-from model.quant.linear import cdiv, read_block
+from model.quant.linear import cdiv, check_shape, read_block
 from parallelism.dispatch import ExpertInput
 from parallelism.linear import CheckpointTensor, ShardedModule, TensorSource, copy_into
 
@@ -77,7 +77,7 @@ class QuantExperts(ShardedModule):
             yield CheckpointTensor(f"{name}.weight_packed", (out_full, in_full // f),
                                    loader(w, 1, f, rows, cols_w), quantized=True)
             yield CheckpointTensor(f"{name}.weight_scale", (out_full, in_full // g), loader(s, 1, g, rows, cols_s))
-            yield CheckpointTensor(f"{name}.weight_shape", (2,), _check_shape(name, out_full, in_full),
+            yield CheckpointTensor(f"{name}.weight_shape", (2,), check_shape(out_full, in_full),
                                    quantized=True)
         else:
             bo, bi = c.block
@@ -88,10 +88,3 @@ class QuantExperts(ShardedModule):
             yield CheckpointTensor(f"{name}.weight_scale_inv", (cdiv(out_full, bo), cdiv(in_full, bi)),
                                    loader(s, bo, bi, rows_s, cols_s))
 
-
-def _check_shape(name: str, rows: int, cols: int):
-    def fn(src: TensorSource) -> None:
-        got = [int(v) for v in src.read().tolist()]
-        if got != [rows, cols]:
-            raise ValueError(f"{name}.weight_shape is {got}, expected {[rows, cols]}")
-    return fn

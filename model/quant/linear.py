@@ -16,12 +16,23 @@ import torch
 
 from model.kernel_select import KernelSet, reference_kernels
 from model.quant.config import INT4, QuantConfig
+from model.quant.reference import dequant_fp8, dequant_int4
 from parallelism.comm import Comm
 from parallelism.linear import CheckpointTensor, ShardedModule, TensorSource, copy_into
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def check_shape(rows: int, cols: int):
+    """Loader of a compressed-tensors ``weight_shape``: it must say ``[rows, cols]``."""
+    def fn(src: TensorSource) -> None:
+        got = [int(v) for v in src.read().tolist()]
+        if got != [rows, cols]:
+            where = f"{getattr(src, 'name', 'weight_shape')} in {getattr(src, 'file', 'the checkpoint')}"
+            raise ValueError(f"{where} is {got}, expected {[rows, cols]}")
+    return fn
 
 
 def read_block(src: TensorSource, r0: int, nr: int, c0: int, nc: int) -> torch.Tensor:
@@ -92,8 +103,6 @@ class QuantLinear(ShardedModule):
     def weight(self) -> torch.Tensor:
         """The dequantized local weight ``[out, in]`` in the scales' dtype (INT4) or fp32 (FP8), computed on
         each call: for code that reads weights directly (MLA's absorbed ``kv_b_proj``)."""
-        from model.quant.reference import dequant_fp8, dequant_int4
-
         if self.cfg.method == INT4:
             return dequant_int4(self.qweight, self.scale, self.cfg.group_size, self.scale.dtype)
         parts, row = [], 0
@@ -129,14 +138,7 @@ class QuantLinear(ShardedModule):
         yield CheckpointTensor(f"{pre}weight_packed", (p.full_out, s.full_in // f), load(self.qweight, f),
                                quantized=True)
         yield CheckpointTensor(f"{pre}weight_scale", (p.full_out, s.full_in // g), load(self.scale, g))
-        yield CheckpointTensor(f"{pre}weight_shape", (2,), self._check_shape(pre, p), quantized=True)
-
-    def _check_shape(self, pre: str, p: Part):
-        def fn(src: TensorSource) -> None:
-            got = [int(v) for v in src.read().tolist()]
-            if got != [p.full_out, self.split.full_in]:
-                raise ValueError(f"{pre}weight_shape is {got}, expected {[p.full_out, self.split.full_in]}")
-        return fn
+        yield CheckpointTensor(f"{pre}weight_shape", (2,), check_shape(p.full_out, s.full_in), quantized=True)
 
     def _fp8_tensors(self, pre: str, p: Part, row: int, srow: int) -> Iterator[CheckpointTensor]:
         s, (bo, bi) = self.split, self.cfg.block
