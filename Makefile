@@ -6,7 +6,7 @@ STAMP := .venv/.installed
 $(STAMP): pyproject.toml
 	test -d .venv || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -19,7 +19,7 @@ DEMO_ARGS := -m parallel=tp8,ep8,dp8_ep8,tp2_ep4,tp2xdp4_ep8 model=tiny_kimi 'be
 
 demo: $(STAMP)
 	rm -rf outputs/demo
-	OMP_NUM_THREADS=1 $(PY) scripts/bench.py $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_layouts.py $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

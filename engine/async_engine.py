@@ -30,7 +30,8 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestError, RequestOutput
+from engine.scheduler import RequestError
+from engine.step import RequestOutput
 
 log = logging.getLogger(__name__)
 

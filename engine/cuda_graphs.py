@@ -9,8 +9,8 @@ the host, so :class:`GraphRunner` can capture it per shape (decode: N = 1 per ba
 N = budget + 1 per (batch size, budget)) and replay it after copying a step's inputs into the buffers. A
 batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
 scratch blocks. Shapes that cannot be captured run the same static step eagerly, with the reason
-recorded in :class:`engine.graphs.GraphCoverage` (a capture that fails in a job of several ranks stops the job
-instead: :func:`raise_if_any_rank_failed`).
+recorded in :class:`engine.capture.GraphCoverage` (a capture that fails in a job of several ranks stops the job
+instead: :func:`engine.capture.raise_if_any_rank_failed`).
 
 Off CUDA (this CPU box) nothing is captured: the static steps run eagerly and the tests check what a replay
 relies on — padding, buffer reuse across steps, equality with the dynamic forward.
@@ -19,25 +19,15 @@ relies on — padding, buffer reuse across steps, equality with the dynamic forw
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from engine.graphs import GraphCoverage, token_limit_blocker
+from engine.capture import CapturedGraphs, GraphCoverage, token_limit_blocker
 from engine.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
-from parallelism.comm import Comm
 from parallelism.deepep import before_graph_replay
-
-if TYPE_CHECKING:
-    from spec_decode.tree import DraftTree
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -171,117 +161,6 @@ class StaticStep:
         return self.model.logits_everywhere(hidden), feats
 
 
-@contextmanager
-def no_host_sync(enabled: bool = True) -> Iterator[None]:
-    """Inside, any operation that makes the host wait on a CUDA device raises (CUDA sync debug mode "error");
-    a no-op when not ``enabled`` or without CUDA."""
-    if not (enabled and torch.cuda.is_available()):
-        yield
-        return
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-
-
-class GraphCaptureError(RuntimeError):
-    """Capturing a step failed although its eager warm-up runs had worked."""
-
-
-def capture_graph(run: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Two warm-up calls of ``run`` on a side stream (Triton compiles and autotunes outside the capture), then
-    one captured into a CUDA graph that shares the memory ``pool``. Returns the graph and ``run``'s outputs:
-    static tensors that every replay overwrites. A warm-up that raises propagates (the eager step is broken,
-    running it eagerly would fail alike); a failing capture raises :class:`GraphCaptureError`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = run()
-    except Exception as exc:  # noqa: BLE001 - the caller falls back to eager for this shape
-        raise GraphCaptureError(f"{type(exc).__name__}: {exc}") from exc
-    return graph, outputs
-
-
-def capturable(device: torch.device) -> bool:
-    """Whether graphs can be captured on ``device``: CUDA only."""
-    return device.type == "cuda"
-
-
-def raise_if_any_rank_failed(control: Comm | None, key, failure: str) -> None:
-    """With more than one rank, a capture that failed on any rank (``failure`` non-empty there) stops the job on
-    every rank with :class:`GraphCaptureError` naming the lowest failing rank. A capture that dies half-way can
-    leave a rank's collective state out of step with the others' (DeepEP's low-latency double-buffer index
-    flips per call, captured or not; NCCL's), and an eager fallback would then hang or compute garbage. One
-    all-gather per newly captured key over ``control`` (gloo: it does not depend on NCCL's state); every rank
-    reaches it for the same keys in the same order (the runner prepares draft → verify → commit on every rank,
-    idle attention-DP ranks included)."""
-    if control is None or control.size == 1:
-        return
-    failures = control.all_gather_objects(failure)
-    rank = next((r for r, f in enumerate(failures) if f), None)
-    if rank is not None:
-        raise GraphCaptureError(
-            f"CUDA-graph capture of {key} failed on rank {control.ranks[rank]}: {failures[rank]}. With "
-            f"{control.size} ranks a half-done capture can leave the ranks' collective state apart, so every rank "
-            "stops; engine.static_steps=off runs every step eagerly")
-
-
-class CapturedGraphs:
-    """CUDA graphs by key (a step shape, a batch size), each captured on first use into one shared memory pool;
-    a key that cannot be captured keeps the reason and runs eagerly from then on.
-
-    Sharing the pool means a graph's static outputs may sit in memory another graph uses for scratch: they are
-    valid until the next replay of *any* graph of this object, so a caller consumes (or clones) them first."""
-
-    def __init__(self, blocker: str = "", control: Comm | None = None):
-        """``blocker``: why nothing here may be captured even on CUDA (``engine.graphs.capture_blocker``);
-        ``control``: every rank of the job (``ParallelGroups.control``), see :func:`raise_if_any_rank_failed`."""
-        self.graphs: dict = {}  # key → (graph, its static outputs)
-        self.reasons: dict = {}  # key → why it runs eagerly
-        self.pool, self.blocker, self.control = None, blocker, control
-
-    def _capture(self, key, device: torch.device, prepare: Callable[[], None], run: Callable,
-                 key_blocker: Callable[[], str] = str) -> str:
-        """Captures ``run`` for ``key`` once (``prepare`` loads a padding-only input first); returns "" or why
-        ``key`` runs eagerly (``key_blocker()``: why this key alone may not be captured, asked once). Later
-        calls return the first answer. The blockers decide alike on every rank; a failed capture runs the key
-        eagerly on one rank and stops the job on several (:func:`raise_if_any_rank_failed`)."""
-        if key in self.graphs or key in self.reasons:
-            return self.reasons.get(key, "")
-        blocker = (self.blocker or key_blocker()) if capturable(device) else "no CUDA device"
-        if blocker:
-            self.reasons[key] = blocker
-            return blocker
-        prepare()
-        try:
-            captured, failure = capture_graph(run, self.pool), ""
-        except GraphCaptureError as exc:
-            captured, failure = None, str(exc)
-        raise_if_any_rank_failed(self.control, f"{type(self).__name__}[{key!r}]", failure)
-        if failure:
-            self.reasons[key] = f"capture failed: {failure}"
-            return self.reasons[key]
-        self.pool = captured[0].pool()
-        self.graphs[key] = captured
-        return ""
-
-    def _replay_or_run(self, key, run: Callable):
-        """``(replayed, outputs)``: the replayed graph's static outputs, or ``run()``'s."""
-        if key in self.graphs:
-            graph, outputs = self.graphs[key]
-            graph.replay()
-            return True, outputs
-        return False, run()
-
-
 class GraphRunner(CapturedGraphs):
     """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
 
@@ -338,166 +217,19 @@ class GraphRunner(CapturedGraphs):
         self.step(shape).load_layout(seqs)
         return shape
 
-    def run_tree(self, shape: StepShape, tree: DraftTree, start: torch.Tensor
+    def run_tree(self, shape: StepShape, token_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Second half, on the device: ``tree`` ``[B, N]`` and ``start [B]`` (the static draft's outputs, padding
-        rows included) give the tokens (``tree.tokens``), positions (``start + tree.depth``) and ancestor
-        masks; then the replay. Returns logits ``[B*N, V]``, features and the write slots ``[B, N]`` (buffers
-        the next step overwrites)."""
+        """Second half, on the device: the trees' ``token_ids, positions [B*N]`` and ancestor masks ``tree_mask
+        [B, N, N]`` (from the static draft's outputs, padding rows included); then the replay. Returns logits
+        ``[B*N, V]``, features and the write slots ``[B, N]`` (buffers the next step overwrites)."""
         step = self.step(shape)
-        step.load_inputs(tree.tokens.reshape(-1), (start[:, None] + tree.depth).reshape(-1), tree.ancestors)
+        step.load_inputs(token_ids, positions, tree_mask)
         logits, feats = self._launch(shape)
         return logits, feats, step.write_slots.view(shape.batch, shape.nodes)
 
     def _launch(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if shape in self.graphs:
+        if shape in self.captured:
             before_graph_replay()  # a replay cannot run the Python that cleans DeepEP's buffers after normal steps
         replayed, outputs = self._replay_or_run(shape, self.step(shape).run)
         self.coverage.record(shape.kind, replayed, self.reasons.get(shape, ""))
         return outputs
-
-
-# ------------------------------------------------------------------------------------------------ GPU check
-
-
-def random_model(device: torch.device, dtype: torch.dtype, **overrides) -> CausalLM:
-    """The committed tiny_kimi target's architecture (``overrides`` rescale it) with random weights: no
-    checkpoint and no transformers needed on the GPU box."""
-    import json
-    from pathlib import Path
-
-    from model.config import parse_config
-    from parallelism.comm import build_groups
-    from parallelism.layout import Layout
-
-    raw = json.loads((Path(__file__).resolve().parent.parent / "model/zoo/tiny_kimi/target/config.json").read_text())
-    model = CausalLM(parse_config({**raw, **overrides}), build_groups(Layout()), dtype)
-    gen = torch.Generator().manual_seed(0)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        elif "e_score_correction_bias" in name:
-            p.data.zero_()
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    return model.place(device)
-
-
-def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random n-node tree (root 0, parents before children): its ancestor mask ``[n, n]`` and depths ``[n]``."""
-    from model.tree_mask import ancestor_mask
-
-    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
-    depth = torch.zeros(n, dtype=torch.int64)
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
-    return ancestor_mask(parents, n), depth
-
-
-def random_seqs(shape: StepShape, ctx: int, cache: PagedKVCache, gen: torch.Generator, vocab: int, first: int
-                ) -> list[StaticSeq]:
-    """``shape.batch`` sequences of ``ctx`` cached keys + N new, on disjoint blocks after the ``first`` ones."""
-    bs, n = cache.block_size, shape.nodes
-    per_seq = -(-(ctx + n) // bs)
-    seqs = []
-    for b in range(shape.batch):
-        table = list(range(first + b * per_seq, first + (b + 1) * per_seq))
-        slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
-        ancestors, depth = random_tree(n, gen)
-        mask = None if n == 1 else ancestors
-        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        seqs.append(StaticSeq(slots, table, ctx + n, ids, (ctx + depth).tolist(), mask))
-    return seqs
-
-
-@dataclass(frozen=True)
-class CheckSetup:
-    """What the GPU checks run on: a random bf16 model with the selected kernels, a cache with ``scratch``
-    blocks (enough for a 257-node tree) and room for 8 sequences of ``context`` cached keys + 257 new ones
-    (``blocks_per_seq`` blocks each, after the scratch blocks)."""
-
-    model: CausalLM
-    cache: PagedKVCache
-    scratch: tuple[int, ...]
-    context: int
-    blocks_per_seq: int
-
-
-def check_setup(device: torch.device, context: int = 1024, block_size: int = 16) -> CheckSetup:
-    """The GPU checks' :class:`CheckSetup` on ``device``."""
-    from engine.kv_cache import KVSpec
-    from model.kernel_select import select_kernels
-
-    model = random_model(device, torch.bfloat16, hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048,
-                         n_routed_experts=32, kv_lora_rank=256, q_lora_rank=512, num_attention_heads=16,
-                         num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
-    model.use_kernels(select_kernels(device))
-    scratch = tuple(range(-(-257 // block_size)))
-    per_seq = -(-(context + 257) // block_size)
-    cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 8 * per_seq, block_size, device=device)
-    return CheckSetup(model, cache, scratch, context, per_seq)
-
-
-def gpu_check(device: torch.device, budget_s: float) -> dict:
-    """Captures and replays decode (batch 1, 8) and tree verify (batch 1, budgets 8…256) graphs on
-    :func:`check_setup`; per shape: capture result, max |replay − eager| logits, eager and replay step times
-    (ms). Stops starting shapes after ``budget_s``."""
-    t0 = time.time()
-    setup = check_setup(device)
-    model, cache, scratch = setup.model, setup.cache, setup.scratch
-    runner = GraphRunner(model, cache, max_blocks=setup.blocks_per_seq, scratch_blocks=scratch, batch_sizes=(1, 8))
-    shapes = [StepShape(1, 1), StepShape(8, 1)] + [StepShape(1, b + 1) for b in (8, 16, 32, 64, 128, 256)]
-    gen = torch.Generator().manual_seed(0)
-
-    def check(batch: int, nodes: int) -> dict:
-        shape = StepShape(batch, nodes)
-        return _check_shape(runner, shape, random_seqs(shape, setup.context, cache, gen, model.cfg.vocab_size,
-                                                       len(scratch)))
-
-    rows = check_rows([{"batch": s.batch, "nodes": s.nodes} for s in shapes], check, budget_s - (time.time() - t0))
-    return {"kernels": model.kernels.reasons, "model": "random tiny_kimi architecture at hidden 1024, 32 experts, "
-            "bf16", "context": setup.context, "shapes": rows, "coverage": runner.coverage.summary()}
-
-
-def check_rows(cases: list[dict], check: Callable[..., dict], budget_s: float) -> list[dict]:
-    """``check(**case)`` for each case until ``budget_s`` seconds have passed (the rest: ``skipped``). A case that
-    raises keeps the error in its row, so one failing shape (a kernel out of shared memory at budget 256, say)
-    does not lose the rows of the others."""
-    t0, rows = time.time(), []
-    for case in cases:
-        if time.time() - t0 > budget_s:
-            rows.append({**case, "skipped": "time budget"})
-            continue
-        try:
-            rows.append(check(**case))
-        except Exception as exc:  # noqa: BLE001 - recorded in the report, the next case still runs
-            rows.append({**case, "error": f"{type(exc).__name__}: {exc}"})
-    return rows
-
-
-def _check_shape(runner: GraphRunner, shape: StepShape, seqs: list[StaticSeq]) -> dict:
-    """Eager static step, capture, replay on the same inputs: agreement and both step times."""
-    step = runner.step(shape)
-    step.load(seqs)
-    eager = step.run()[0].float().clone()
-    reason = runner.capture(shape)
-    row = {"kind": shape.kind, "batch": shape.batch, "nodes": shape.nodes, "captured": not reason,
-           "eager_reason": reason}
-    if not reason:
-        replay = runner.run(seqs, shape.nodes)[0].float()
-        row["max_abs_diff_vs_eager"] = float((replay - eager).abs().max())
-        row["eager_ms"] = 1e3 * seconds_per_call(lambda: (step.load(seqs), step.run()))
-        row["replay_ms"] = 1e3 * seconds_per_call(lambda: runner.run(seqs, shape.nodes))
-        row["speedup"] = row["eager_ms"] / row["replay_ms"]
-    return row
-
-
-def seconds_per_call(fn, iters: int = 20) -> float:
-    """Mean wall seconds of ``fn()`` on CUDA (one warm-up call; synchronised before and after)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters

@@ -13,12 +13,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from engine.graphs import GraphCoverage, eager_reason
+from engine.capture import GraphCoverage, eager_reason
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestOutput, Scheduler, SchedulerConfig, StepPlan, StepResult
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.speculation import Speculation
+from engine.step import RequestOutput, RunnerOutput, StepPlan, StepResult
 from model.transformer import CausalLM
-from spec_decode.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,15 @@ class EngineStats:
 class Engine:
     """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
 
-    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, spec: SpecConfig | None = None):
+    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None):
+        """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off."""
         self.model, self.groups = model, model.groups
-        self.spec = spec or SpecConfig()
-        self.runner = make_runner(model, cfg, self.spec)
+        self.speculation = speculation
+        self.runner = make_runner(model, cfg, speculation)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
-                                   spec_scratch=self.spec.scratch_slots if self.spec.enabled else 0)
+                                   spec_scratch=speculation.scratch_slots if speculation is not None else 0)
         self.stats = EngineStats()
-        self.graphs = GraphCoverage()
-        self._eager_reason = eager_reason(model, cfg.static_steps)
+        self.coverage = GraphCoverage()  # rank 0's steps, as each step's RunnerOutput reports them
         self._rng = random.Random(seed)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -75,21 +76,24 @@ class Engine:
         if plan.num_tokens == 0:
             return []
         t0 = time.perf_counter()
-        sampled = self._execute(plan)
+        mine, sampled = self._execute(plan)
         dt = time.perf_counter() - t0
         outputs = self.scheduler.update(plan, sampled)
         self._account(plan, dt, sampled)
+        for kind, (replayed, reason) in mine.coverage.items():  # rank 0's step, draft and commit
+            self.coverage.record(kind, replayed, reason)
         return outputs
 
-    def _execute(self, plan: StepPlan) -> dict[str, StepResult]:
+    def _execute(self, plan: StepPlan) -> tuple[RunnerOutput, dict[str, StepResult]]:
+        """Rank 0's RunnerOutput and every DP group's results, merged."""
         world = self.groups.world
         world.broadcast_object(plan)
         mine = self.runner.execute(plan.work[self.groups.coords.attn_dp_rank], plan.work)
         merged: dict[str, StepResult] = {}
-        for part in world.gather_objects(mine) or [mine]:
+        for part in world.gather_objects(mine.results) or [mine.results]:
             if part:
                 merged.update(part)
-        return merged
+        return mine, merged
 
     def _account(self, plan: StepPlan, dt: float, results: dict[str, StepResult]) -> None:
         s = self.stats
@@ -100,12 +104,8 @@ class Engine:
         spec = [w for w in items if w.spec]
         s.spec_request_steps += len(spec)
         s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
-        kind = "prefill" if prefill and not decode else "decode" if decode and not prefill else "mixed"
+        kind = plan.kind
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
-        no_static = (False, self._eager_reason) if self.runner.graphs is None else None
-        self.graphs.record("verify" if spec and kind == "decode" else kind, *(no_static or self.runner.last_graph))
-        for part, graphed in self.runner.last_spec.items():  # rank 0's draft and commit, like its step
-            self.graphs.record(part, *(no_static or graphed))
         s.prefill_tokens += prefill
         s.decode_tokens += decode
         if kind == "decode":
@@ -123,22 +123,15 @@ class Engine:
         self.groups.world.broadcast_object(SHUTDOWN)
 
 
-def make_runner(model: CausalLM, cfg: SchedulerConfig, spec: SpecConfig | None = None) -> ModelRunner:
-    """The rank's ModelRunner, with a Speculator (drafter loaded on every rank) when spec decoding is on, and
-    static decode/verify steps per ``cfg.static_steps``."""
+def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None) -> ModelRunner:
+    """The rank's ModelRunner, speculating with ``speculation`` (None: off), and static decode/verify steps per
+    ``cfg.static_steps``."""
     on_cuda = model.device.type == "cuda"
     static = cfg.static_steps == "on" or (cfg.static_steps == "auto" and on_cuda)
     sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()
-    nodes = spec.scratch_slots if spec is not None and spec.enabled else 1
-    kw = dict(static_batch_sizes=sizes, max_model_len=cfg.max_model_len, max_nodes=nodes)
-    if spec is None or not spec.enabled:
-        return ModelRunner(model, cfg.num_blocks, cfg.block_size, **kw)
-    from spec_decode.dflash import DFlashDrafter
-    from spec_decode.speculator import Speculator
-
-    drafter = DFlashDrafter.load(spec.drafter_path).place(model.device)
-    return ModelRunner(model, cfg.num_blocks, cfg.block_size,
-                       speculator_factory=lambda m, cache: Speculator(m, drafter, spec, cache), **kw)
+    return ModelRunner(model, cfg.num_blocks, cfg.block_size, speculation, static_batch_sizes=sizes,
+                       max_model_len=cfg.max_model_len,
+                       eager_reason="" if sizes else eager_reason(model, cfg.static_steps))
 
 
 def worker_loop(runner: ModelRunner) -> None:
@@ -152,4 +145,4 @@ def worker_loop(runner: ModelRunner) -> None:
             groups.world.gather_objects(None)
             continue
         mine = runner.execute(plan.work[groups.coords.attn_dp_rank], plan.work)
-        groups.world.gather_objects(mine)
+        groups.world.gather_objects(mine.results)

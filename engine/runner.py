@@ -3,8 +3,8 @@ speculative items (``SeqWork.spec``) are drafted, verified as trees in the same 
 
 With static steps on (``engine.static_steps``), a step that is all plain decodes or all tree verifies of at
 most the largest static batch size runs through :class:`engine.cuda_graphs.GraphRunner` (a CUDA-graph
-replay on CUDA); every other step (prefill, mixed, oversized) runs the dynamic forward, and
-``last_graph`` says which happened and why."""
+replay on CUDA); every other step (prefill, mixed, oversized) runs the dynamic forward, and the step's
+coverage records (:class:`engine.step.RunnerOutput`) say which happened and why."""
 
 from __future__ import annotations
 
@@ -12,44 +12,46 @@ import time
 
 import torch
 
-from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, no_host_sync
-from engine.graphs import capture_blocker
+from engine.capture import capture_blocker, no_host_sync
+from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
-from engine.scheduler import SeqWork, StepResult
+from engine.speculation import Speculation
+from engine.step import RunnerOutput, SeqWork, StepResult, step_kind
 from model.batch import ForwardBatch
 from model.transformer import CausalLM
-from spec_decode.tree import DraftTree
+
+Record = tuple[bool, str]  # a coverage record: (replayed, why not)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, speculator_factory=None,
-                 static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0, max_nodes: int = 1):
-        """``speculator_factory(model, cache)`` builds the rank's Speculator when spec decoding is on.
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, speculation: Speculation | None = None,
+                 static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0,
+                 eager_reason: str = "static steps off"):
+        """``speculation`` (from spec_decode) builds the rank's speculator when spec decoding is on.
         ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
-        the ``num_blocks`` the scheduler hands out, enough for a ``max_nodes`` padding tree."""
+        the ``num_blocks`` the scheduler hands out, enough for a padding tree of ``speculation.scratch_slots``
+        nodes. ``eager_reason``: why no step replays when static steps are off."""
         self.model = model
+        max_nodes = speculation.scratch_slots if speculation is not None else 1
         scratch = -(-max_nodes // block_size) if static_batch_sizes else 0
         device = model.device
         self.device = device
         self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, block_size, device=device)
-        self.speculator = speculator_factory(model, self.cache) if speculator_factory else None
+        self.speculation = speculation
+        self.speculator = speculation.build(model, self.cache) if speculation is not None else None
         self.timing = {"draft_s": 0.0, "verify_s": 0.0}
-        self.graphs = self.drafts = self.commits = None
+        self.static = self.drafts = self.commits = None
         if static_batch_sizes:
             max_blocks = -(-(max_model_len + max_nodes) // block_size)
             capture = self.speculator.capture if self.speculator else ()
             scratch_blocks = tuple(range(num_blocks, num_blocks + scratch))
-            self.graphs = GraphRunner(model, self.cache, max_blocks, scratch_blocks, static_batch_sizes, capture,
+            self.static = GraphRunner(model, self.cache, max_blocks, scratch_blocks, static_batch_sizes, capture,
                                       blocker=capture_blocker(model))
             if self.speculator is not None:
-                from spec_decode.static_commit import CommitGraphs  # engine/ knows spec_decode only when it is on
-                from spec_decode.static_draft import DraftGraphs
-
-                self.drafts = DraftGraphs(self.speculator, max_blocks, scratch_blocks, static_batch_sizes)
-                self.commits = CommitGraphs(self.speculator, scratch_blocks)
-        self.last_graph: tuple[bool, str] = (False, "static steps off")
-        self.last_spec: dict[str, tuple[bool, str]] = {}  # this step's draft and commit: (replayed, why not)
+                self.drafts, self.commits = speculation.static_graphs(self.speculator, max_blocks, scratch_blocks,
+                                                                      static_batch_sizes)
+        self.eager_reason = eager_reason
         self.strict_sync = False  # static verify steps raise on a host sync between draft and commit (gpu_check)
 
     def _batch(self, work: list[SeqWork], trees: dict) -> ForwardBatch:
@@ -68,98 +70,99 @@ class ModelRunner:
         return ForwardBatch(ids_t, pos_t, [s.query_len for s in seqs], PagedKV(self.cache, seqs))
 
     @torch.no_grad()
-    def execute(self, work: list[SeqWork], dp_work: list[list[SeqWork]] | None = None
-                ) -> dict[str, StepResult] | None:
+    def execute(self, work: list[SeqWork], dp_work: list[list[SeqWork]] | None = None) -> RunnerOutput:
         """Collective over the layout (idle DP ranks pass ``[]`` and still enter every MoE collective).
         ``dp_work``: every attention-DP rank's work this step (the whole plan; default ``[work]``), from which
         all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
-        holds the logits, None on the others."""
-        shape = self._static_shape([work] if dp_work is None else dp_work)
+        holds the logits (None on the others) and the step's coverage records, the target step's under its
+        kind (prefill, decode, verify, mixed)."""
+        dp_work = [work] if dp_work is None else dp_work
+        items = [w for per_rank in dp_work for w in per_rank]
+        kind = step_kind(items)
+        kind = "verify" if kind == "decode" and any(w.spec for w in items) else kind
+        shape, why = self._static_shape(dp_work)
         if shape is not None and shape[1] > 1:
-            return self._verify_static(work, shape[0])
+            results, target, parts = self._verify_static(work, shape[0])
+            return RunnerOutput(results, {kind: target, **parts})
         t0 = time.perf_counter()
-        trees = self._propose([w for w in work if w.spec])
+        spec_items = [w for w in work if w.spec]
+        trees = self.speculator.propose(spec_items) if spec_items else {}
         t1 = time.perf_counter()
-        results = self._execute_dynamic(work, trees) if shape is None else self._decode_static(work, shape[0])
+        if shape is None:
+            results, target = self._execute_dynamic(work, trees), (False, why)
+        else:
+            results, target = self._decode_static(work, shape[0])
         self.timing["draft_s"] += t1 - t0
         self.timing["verify_s"] += time.perf_counter() - t1
-        return results
+        # a dynamic step's draft and commit do not run statically, for the step's reason
+        parts = dict.fromkeys(("draft", "commit"), (False, why)) if spec_items else {}
+        return RunnerOutput(results, {kind: target, **parts})
 
-    def _propose(self, items: list[SeqWork]) -> dict[str, DraftTree]:
-        """The dynamic ``Speculator.propose`` for this rank's speculative items; ``last_spec`` says why the draft
-        and the commit do not run statically."""
-        self.last_spec = dict.fromkeys(("draft", "commit"), (False, self.last_graph[1])) if items else {}
-        return self.speculator.propose(items) if items else {}
-
-    def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[int, int] | None:
-        """``(batch, nodes)`` when this step runs as a static step on every rank, else None (why: last_graph).
+    def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[tuple[int, int] | None, str]:
+        """``((batch, nodes), "")`` when this step runs as a static step on every rank, else ``(None, why not)``.
 
         Decided from every attention-DP rank's work, so all ranks agree without a collective: each busy rank
         must hold only plain decodes or only tree verifies (the same kind everywhere), the batch is the busiest
         rank's, and idle or less busy ranks pad to it — every rank then runs (replays) the same shape and its
         MoE collectives line up, as DeepEP's low-latency kernels inside a graph require."""
-        if self.graphs is None:
-            return None
+        if self.static is None:
+            return None, self.eager_reason
         busy = [w for w in dp_work if w]
-        sizes, batch = self.graphs.batch_sizes, max(len(w) for w in dp_work)
+        sizes, batch = self.static.batch_sizes, max(len(w) for w in dp_work)
         verify = [all(x.spec for x in w) for w in busy]
         decode = [all(x.decode and x.sample and not x.spec and len(x.token_ids) == 1 for x in w) for w in busy]
         if not busy:
-            self.last_graph = (False, "no work on any rank")
-        elif batch > sizes[-1]:
-            self.last_graph = (False, f"batch {batch} above the largest static batch size {sizes[-1]}")
-        elif all(verify):
-            return batch, self.speculator.cfg.num_nodes
-        elif all(decode):
-            return batch, 1
-        else:
-            self.last_graph = (False, "prefill or mixed step (variable shapes)")
-        return None
+            return None, "no work on any rank"
+        if batch > sizes[-1]:
+            return None, f"batch {batch} above the largest static batch size {sizes[-1]}"
+        if all(verify):
+            return (batch, self.speculation.num_nodes), ""
+        if all(decode):
+            return (batch, 1), ""
+        return None, "prefill or mixed step (variable shapes)"
 
-    def _decode_static(self, work: list[SeqWork], batch: int) -> dict[str, StepResult] | None:
+    def _decode_static(self, work: list[SeqWork], batch: int) -> tuple[dict[str, StepResult] | None, Record]:
         seqs = [StaticSeq(self.cache.slots(w.block_table, w.start, w.start + 1), w.block_table, w.start + 1,
                           w.token_ids, [w.start]) for w in work]
-        logits, feats = self.graphs.run(seqs, 1, batch)
-        self._note_graph(batch, 1)
+        logits, feats = self.static.run(seqs, 1, batch)
+        record = self.static.status(self.static.shape_for(batch, 1))
         if self.speculator is not None:  # plain decodes extend the drafter's context
             for i, w in enumerate(work):
                 self.speculator.add_context(w, feats[i:i + 1], w.start)
         if self.model.groups.attn_tp.rank != 0:  # like the dynamic path: results live on attention-TP rank 0
-            return None
-        return self._sample_plain(work, logits)
+            return None, record
+        return self._sample_plain(work, logits), record
 
-    def _verify_static(self, work: list[SeqWork], batch: int) -> dict[str, StepResult] | None:
+    def _verify_static(self, work: list[SeqWork], batch: int
+                       ) -> tuple[dict[str, StepResult] | None, Record, dict[str, Record]]:
         """A static tree verify: every input goes into the draft's and the verify's buffers first (host values);
         then draft → verify → walk and KV compaction run on the device, the trees read where the draft left
         them (``strict_sync``: any host synchronisation in there raises); one readback at the end. Every rank
-        walks its trees (and compacts its KV shard)."""
+        walks its trees (and compacts its KV shard). Returns the results, the verify's coverage record and the
+        draft's and (with work) the commit's."""
         spec = self.speculator
-        n = spec.cfg.num_nodes
+        n = self.speculation.num_nodes
         seqs = [SeqLayout(self.cache.slots(w.block_table, w.start, w.start + n), w.block_table, w.start + n)
                 for w in work]
         t0 = time.perf_counter()
         size = self.drafts.load(work, batch)
-        shape = self.graphs.load_tree_layout(seqs, size, n)
+        shape = self.static.load_tree_layout(seqs, size, n)
         self.commits.prepare(size, n)
         sampling = spec.node_sampling(work, n, self.device)
         with no_host_sync(self.strict_sync):
             tree, start = self.drafts.launch(size)
             t1 = time.perf_counter()
-            logits, feats, slots = self.graphs.run_tree(shape, tree, start)
+            logits, feats, slots = self.static.run_tree(shape, *spec.verify_inputs(tree, start))
             committed = spec.walk_and_commit(tree, logits, feats, slots, start, sampling, self.commits.run) \
                 if work else None
         results = committed.results(work) if work else []
-        self.last_spec = {"draft": self.drafts.last, **({"commit": self.commits.last} if work else {})}
-        self._note_graph(size, n)
+        parts = {"draft": self.drafts.status(size), **({"commit": self.commits.status((size, n))} if work else {})}
         self.timing["draft_s"] += t1 - t0
         self.timing["verify_s"] += time.perf_counter() - t1
+        record = self.static.status(shape)
         if self.model.groups.attn_tp.rank != 0:
-            return None
-        return {w.request_id: r for w, r in zip(work, results, strict=True)}
-
-    def _note_graph(self, batch: int, nodes: int) -> None:
-        shape = self.graphs.shape_for(batch, nodes)
-        self.last_graph = (shape in self.graphs.graphs, self.graphs.reasons.get(shape, ""))
+            return None, record, parts
+        return {w.request_id: r for w, r in zip(work, results, strict=True)}, record, parts
 
     def _execute_dynamic(self, work: list[SeqWork], trees: dict) -> dict[str, StepResult] | None:
         spec = self.speculator
@@ -187,11 +190,7 @@ class ModelRunner:
         items = [w for w in work if w.spec]
         index = torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device)
                            for i, w in enumerate(work) if w.spec])
-        n = self.speculator.cfg.num_nodes
-        slots = torch.stack([self.cache.slot_tensor(w.block_table, w.start, w.start + n) for w in items])
-        start = torch.tensor([w.start for w in items], device=self.device)
-        results = self.speculator.accept(items, DraftTree.stack([trees[w.request_id] for w in items]),
-                                         self.model.logits_everywhere(hidden[index]), feats[index], slots, start)
+        results = self.speculator.accept_rows(items, trees, self.model.logits_everywhere(hidden[index]), feats[index])
         return {w.request_id: r for w, r in zip(items, results, strict=True)}
 
     def _sample_plain(self, chosen: list[SeqWork], logits: torch.Tensor) -> dict[str, StepResult]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache import BlockAllocator
 from engine.sampler import SamplingParams
+from engine.step import RequestOutput, SeqWork, StepPlan, StepResult
 
 
 class RequestError(ValueError):
@@ -37,6 +38,9 @@ class SchedulerConfig:
     # decode / tree-verify steps over fixed-shape buffers (engine/cuda_graphs.py): "auto" = on a CUDA device,
     # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
     static_steps: str = "auto"
+    # on CUDA: share of the device's memory the engine may use; num_blocks is then sized from what is free after
+    # the weights (engine/kv_budget.py). None: num_blocks as given. Off CUDA num_blocks is always used.
+    gpu_memory_utilization: float | None = 0.9
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -44,6 +48,9 @@ class SchedulerConfig:
                 raise RequestError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.static_steps not in ("auto", "on", "off"):
             raise RequestError(f"engine.static_steps must be auto, on or off, got {self.static_steps!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"engine.gpu_memory_utilization must be in (0, 1] or null, got "
+                               f"{self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -63,53 +70,6 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
-
-
-@dataclass(frozen=True)
-class SeqWork:
-    """One sequence's share of a step, shipped to the ranks of its DP group."""
-
-    request_id: str
-    token_ids: list[int]  # fed this step, at positions start .. start+len-1
-    start: int
-    block_table: list[int]
-    sample: bool  # the last fed token's logits pick the next token
-    params: SamplingParams
-    seed: int
-    num_generated: int
-    decode: bool  # feeds a generated token (not part of the prompt)
-    spec: bool = False  # draft + verify a tree rooted at token_ids[0] instead of a plain decode
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    step_id: int
-    work: list[list[SeqWork]]  # per attention-DP rank
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(w.token_ids) for per_rank in self.work for w in per_rank)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one step produced for one request: one token, or (speculative) the accepted drafts + bonus."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[list[tuple[int, float]]]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    new_logprobs: list[float] = field(default_factory=list)
-    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -181,9 +141,11 @@ class Scheduler:
                 budget -= n
                 done = req.num_computed + n == len(req.tokens)
                 decode = req.num_computed >= len(req.prompt)
-                items.append(SeqWork(req.request_id, req.tokens[req.num_computed:req.num_computed + n],
-                                     req.num_computed, req.blocks, done, req.params, req.seed, len(req.output),
-                                     decode, spec=decode and self.spec_scratch > 0))
+                items.append(SeqWork(request_id=req.request_id,
+                                     token_ids=req.tokens[req.num_computed:req.num_computed + n],
+                                     start=req.num_computed, block_table=req.blocks, sample=done, params=req.params,
+                                     seed=req.seed, num_generated=len(req.output), decode=decode,
+                                     spec=decode and self.spec_scratch > 0))
             work.append(items)
         return StepPlan(next(self._steps), work)
 

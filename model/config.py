@@ -7,10 +7,10 @@ with a :class:`ConfigError` naming the field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from model.checkpoint_errors import read_json
 from model.quant.config import QuantConfig, QuantConfigError, parse_quant
 
 DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
@@ -216,4 +216,4 @@ def load_config(path: str | Path) -> ModelConfig:
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"no config.json at {file}")
-    return parse_config(json.loads(file.read_text()), str(file))
+    return parse_config(read_json(file, ConfigError), str(file))

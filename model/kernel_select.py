@@ -5,7 +5,7 @@ signature, and ``reasons[op]`` saying which implementation was chosen and why. T
 device of compute capability ≥ 8.0 when ``triton`` imports; anything else gets the references. The Triton
 modules are imported only then, so this module loads (and the references run) where triton is absent.
 
-Ops and their references (signatures in :mod:`model.triton.reference` and :mod:`model.kernels`):
+Ops and their references (signatures in :mod:`model.kernels`):
 
 ============================  ===============================================================
 ``rms_norm``                  ``(x, weight, eps)`` → :func:`model.kernels.rms_norm`
@@ -31,7 +31,6 @@ import torch
 
 from model import kernels
 from model.quant import reference as qref
-from model.triton import reference
 
 OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
        "tree_verify_mla")
@@ -98,13 +97,12 @@ def reference_kernels(reason: str = "default (no kernel set chosen)", fp8_acts: 
 
 def _reference_set(reason: str, fp8_acts: bool = False) -> KernelSet:
     """``fp8_acts``: the FP8 ops quantize activations (W8A8, what an FP8 device runs), else W8A16."""
-    r = reference
     reasons = dict.fromkeys(OPS + QUANT_OPS, f"torch reference: {reason}")
     scheme = "W8A8, per-token 1xB activations" if fp8_acts else "W8A16, activations unquantized"
     for op in ("fp8_linear", "fp8_moe"):
         reasons[op] += f" ({scheme})"
-    return KernelSet(kernels.rms_norm, r.add_rms_norm, r.local_experts, r.paged_decode_gqa, r.paged_decode_mla,
-                     r.tree_verify_gqa, r.tree_verify_mla, reasons=reasons,
+    return KernelSet(kernels.rms_norm, kernels.add_rms_norm, kernels.local_experts, kernels.paged_decode_gqa,
+                     kernels.paged_decode_mla, kernels.tree_verify_gqa, kernels.tree_verify_mla, reasons=reasons,
                      fp8_linear=qref.w8a8_linear if fp8_acts else qref.w8a16_linear,
                      fp8_moe=qref.w8a8_moe if fp8_acts else qref.w8a16_moe)
 

@@ -1,4 +1,5 @@
-"""Shard-on-load for HF safetensors checkpoints (one file, or shards with ``model.safetensors.index.json``).
+"""Shard-on-load for HF safetensors checkpoints (one file, or shards with ``model.safetensors.index.json``), and
+the rank's model as the entry points run it: loaded, placed on its device, calling the kernels chosen there.
 
 Each rank asks the model for the tensors it needs (``CausalLM.checkpoint_plan``) and reads only its
 slices through ``safe_open(...).get_slice``. A missing or misshapen tensor, or a quantized dtype, is a
@@ -8,20 +9,18 @@ slices through ``safe_open(...).get_slice``. A missing or misshapen tensor, or a
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from model.checkpoint_errors import CheckpointError, open_shard
 from model.config import load_config
+from model.kernel_select import BACKENDS, select_kernels
 from model.transformer import CausalLM
 from parallelism.comm import ParallelGroups
 
 QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "I32", "F4"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message names the tensor and the file."""
 
 
 class SliceSource:
@@ -50,7 +49,7 @@ def weight_map(ckpt_dir: Path) -> dict[str, str]:
         raise CheckpointError(f"no *.safetensors files in {ckpt_dir}")
     names: dict[str, str] = {}
     for file in files:
-        with safe_open(str(file), "pt") as f:
+        with open_shard(file) as f:
             names.update(dict.fromkeys(f.keys(), file.name))
     return names
 
@@ -70,7 +69,7 @@ def load_weights(model: CausalLM, ckpt_dir: str | Path) -> int:
         path = ckpt_dir / file
         if not path.exists():
             raise CheckpointError(f"index names {file!r}, which is missing from {ckpt_dir}")
-        with safe_open(str(path), "pt") as f:
+        with open_shard(path) as f:
             for name, ct in entries:
                 sl = f.get_slice(name)
                 if sl.get_dtype() in QUANTIZED_DTYPES and not ct.quantized:
@@ -89,3 +88,36 @@ def load_model(ckpt_dir: str | Path, groups: ParallelGroups, dtype=torch.float32
     model = CausalLM(load_config(ckpt_dir), groups, dtype)
     load_weights(model, ckpt_dir)
     return model.eval()
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where each rank's model runs (the ``device`` config group): ``type`` ``cpu`` or ``cuda`` (rank r on
+    ``cuda:<r % device_count>``), ``dtype`` a torch dtype name, ``kernels`` ``auto | triton | torch``
+    (:func:`model.kernel_select.select_kernels`)."""
+
+    type: str = "cpu"
+    dtype: str = "float32"
+    kernels: str = "auto"
+
+    def __post_init__(self):
+        if self.type not in ("cpu", "cuda"):
+            raise ValueError(f"device.type must be cpu or cuda, got {self.type!r}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"device.dtype must name a torch dtype, got {self.dtype!r}")
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"device.kernels must be one of {BACKENDS}, got {self.kernels!r}")
+
+
+def load_target(ckpt: str | Path, groups: ParallelGroups, rank: int, device: DeviceConfig) -> CausalLM:
+    """The rank's model in ``device.dtype`` on its device, calling the kernels :func:`select_kernels` picks
+    there."""
+    model = load_model(ckpt, groups, getattr(torch, device.dtype))
+    where = torch.device("cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("device=cuda, but torch.cuda.is_available() is False on this machine: use device=cpu")
+        where = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(where)
+        model.place(where)
+    return model.use_kernels(select_kernels(where, device.kernels))

@@ -10,10 +10,9 @@ from torch import nn
 
 from model.config import ModelConfig, MoEConfig
 from model.kernel_select import KernelSet, reference_kernels
-from model.kernels import silu_and_mul
 from model.layers import GatedMLP
 from parallelism.comm import ParallelGroups
-from parallelism.dispatch import Dispatcher, ExpertInput
+from parallelism.dispatch_base import Dispatcher, ExpertInput
 from parallelism.layout import ExpertPlacement, divide
 from parallelism.linear import CheckpointTensor, ShardedModule, copy_into
 
@@ -62,43 +61,6 @@ class Router(ShardedModule):
             yield CheckpointTensor("e_score_correction_bias", tuple(b.shape), lambda s: copy_into(b, s.read()))
 
 
-def run_local_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """The torch expert computation: ``w_gate_up [E, 2I, H]`` (gate | up rows), ``w_down [E, H, I]``;
-    ``inp.hidden [N, H]``, ``inp.slots [N, k]`` (local slot, −1 = not local), ``inp.weights [N, k]``.
-    Returns the weighted sum over each row's local experts ``[N, H]``.
-
-    Rows are sorted by expert and go through two grouped GEMMs (``F.grouped_mm`` over the per-expert
-    offsets): a fixed handful of ops whatever the number of experts hit, and an expert with no rows costs
-    nothing. Where grouped GEMM does not apply (rows not 16-byte aligned, e.g. a tiny model's intermediate
-    split 8 ways; CUDA in a dtype other than bf16) the hit experts run one at a time."""
-    x, k, num_experts = inp.hidden, inp.slots.shape[1], w_gate_up.shape[0]
-    flat = inp.slots.reshape(-1)
-    valid = flat >= 0
-    rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[valid]
-    slots, weights = flat[valid], inp.weights.reshape(-1)[valid]
-    order = torch.argsort(slots, stable=True)
-    rows, slots, weights = rows[order], slots[order], weights[order, None].to(x.dtype)
-    counts = torch.bincount(slots, minlength=num_experts)
-    if _grouped_gemm_supported(w_down):
-        offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end row of each expert's group
-        h = silu_and_mul(F.grouped_mm(x[rows], w_gate_up.transpose(1, 2), offs=offs))  # [M, I]
-        y = F.grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
-    else:
-        parts, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                parts.append(F.linear(silu_and_mul(F.linear(x[rows[start:start + n]], w_gate_up[e])), w_down[e]))
-            start += n
-        y = torch.cat(parts) if parts else x.new_zeros(0, x.shape[1])
-    return torch.zeros_like(x).index_add_(0, rows, y * weights)
-
-
-def _grouped_gemm_supported(w_down: torch.Tensor) -> bool:
-    """``F.grouped_mm`` wants 16-byte-aligned rows (hidden and intermediate dims) and, on CUDA, bf16."""
-    aligned = all(d * w_down.element_size() % 16 == 0 for d in w_down.shape[1:])
-    return aligned and (w_down.device.type == "cpu" or w_down.dtype == torch.bfloat16)
-
-
 class LocalExperts(ShardedModule):
     """The routed experts this rank holds, each with ``1/moe_tp`` of its intermediate dim.
 
@@ -119,7 +81,7 @@ class LocalExperts(ShardedModule):
 
     def forward(self, inp: ExpertInput) -> torch.Tensor:
         """Weighted sum over each row's local experts: ``[N, H]`` (the kernel set's ``moe_experts``: the
-        Triton fused MoE, or :func:`run_local_experts`)."""
+        Triton fused MoE, or :func:`model.kernels.local_experts`)."""
         return self.kernels.moe_experts(inp, self.w_gate_up, self.w_down)
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:

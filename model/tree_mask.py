@@ -1,4 +1,5 @@
-"""The ancestor-only attention mask of a flattened draft tree, shared by the tree builders and the kernel references."""
+"""The ancestor-only attention mask of a flattened draft tree, shared by the tree builders, the tree-verify kernels
+and their references."""
 
 from __future__ import annotations
 
@@ -22,3 +23,14 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.
         mask |= hit[..., :n]
         cur = torch.where(cur >= 0, parents.long().gather(-1, cur.clamp(min=0)), -1)
     return mask
+
+
+def resolve_tree_mask(tree_mask: torch.Tensor | None, parents: torch.Tensor | None) -> torch.Tensor:
+    """Exactly one of ``tree_mask [B, N, N]`` bool or ``parents [B, N]`` → the ``[B, N, N]`` bool mask (the tree
+    argument of the tree-verify kernels and their references)."""
+    if (tree_mask is None) == (parents is None):
+        raise ValueError("give exactly one of tree_mask [B, N, N] bool or parents [B, N] int")
+    mask = ancestor_mask(parents) if tree_mask is None else tree_mask
+    if mask.dim() != 3 or mask.shape[1] != mask.shape[2]:
+        raise ValueError(f"tree_mask must be [B, N, N], got {tuple(mask.shape)}")
+    return mask.bool()

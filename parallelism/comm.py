@@ -82,7 +82,7 @@ class Comm:
             return x
         self.counter.record(self.kind, "all_gather", _nbytes(x))
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        dist.all_gather_single(out, x.contiguous(), group=self.group)  # all_gather_into_tensor is deprecated
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ class Comm:
             return x
         self.counter.record(self.kind, "reduce_scatter", _nbytes(x))
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
     def gather(self, x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:

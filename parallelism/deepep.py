@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+from parallelism import nvml
 from parallelism.comm import ParallelGroups
-from parallelism.dispatch import DeepEPUnavailable, Dispatcher, ExpertInput, capturing
+from parallelism.dispatch_base import DeepEPUnavailable, Dispatcher, ExpertInput, capturing
 from parallelism.layout import ExpertPlacement
 
 FALLBACK = "parallel.dispatcher=alltoall"
@@ -118,20 +119,18 @@ def nvlink_unavailable(devices: list[int]) -> str | None:
     ``nvmlDeviceGetP2PStatus(..., NVML_P2P_CAPS_INDEX_NVLINK)``, as DeepEP's own check does; otherwise
     ``torch.cuda.can_device_access_peer``, which PCIe P2P also passes (weaker, said so in the reason).
 
-    Devices are CUDA indices (``rank % device_count``, as parallelism.launch sets them), mapped to NVML through
-    ``CUDA_VISIBLE_DEVICES``; with all of a node's GPUs in the group the mapping order does not matter."""
+    Devices are CUDA indices (``rank % device_count``, as parallelism.launch sets them), found in NVML by
+    :func:`parallelism.nvml.cuda_handle`."""
     pairs = [(a, b) for i, a in enumerate(devices) for b in devices[i + 1:]]
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
+        pynvml = nvml.load()
     except Exception:  # noqa: BLE001 - no NVML: fall back to the CUDA peer-access query
         for a, b in pairs:
             if not torch.cuda.can_device_access_peer(a, b):
                 return f"GPU {a} cannot access GPU {b} peer-to-peer (NVML unavailable, so NVLink is unconfirmed)"
         return None
     try:
-        handles = {d: _nvml_handle(pynvml, d) for d in devices}
+        handles = {d: nvml.cuda_handle(pynvml, d) for d in devices}
         for a, b in pairs:
             status = pynvml.nvmlDeviceGetP2PStatus(handles[a], handles[b], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
             if status != pynvml.NVML_P2P_STATUS_OK:
@@ -140,15 +139,7 @@ def nvlink_unavailable(devices: list[int]) -> str | None:
     except Exception as err:  # noqa: BLE001 - NVMLError (NotSupported, a MIG or short-UUID entry, ...)
         return f"NVML could not confirm NVLink between GPUs {devices} ({type(err).__name__}: {err})"
     finally:
-        pynvml.nvmlShutdown()
-
-
-def _nvml_handle(pynvml, device: int):
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    entry = visible[device] if device < len(visible) else str(device)
-    if entry.isdigit():
-        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
-    return pynvml.nvmlDeviceGetHandleByUUID(entry)
+        nvml.shutdown(pynvml)
 
 
 def low_latency_hidden_sizes(deep_ep) -> tuple[int, ...]:

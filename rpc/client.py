@@ -44,6 +44,8 @@ def sampling_params(**kw) -> pb.SamplingParams:
     """``pb.SamplingParams`` from keyword arguments (engine names; ``top_k=-1`` is sent as uint32 2**32-1)."""
     if "top_k" in kw:
         kw["top_k"] = uint32_of_int32(kw["top_k"])
+    if kw.get("seed") is not None and not -2**31 <= kw["seed"] < 2**31:
+        raise ValueError(f"seed={kw['seed']}: the SMG protocol carries seed as int32 (-2**31 <= seed < 2**31)")
     return pb.SamplingParams(**{k: v for k, v in kw.items() if v is not None})
 
 

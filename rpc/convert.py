@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestOutput
+from engine.step import RequestOutput
 
 
 class InvalidRequest(ValueError):

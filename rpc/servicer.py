@@ -32,8 +32,10 @@ from smg_grpc_proto.generated import common_pb2
 
 from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Overloaded
 from engine.engine import Engine
-from engine.scheduler import RequestOutput
+from engine.step import RequestOutput
 from rpc import convert, info
+from rpc.request_log import RequestLog
+from rpc.unsupported import UnsupportedRPCs
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,8 @@ def engine_info(engine: Engine) -> dict:
 
 
 def _graph_info(engine: Engine) -> dict:
-    graphs = getattr(engine, "graphs", None)
-    per_kind = graphs.summary() if graphs is not None else {}
+    coverage = getattr(engine, "coverage", None)
+    per_kind = coverage.summary() if coverage is not None else {}
     steps = sum(k["steps"] for k in per_kind.values())
     replays = sum(k["replays"] for k in per_kind.values())
     reasons = sorted({k["eager_reason"] for k in per_kind.values() if k["eager_reason"]})
@@ -113,7 +115,7 @@ def _graph_info(engine: Engine) -> dict:
 
 
 def _spec_info(engine: Engine) -> dict:
-    spec, s = getattr(engine, "spec", None), engine.stats
+    spec, s = getattr(getattr(engine, "speculation", None), "config", None), engine.stats
     enabled = bool(getattr(spec, "enabled", False))
     tau = getattr(s, "acceptance_length", 0.0) or None
     doc = {"enabled": enabled, "method": getattr(spec, "method", "none"), "acceptance_length": tau,
@@ -135,7 +137,7 @@ def _snapshot(loads, max_running: int) -> pb.SchedulerLoad:
         utilization=loads.kv_usage, max_running_requests=max_running)
 
 
-class Servicer(pbg.VllmEngineServicer):
+class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
     def __init__(self, engine: AsyncEngine, facts: ModelFacts, ranks: list[dict], server_facts: dict):
         self.engine, self.facts, self.ranks, self.server_facts = engine, facts, ranks, server_facts
         self.limits = convert.Limits(facts.vocab_size, facts.max_model_len)
@@ -165,31 +167,39 @@ class Servicer(pbg.VllmEngineServicer):
         rid = request.request_id or f"sy-{uuid.uuid4().hex}"
         self.last_receive = time.time()
         self._remember(rid)
+        req = RequestLog(rid)
         if self.unavailable:
+            req.reject("UNAVAILABLE", self.unavailable)
+            req.end()
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
         self.inflight += 1  # counted from here, so a drain that starts now waits for this request too
         self.idle.clear()
         stream = None
         try:
             try:
+                req.prompt_tokens = len(request.tokenized.input_ids)
                 prompt, params = convert.generate_request(request, self.limits)
                 stream = await self.engine.submit(rid, prompt, params)
             except ValueError as err:  # InvalidRequest, SamplingError, RequestError
+                req.reject("INVALID_ARGUMENT", str(err))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             except Overloaded as err:
+                req.reject("RESOURCE_EXHAUSTED", str(err))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
             except EngineDead as err:
+                req.reject("UNAVAILABLE", f"engine is dead: {err}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
-            async for message in self._responses(request, stream, context):
+            async for message in self._responses(request, stream, context, req):
                 yield message
         finally:  # normal end, client cancel, deadline, engine failure
+            req.end()
             if stream is not None:
                 self.engine.close(stream)
             self.inflight -= 1
             if not self.inflight:
                 self.idle.set()
 
-    async def _responses(self, request: pb.GenerateRequest, stream, context):
+    async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog):
         want_lp = request.sampling_params.HasField("logprobs")
         tokens: list[int] = []
         logprobs = pb.OutputLogProbs() if want_lp else None
@@ -200,6 +210,7 @@ class Servicer(pbg.VllmEngineServicer):
             failure = next((i for i in items if isinstance(i, EngineFailure)), None)
             outs: list[RequestOutput] = [i for i in items if not isinstance(i, EngineFailure)]
             if failure is not None:
+                req.reject("UNAVAILABLE", f"lost: {failure.reason}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {stream.request_id} lost: "
                                                                  f"{failure.reason}")
             new = [t for o in outs for t in o.new_tokens]
@@ -209,7 +220,9 @@ class Servicer(pbg.VllmEngineServicer):
                                                            [t for o in outs for t in o.new_top_logprobs]))
             if request.stream and new:
                 yield convert.chunk([o for o in outs if o.new_tokens], want_lp)
+            req.output_tokens = len(tokens)
             if outs and outs[-1].finished:
+                req.complete(outs[-1].finish_reason, len(tokens))
                 yield convert.complete(outs[-1], tokens, request.stream, logprobs)
                 return
 
@@ -220,6 +233,7 @@ class Servicer(pbg.VllmEngineServicer):
             if rid in self._seen:
                 self.engine.abort(rid)
         if unknown:
+            log.info("Abort: INVALID_ARGUMENT — unknown request id(s) %s", unknown[:5])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_ids: unknown request id(s) {unknown[:5]} (never seen by this server)")
         return pb.AbortResponse()

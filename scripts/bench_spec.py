@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.engine import Engine  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from engine.scheduler import SchedulerConfig  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from parallelism.comm import build_groups  # noqa: E402
-from parallelism.layout import Layout  # noqa: E402
-from spec_decode.config import SpecConfig  # noqa: E402
+from engine.engine import Engine
+from engine.sampler import SamplingParams
+from engine.scheduler import SchedulerConfig
+from model.loader import load_model
+from parallelism.comm import build_groups
+from parallelism.layout import Layout
+from spec_decode.config import SpecConfig
+from spec_decode.speculation import load_speculation
 
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 
@@ -37,7 +35,7 @@ class Arm:
     def __init__(self, model, spec: SpecConfig, new_tokens: int):
         cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
                               num_blocks=512)
-        self.spec, self.engine = spec, Engine(model, cfg, spec=spec)
+        self.spec, self.engine = spec, Engine(model, cfg, speculation=load_speculation(spec, model))
         self.params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         self.tokens: list[list[int]] = []
 

@@ -11,22 +11,19 @@ ours is the engine's decode-only steps.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.engine import Engine  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from engine.scheduler import SchedulerConfig  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.tiny import load_hf, write_tiny  # noqa: E402
-from parallelism.comm import build_groups  # noqa: E402
-from parallelism.layout import Layout  # noqa: E402
+from engine.engine import Engine
+from engine.sampler import SamplingParams
+from engine.scheduler import SchedulerConfig
+from model.loader import load_model
+from model.tiny import load_hf, write_tiny
+from parallelism.comm import build_groups
+from parallelism.layout import Layout
 
 BENCH_MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16,

@@ -1,17 +1,16 @@
-"""Helpers shared by the entry points: hydra config → typed objects, model directory, logging."""
+"""Helpers shared by the entry points: hydra config → typed objects, model directory, logging. The model a rank
+runs is assembled in the package (:func:`model.loader.load_target`); only the ``DictConfig`` conversions live here."""
 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model.tiny import preset_dir  # noqa: E402
-from parallelism.layout import Layout  # noqa: E402
+from model.loader import DeviceConfig
+from model.tiny import preset_dir
+from parallelism.layout import Layout
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = str(REPO / "conf")
@@ -40,29 +39,9 @@ def model_dir(cfg: DictConfig) -> str:
     return str(preset_dir(cfg.model.preset))
 
 
-def placement(cfg: DictConfig) -> dict:
-    """The ``device`` group (cpu | cuda) as a plain dict that travels to the ranks."""
-    return OmegaConf.to_container(cfg.device, resolve=True) if "device" in cfg else {"type": "cpu"}
-
-
-def load_target(ckpt: str, groups, rank: int, place: dict):
-    """The rank's model in ``place["dtype"]`` on its device (rank r → ``cuda:<r % device_count>``), calling the
-    kernels :func:`model.kernel_select.select_kernels` picks there."""
-    import torch
-
-    from model.kernel_select import select_kernels
-    from model.loader import load_model
-
-    dtype = getattr(torch, place.get("dtype", "float32"))
-    model = load_model(ckpt, groups, dtype)
-    device = torch.device("cpu")
-    if place.get("type", "cpu") == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("device=cuda, but torch.cuda.is_available() is False on this machine: use device=cpu")
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        model.place(device)
-    return model.use_kernels(select_kernels(device, place.get("kernels", "auto")))
+def device_config(cfg: DictConfig) -> DeviceConfig:
+    """The ``device`` group (cpu | cuda), or the CPU default when the config has none; travels to the ranks."""
+    return DeviceConfig(**OmegaConf.to_container(cfg.device, resolve=True)) if "device" in cfg else DeviceConfig()
 
 
 def spec_config(cfg: DictConfig):
@@ -73,20 +52,20 @@ def spec_config(cfg: DictConfig):
     return SpecConfig(**s)
 
 
-def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[dict, str, dict]:
-    """What a script settles before it starts any rank: the ``device`` placement (:func:`placement`), the
+def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[DeviceConfig, str, dict]:
+    """What a script settles before it starts any rank: the ``device`` group (:func:`device_config`), the
     process-group backend it implies (``parallelism.launch.backend_for``) and ``topology=auto|nvlink|pcie``
-    applied for that backend (``engine.topology.prepare``: NCCL's switches written into ``environ``, default
-    ``os.environ``). Returns ``(placement, backend, topology summary)``; the summary is also logged."""
-    from engine.topology import prepare
+    applied for that backend (``parallelism.topology.prepare``: NCCL's switches written into ``environ``, default
+    ``os.environ``). Returns ``(device, backend, topology summary)``; the summary is also logged."""
     from parallelism.launch import backend_for
+    from parallelism.topology import prepare
 
-    place = placement(cfg)
-    backend = backend_for(place.get("type", "cpu"))
+    device = device_config(cfg)
+    backend = backend_for(device.type)
     mode = cfg.topology.mode if "topology" in cfg else "auto"
     summary = prepare(mode, layout, environ=environ, backend=backend)
     logging.getLogger("topology").info("topology=%s: %s; NCCL env %s", mode, summary["effective"], summary["env"])
-    return place, backend, summary
+    return device, backend, summary
 
 
 def setup_logging(rank: int = 0) -> None:

@@ -15,17 +15,19 @@ import logging
 from pathlib import Path
 
 import hydra
-from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
+from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
+from preflight import one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
+from engine.kv_budget import size_kv_cache
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
-from model.config import load_config
-from model.quant.layout import check_layout
+from model.loader import DeviceConfig, load_target
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.launch import launch
+from spec_decode.speculation import load_speculation
 
 log = logging.getLogger("generate")
 
@@ -58,13 +60,15 @@ def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParam
 
 
 def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: int, output: str, spec,
-              place: dict) -> None:
+              device: DeviceConfig) -> None:
     setup_logging(rank)
-    model = load_target(ckpt, build_groups(layout), rank, place)
+    model = load_target(ckpt, build_groups(layout), rank, device)
+    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
+    speculation = load_speculation(spec, model)
     if rank != 0:
-        worker_loop(make_runner(model, sched_cfg, spec))
+        worker_loop(make_runner(model, sched_cfg, speculation))
         return
-    engine = Engine(model, sched_cfg, seed, spec)
+    engine = Engine(model, sched_cfg, seed, speculation=speculation)
     model.groups.counter.reset()
     outputs = generate_all(engine, prompts, params)
     engine.shutdown()
@@ -107,15 +111,18 @@ def read_prompts(path: str, ckpt: str) -> list[list[int]]:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="generate", version_base=None)
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    check_layout(load_config(ckpt), layout)  # a quantized checkpoint's groups/blocks vs the layout, before any rank
-    place, backend, _ = prepare_ranks(cfg, layout)
+    spec = spec_config(cfg)
+    preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None, input=cfg.generate.input,
+              output=cfg.generate.output)
+    device, backend, _ = prepare_ranks(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
     params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
-           cfg.generate.output, spec_config(cfg), place, master_port=cfg.master_port, backend=backend)
+           cfg.generate.output, spec, device, master_port=cfg.master_port, backend=backend)
 
 
 if __name__ == "__main__":

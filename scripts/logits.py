@@ -14,9 +14,9 @@ import logging
 import hydra
 from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging
 from omegaconf import DictConfig
+from preflight import one_line_errors, preflight
 from safetensors.torch import save_file
 
-from model.config import load_config
 from model.forward import full_logits
 from model.loader import load_model
 from parallelism.comm import build_groups
@@ -46,11 +46,13 @@ def rank_main(rank: int, layout, ckpt: str, seqs: list[list[int]], output: str) 
 
 
 @hydra.main(config_path=CONF_DIR, config_name="logits", version_base=None)
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout = layout_from(cfg)
     ckpt = model_dir(cfg)
-    seqs = read_input(cfg.logits.input, load_config(ckpt).vocab_size)
+    model_cfg = preflight(layout, ckpt, input=cfg.logits.input, output=cfg.logits.output, group="logits")
+    seqs = read_input(cfg.logits.input, model_cfg.vocab_size)
     log.info("layout %s, %d sequences, checkpoint %s", layout.describe(), len(seqs), ckpt)
     _, backend, _ = prepare_ranks(cfg, layout)  # no device group: the logits script computes on the CPU (gloo)
     launch(layout.world_size, rank_main, layout, ckpt, seqs, cfg.logits.output, master_port=cfg.master_port,

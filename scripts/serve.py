@@ -26,15 +26,17 @@ import sys
 
 import hydra
 import torch
-from common import CONF_DIR, layout_from, load_target, model_dir, prepare_ranks, setup_logging, spec_config
+from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
+from preflight import debug_requested, one_line, one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
+from engine.kv_budget import size_kv_cache
 from engine.scheduler import SchedulerConfig
-from model.config import load_config
-from model.quant.layout import check_layout
+from model.loader import DeviceConfig, load_target
 from parallelism.comm import build_groups
 from parallelism.launch import launch
+from spec_decode.speculation import load_speculation
 
 log = logging.getLogger("serve")
 
@@ -50,7 +52,7 @@ def configs(cfg: DictConfig):
 
 
 def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_cfg, spec, seed: int,
-              rank0_pid, place: dict) -> None:
+              rank0_pid, device: DeviceConfig) -> None:
     setup_logging(rank)
     if rank == 0:
         from rpc.server import request_stop_on_signals
@@ -61,14 +63,16 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then releases us (or SIGKILLs us)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups = build_groups(layout)
-    model = load_target(ckpt, groups, rank, place)
+    model = load_target(ckpt, groups, rank, device)
+    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
+    speculation = load_speculation(spec, model)
     if rank != 0:
-        worker_loop(make_runner(model, sched_cfg, spec))
+        worker_loop(make_runner(model, sched_cfg, speculation))
         return
     from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
 
-    serve(Engine(model, sched_cfg, seed, spec), ckpt, server_cfg, ranks)
+    serve(Engine(model, sched_cfg, seed, speculation=speculation), ckpt, server_cfg, ranks)
 
 
 def forward_stop(rank0_pid) -> None:
@@ -85,22 +89,24 @@ def forward_stop(rank0_pid) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="serve", version_base=None)
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
-    check_layout(load_config(ckpt), layout)  # a quantized checkpoint's groups/blocks vs the layout, before any rank
-    place, backend, _ = prepare_ranks(cfg, layout)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
+    preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None,
+              bind=(server_cfg.host, server_cfg.port))
+    device, backend, _ = prepare_ranks(cfg, layout)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     rank0_pid = ctx.RawValue("i", 0)
     if layout.world_size > 1 and "RANK" not in os.environ:
         forward_stop(rank0_pid)
     try:
         launch(layout.world_size, rank_main, layout, ckpt, sched_cfg, server_cfg, spec, int(cfg.engine.seed), rank0_pid,
-               place, master_port=cfg.master_port, backend=backend)
+               device, master_port=cfg.master_port, backend=backend)
     except Exception as err:  # noqa: BLE001 - a failed rank: the reason is logged, the exit code says it
-        log.error("serve failed: %s", err)
+        log.error("serve failed: %s", err if debug_requested(cfg) else one_line(err))
         sys.exit(1)
     log.info("serve exited cleanly")
 

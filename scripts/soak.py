@@ -26,11 +26,10 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from parallelism.launch import free_port
+from rpc.client import Client
 
-from parallelism.launch import free_port  # noqa: E402
-from rpc.client import Client  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def one_request(client: Client, i: int, seed: int, cancel: bool, vocab: int) -> dict:

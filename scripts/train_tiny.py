@@ -45,9 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from spec_decode.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
+from spec_decode.dflash import DFlashConfig, DFlashDrafter
 
 log = logging.getLogger("train_tiny")
 

@@ -19,7 +19,7 @@ import torch
 
 from engine.kv_cache import KVSpec, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
-from engine.scheduler import SeqWork, StepResult
+from engine.step import SeqWork, StepResult
 from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
@@ -138,6 +138,12 @@ class Speculator:
         """Tree tokens (node order) and their positions, start + depth; node i's KV slot is start + i."""
         return tree.tokens.tolist(), (w.start + tree.depth).tolist()
 
+    @staticmethod
+    def verify_inputs(tree: DraftTree, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A batch of trees ``[B, N]`` rooted at positions ``start [B]`` → the static verify's ``token_ids,
+        positions [B*N]`` and ``tree_mask [B, N, N]`` (``GraphRunner.run_tree``), on the device."""
+        return tree.tokens.reshape(-1), (start[:, None] + tree.depth).reshape(-1), tree.ancestors
+
     def verify_slots(self, w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int], SeqSlots]:
         """:meth:`tree_inputs` and the sequence's KV slots with the ancestor-only mask over the paged context."""
         n = tree.size
@@ -203,6 +209,15 @@ class Speculator:
         """:meth:`walk_and_commit` for ``work`` (its arguments as there), then the one readback of the step."""
         sampling = self.node_sampling(work, tree.size, logits.device)
         return self.walk_and_commit(tree, logits, feats, slots, start, sampling).results(work)
+
+    def accept_rows(self, work: list[SeqWork], trees: dict[str, DraftTree], logits: torch.Tensor,
+                    feats: torch.Tensor) -> list[StepResult]:
+        """:meth:`accept` for the dynamic forward's tree rows: ``trees`` by request id (:meth:`propose`), ``logits
+        [J*N, V]`` and ``feats [J*N, k*H]`` at the nodes of ``work``'s J trees, in order."""
+        n = self.cfg.num_nodes
+        slots = torch.stack([self.cache.slot_tensor(w.block_table, w.start, w.start + n) for w in work])
+        start = torch.tensor([w.start for w in work], device=self.cache.device)
+        return self.accept(work, DraftTree.stack([trees[w.request_id] for w in work]), logits, feats, slots, start)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_graphs import CapturedGraphs
-from engine.graphs import GraphCoverage
+from engine.capture import CapturedGraphs, GraphCoverage
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree
 
@@ -74,7 +73,6 @@ class CommitGraphs(CapturedGraphs):
         self.spec, self.scratch_blocks = spec, scratch_blocks
         self.coverage = coverage or GraphCoverage()
         self.commits: dict[tuple[int, int], StaticCommit] = {}
-        self.last: tuple[bool, str] = (False, "no commit yet")
 
     def commit(self, batch: int, nodes: int) -> StaticCommit:
         if (batch, nodes) not in self.commits:
@@ -92,7 +90,6 @@ class CommitGraphs(CapturedGraphs):
         key = tuple(tree.tokens.shape)
         commit = self.commit(*key)
         commit.load(tree, picks, feats, slots, start)
-        replayed, outputs = self._replay_or_run(key, commit.run)
-        self.last = (replayed, self.reasons.get(key, ""))
-        self.coverage.record("commit", *self.last)
+        _, outputs = self._replay_or_run(key, commit.run)
+        self.coverage.record("commit", *self.status(key))
         return outputs

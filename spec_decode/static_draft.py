@@ -17,19 +17,13 @@ Off CUDA nothing is captured: the step runs eagerly and the tests check it again
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from engine.cuda_graphs import CapturedGraphs, check_rows, seconds_per_call
-from engine.graphs import GraphCoverage, kernel_blocker
-from engine.scheduler import SeqWork
+from engine.capture import CapturedGraphs, GraphCoverage, kernel_blocker
+from engine.step import SeqWork
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
-
-# the GPU checks' speculative cases: batch 1 at every budget the issue names, and one batched case
-GPU_CHECK_CASES = [{"batch": 1, "budget": b} for b in (8, 16, 32, 64, 128, 256)] + [{"batch": 8, "budget": 16}]
 
 
 class StaticDraft:
@@ -58,7 +52,8 @@ class StaticDraft:
         if need > len(self.scratch_blocks):
             raise ValueError(f"a draft block of {self.rows} rows needs {need} scratch blocks of {bs} slots, "
                              f"{len(self.scratch_blocks)} reserved")
-        return SeqWork("", [0], 0, list(self.scratch_blocks[:need]), False, None, 0, 0, True, spec=True)
+        return SeqWork(request_id="", token_ids=[0], start=0, block_table=list(self.scratch_blocks[:need]),
+                       sample=False, params=None, seed=0, num_generated=0, decode=True, spec=True)
 
     def load(self, work: list[SeqWork]) -> None:
         """Copies ``work`` (at most ``batch`` speculative items) into the buffers, padding the rest."""
@@ -106,11 +101,10 @@ class StaticDraft:
         hidden = spec.drafter.run_blocks(emb, pos, attends).view(b, n, -1)[:, 1:1 + cfg.draft_rows]
         logits = spec.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(b, cfg.draft_rows, -1)  # [B, D', V]
         if cfg.method == "dflash":
-            trees = [build_chain(logits[j], self.bonus[j]) for j in range(b)]
-        else:
-            logq = (logits / cfg.tree_temperature).log_softmax(dim=-1)
-            trees = [build_tree(logq[j], self.bonus[j], cfg.budget) for j in range(b)]
-        return (logits, *(torch.stack([getattr(t, f) for t in trees]) for f in FIELDS))
+            trees = build_chain(logits, self.bonus)
+        else:  # one build for the whole batch
+            trees = build_tree((logits / cfg.tree_temperature).log_softmax(dim=-1), self.bonus, cfg.budget)
+        return (logits, *(getattr(trees, f) for f in FIELDS))
 
 
 class DraftGraphs(CapturedGraphs):
@@ -125,7 +119,6 @@ class DraftGraphs(CapturedGraphs):
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.coverage = coverage or GraphCoverage()
         self.drafts: dict[int, StaticDraft] = {}
-        self.last: tuple[bool, str] = (False, "no draft yet")
 
     def draft(self, batch: int) -> StaticDraft:
         if batch not in self.drafts:
@@ -151,84 +144,10 @@ class DraftGraphs(CapturedGraphs):
         """Replays (or runs) the loaded ``batch`` draft → its trees ``[B, N]`` and first tree positions ``start
         [B]``, on the device in buffers the next launch overwrites: the step's tree verify reads them there
         (``GraphRunner.run_tree``)."""
-        replayed, (_, *fields) = self._replay_or_run(batch, self.draft(batch).run)
-        self.last = (replayed, self.reasons.get(batch, ""))
-        self.coverage.record("draft", *self.last)
+        _, (_, *fields) = self._replay_or_run(batch, self.draft(batch).run)
+        self.coverage.record("draft", *self.status(batch))
         return DraftTree(*fields), self.draft(batch).start
 
     def run(self, work: list[SeqWork], batch: int = 0) -> tuple[DraftTree, torch.Tensor]:
         """:meth:`load` then :meth:`launch`."""
         return self.launch(self.load(work, batch))
-
-
-# ------------------------------------------------------------------------------------------------ GPU check
-
-
-def random_speculator(model, cache, budget: int, block_size: int = 16, **drafter_overrides) -> Speculator:
-    """A DDTree Speculator with a random DFlash drafter sized for ``model`` (2 layers; ``drafter_overrides``
-    change the config): no checkpoint needed on the GPU box."""
-    from spec_decode.config import SpecConfig
-    from spec_decode.dflash import DFlashConfig, DFlashDrafter
-
-    h = model.cfg.hidden_size
-    fields = dict(hidden_size=h, num_layers=2, num_heads=max(1, h // 128), num_kv_heads=max(1, h // 512),
-                  head_dim=min(128, h), intermediate_size=2 * h, target_layer_ids=(0, model.cfg.num_layers - 1),
-                  mask_token_id=1, block_size=block_size)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DFlashConfig(**{**fields, **drafter_overrides}))
-    for name, p in drafter.named_parameters():
-        p.data.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * p.shape[-1] ** -0.5)
-    drafter = drafter.place(cache.device).eval().requires_grad_(False)
-    cfg = SpecConfig("ddtree", budget=budget, block_size=block_size, drafter_path="random", tree_temperature=0.33)
-    return Speculator(model, drafter, cfg, cache)
-
-
-def check_draft(spec: Speculator, batch: int, ctx: int, scratch: tuple[int, ...], first_block: int,
-                gen: torch.Generator) -> dict:
-    """One static draft size on ``batch`` requests with ``ctx`` context rows each (disjoint blocks from
-    ``first_block``): eager run, capture, replay on the same inputs — tree agreement, max |Δ logits|, eager and
-    replay times (ms). Off CUDA: the eager run and the reason nothing was captured."""
-    bs, n = spec.cache.block_size, spec.cfg.scratch_slots
-    per_seq = -(-(ctx + n) // bs)
-    width = len(spec.capture) * spec.model.cfg.hidden_size
-    work = []
-    for b in range(batch):
-        w = SeqWork(str(b), [int(torch.randint(2, spec.model.cfg.vocab_size, (1,), generator=gen))], ctx,
-                    list(range(first_block + b * per_seq, first_block + (b + 1) * per_seq)), True, None, 0, 1,
-                    True, spec=True)
-        spec.add_context(w, torch.randn(ctx, width, generator=gen).to(spec.context.device), 0)
-        work.append(w)
-    graphs = DraftGraphs(spec, per_seq, scratch, (batch,))
-    draft = graphs.draft(batch)
-    draft.load(work)
-    eager = [t.clone() for t in draft.run()]
-    reason = graphs.capture(batch)
-    row = {"batch": batch, "budget": spec.cfg.budget, "block": spec.cfg.block_size, "context": ctx,
-           "captured": not reason, "eager_reason": reason, "finite": bool(torch.isfinite(eager[0]).all())}
-    if not reason:
-        graphs.run(work)
-        replay = graphs.graphs[batch][1]
-        row["same_trees"] = all(torch.equal(a, b) for a, b in zip(eager[1:], replay[1:], strict=True))
-        row["max_abs_diff_vs_eager"] = float((replay[0] - eager[0]).abs().max())
-        row["eager_ms"] = 1e3 * seconds_per_call(lambda: (draft.load(work), draft.run()))
-        row["replay_ms"] = 1e3 * seconds_per_call(lambda: graphs.run(work))
-        row["speedup"] = row["eager_ms"] / row["replay_ms"]
-    return row
-
-
-def gpu_check(device: torch.device, budget_s: float) -> dict:
-    """Draft graphs on ``engine.cuda_graphs.check_setup`` (random bf16 target, context 1024) with a random
-    drafter: batch 1 at budgets 8…256 and batch 8 at budget 16, the selected kernels."""
-    from engine.cuda_graphs import check_setup
-
-    t0 = time.time()
-    setup = check_setup(device)
-    gen = torch.Generator().manual_seed(0)
-
-    def check(batch: int, budget: int) -> dict:
-        spec = random_speculator(setup.model, setup.cache, budget)
-        return check_draft(spec, batch, setup.context, setup.scratch, len(setup.scratch), gen)
-
-    rows = check_rows(GPU_CHECK_CASES, check, budget_s - (time.time() - t0))
-    return {"model": "random tiny_kimi architecture at hidden 1024 + a random 2-layer DFlash drafter, bf16 target",
-            "rows": rows}

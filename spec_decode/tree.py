@@ -55,55 +55,60 @@ class DraftTree:
 
 
 def build_tree(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) -> DraftTree:
-    """``logq [D, V]`` per-depth draft log-probs → the ``budget`` best prefixes (plus the root).
+    """``logq [..., D, V]`` per-depth draft log-probs → the ``budget`` best prefixes (plus the root) of each of
+    the ``[...]`` trees at once, rooted at ``root_token`` (an int, or ``[...]`` on the device); fields ``[..., N]``.
 
-    Fixed shapes throughout: D beam steps of ``[B, K]`` candidates, then one top-B over ``[D*B]``.
+    Fixed shapes throughout: D beam steps of ``[J, B, K]`` candidates, then one top-B over ``[J, D*B]``.
     """
-    d_max, vocab = logq.shape
-    k = min(budget, vocab)
-    top_lp, top_tok = logq.topk(k, dim=-1)  # [D, K] sorted descending
-    dev = logq.device
-    neg = torch.full((), float("-inf"), dtype=logq.dtype, device=dev)  # made on the device: capture-safe
-    beam_score = torch.full((budget,), float("-inf"), dtype=logq.dtype, device=dev)
-    beam_score[0] = 0.0  # the root
+    *lead, d_max, vocab = logq.shape
+    lq = logq.reshape(-1, d_max, vocab)  # [J, D, V]
+    j, k, dev = lq.shape[0], min(budget, vocab), logq.device
+    top_lp, top_tok = lq.topk(k, dim=-1)  # [J, D, K] sorted descending
+    beam_score = torch.full((j, budget), float("-inf"), dtype=logq.dtype, device=dev)
+    beam_score[:, :1].fill_(0.0)  # the root: a fill kernel (`beam_score[0] = 0.0` would copy a host scalar)
     scores, parents, tokens = [], [], []
     for d in range(d_max):
-        cand = beam_score[:, None] + top_lp[d][None, :]  # [B, K]
-        best, idx = cand.reshape(-1).topk(min(budget, cand.numel()))
-        best = torch.cat([best, neg.expand(budget - best.shape[0])]) if best.shape[0] < budget else best
-        idx = torch.nn.functional.pad(idx, (0, budget - idx.shape[0]))
+        cand = (beam_score[:, :, None] + top_lp[:, d, None, :]).reshape(j, -1)  # [J, B*K]
+        best, idx = cand.topk(min(budget, cand.shape[1]), dim=-1)
+        pad = budget - best.shape[1]  # fewer candidates than B at the first depths of a small vocab
+        best = torch.nn.functional.pad(best, (0, pad), value=float("-inf"))
+        idx = torch.nn.functional.pad(idx, (0, pad))
         scores.append(best)
         parents.append(idx // k)  # beam slot at depth d-1 (root slot 0 at depth 0)
-        tokens.append(top_tok[d][idx % k])
+        tokens.append(top_tok[:, d].gather(1, idx % k))
         beam_score = best
-    scores_t = torch.stack(scores)  # [D, B]
-    chosen = scores_t.reshape(-1).topk(budget).indices  # flat ids d*B + j
-    chosen = chosen.sort().values  # depth-major, then beam order (= score order within a depth)
+    flat_scores = torch.stack(scores, dim=1).reshape(j, -1)  # [J, D*B]
+    chosen = flat_scores.topk(budget, dim=-1).indices  # flat ids d*B + slot
+    chosen = chosen.sort(dim=-1).values  # depth-major, then beam order (= score order within a depth)
     n = budget + 1
-    node_of = torch.full((d_max * budget,), -1, dtype=torch.int64, device=dev)
-    node_of[chosen] = torch.arange(1, n, device=dev)
+    nodes = torch.arange(1, n, device=dev).expand(j, budget)
+    node_of = torch.full((j, d_max * budget), -1, dtype=torch.int64, device=dev).scatter_(1, chosen, nodes)
     d_of = chosen // budget
-    parent_flat = (d_of - 1) * budget + torch.stack(parents).reshape(-1)[chosen]
-    parent_node = torch.where(d_of == 0, 0, node_of[parent_flat.clamp(min=0)])
-    valid = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), torch.isfinite(scores_t.reshape(-1)[chosen])])
-    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
-    parents_all = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=dev), parent_node])
-    return DraftTree(
-        tokens=torch.cat([root, torch.stack(tokens).reshape(-1)[chosen]]),
-        parents=parents_all,
-        depth=torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), d_of + 1]),
-        valid=valid,
-        ancestors=ancestor_mask(parents_all, d_max),
-    )
+    parent_flat = (d_of - 1) * budget + torch.stack(parents, dim=1).reshape(j, -1).gather(1, chosen)
+    parent_node = torch.where(d_of == 0, 0, node_of.gather(1, parent_flat.clamp(min=0)))
+    first = torch.zeros(j, 1, dtype=torch.int64, device=dev)
+    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).expand(lead).reshape(j, 1)
+    parents_all = torch.cat([first - 1, parent_node], dim=1)
+    fields = (torch.cat([root, torch.stack(tokens, dim=1).reshape(j, -1).gather(1, chosen)], dim=1), parents_all,
+              torch.cat([first, d_of + 1], dim=1),
+              torch.cat([first == 0, torch.isfinite(flat_scores.gather(1, chosen))], dim=1))
+    return DraftTree(*(f.reshape(*lead, n) for f in fields),
+                     ancestors=ancestor_mask(parents_all, d_max).reshape(*lead, n, n))
 
 
 def build_chain(logq: torch.Tensor, root_token: int | torch.Tensor) -> DraftTree:
-    """DFlash's chain: the argmax at every depth (a tree with one node per depth)."""
-    d_max, dev = logq.shape[0], logq.device
-    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
-    every = torch.ones(d_max + 1, d_max + 1, dtype=torch.bool, device=dev)
-    return DraftTree(tokens=torch.cat([root, logq.argmax(dim=-1)]), parents=torch.arange(-1, d_max, device=dev),
-                     depth=torch.arange(d_max + 1, device=dev), valid=every[0], ancestors=every.tril())
+    """DFlash's chain: the argmax at every depth (a tree with one node per depth); ``logq [..., D, V]`` and
+    ``root_token`` as :func:`build_tree`."""
+    *lead, d_max, _ = logq.shape
+    dev, n = logq.device, d_max + 1
+    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).expand(lead)[..., None]
+    every = torch.ones(n, n, dtype=torch.bool, device=dev)
+
+    def each(t: torch.Tensor) -> torch.Tensor:  # one copy per tree (a static output is written into on replay)
+        return t.expand(*lead, *t.shape).clone()
+    return DraftTree(tokens=torch.cat([root, logq.argmax(dim=-1)], dim=-1),
+                     parents=each(torch.arange(-1, d_max, device=dev)), depth=each(torch.arange(n, device=dev)),
+                     valid=each(every[0]), ancestors=each(every.tril()))
 
 
 def build_tree_host(logq: torch.Tensor, root_token: int | torch.Tensor, budget: int) -> DraftTree:

@@ -1,6 +1,6 @@
 """CUDA-graph capture stood in for on CPU, to run the engine's capture bookkeeping on gloo ranks.
 
-Inside :func:`faked_capture`, ``engine.cuda_graphs`` treats every device as capturable and its ``capture_graph``
+Inside :func:`faked_capture`, ``engine.capture`` treats every device as capturable and its ``capture_graph``
 runs the step once and returns a :class:`ReplayGraph`, whose replay runs the step again eagerly and copies the
 results into the first run's outputs — what a real replay does to its static output tensors. So callers that
 keep a replay's outputs past the next replay, or read the wrong buffers, see stale values here too. ``fail``
@@ -40,7 +40,7 @@ class ReplayGraph:
 
 @contextmanager
 def faked_capture(fail: bool = False):
-    import engine.cuda_graphs as cg
+    import engine.capture as cg
 
     def capture(run, pool=None):
         outputs = run()

@@ -1,4 +1,5 @@
-"""scripts/bench.py end to end on a tiny matrix: files written, metrics present, correctness marks that can fail."""
+"""scripts/bench_layouts.py end to end on a tiny matrix: files written, metrics present, correctness marks that
+can fail."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_bench(out: Path, ckpt: str, layouts: str, *extra: str) -> None:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "-m", f"parallel={layouts}",
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layouts.py"), "-m", f"parallel={layouts}",
                     f"model.path={ckpt}", "bench.context=[16]", "bench.concurrency=[1,2]", "bench.output_len=4",
                     "bench.warmup=1", f"bench.output_dir={out}", *extra], check=True, timeout=400, cwd=ROOT,
                    capture_output=True)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.bench_metrics import (
+from bench.metrics import (
     RequestRecord,
     comm_delta,
     comm_per_output_token,

@@ -10,32 +10,24 @@ import pytest
 import yaml
 from layouts import layout
 
-from engine.cost_model import (
-    H200_NVLINK4,
-    HARDWARE,
-    KIMI_K2,
-    KIMI_K2_INT4,
+from bench.cost.formulas import (
     LAYOUTS,
-    RTX_PRO_6000_PCIE5,
-    Hardware,
-    ModelShape,
     allreduce_time,
     busiest_group_active_experts,
     collective_time,
     dispatch_time,
     forward_calls,
-    hardware_table,
-    profile_for_gpu,
     project,
     project_matrix,
-    projection_table,
     remote_ranks_per_token,
     rescale_calls,
     step_comm,
-    validate,
-    validation_table,
 )
-from engine.topology import (
+from bench.cost.hardware import H200_NVLINK4, HARDWARE, RTX_PRO_6000_PCIE5, Hardware, profile_for_gpu
+from bench.cost.shapes import KIMI_K2, KIMI_K2_INT4, ModelShape
+from bench.cost.tables import hardware_table, projection_table, validate, validation_table
+from model.config import parse_config
+from parallelism.topology import (
     CPU_FALLBACK,
     TopologyConfig,
     TopologyError,
@@ -45,7 +37,6 @@ from engine.topology import (
     nccl_env,
     plan,
 )
-from model.config import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 LINK = Hardware(name="test", num_gpus=8, mem_bw=1e12, peak_flops=1e15, mem_capacity=1e11, link="test",
@@ -314,8 +305,8 @@ def test_plans_on_fake_boxes():
 
 def test_prepare_sets_the_env_and_refuses_deepep_off_nvlink():
     """What every script runs before its ranks start: the plan, NCCL's switches, the dispatcher check."""
-    from engine.topology import prepare
     from parallelism.layout import Layout
+    from parallelism.topology import prepare
 
     nvl = detect_links(FakeBox(8, True))
     env = {"PATH": "/bin"}

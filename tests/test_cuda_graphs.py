@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape, random_model, random_tree
+from bench.gpu.fixtures import random_model, random_tree
+from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from model.batch import ForwardBatch
 from model.loader import load_model
@@ -135,7 +136,8 @@ def test_random_model_for_the_gpu_check_builds_and_runs_on_cpu():
 def test_gpu_check_shapes_run_on_cpu_at_every_budget():
     """The GPU check's own inputs (random trees up to budget 256 + scratch padding) on a small CPU model: every
     shape runs its static step, reports 'no CUDA device' instead of capturing, and gives finite logits."""
-    from engine.cuda_graphs import _check_shape, random_seqs
+    from bench.gpu.fixtures import random_seqs
+    from bench.gpu.graph_check import _check_shape
 
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
@@ -157,7 +159,8 @@ def test_draft_gpu_check_runs_on_cpu():
     """The draft-graph check's own setup (random drafter, disjoint contexts, scratch padding) at budgets up to
     256 on a small CPU model: the static draft runs, reports 'no CUDA device' instead of capturing, and its
     logits are finite."""
-    from spec_decode.static_draft import check_draft, random_speculator
+    from bench.gpu.draft_check import check_draft
+    from bench.gpu.fixtures import random_speculator
 
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
@@ -174,7 +177,7 @@ def test_draft_gpu_check_runs_on_cpu():
 def test_spec_step_gpu_check_runs_on_cpu():
     """The whole-step check (static runner vs dynamic runner on the same prefilled prompts) on a small CPU
     model: the static step (eager here) commits the dynamic step's tokens, and says why nothing replayed."""
-    from spec_decode.step_check import check_spec_step
+    from bench.gpu.step_check import check_spec_step
 
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
@@ -190,8 +193,7 @@ def test_a_dispatcher_that_waits_on_the_host_blocks_capture(tiny_ckpts):
     """The all-to-all reads its row counts on the host, and so do the torch reference kernels, so no forward
     through either is captured: the runner gets the reason up front and never tries (a failed capture half-way
     through NCCL collectives is no fallback)."""
-    from engine.cuda_graphs import CapturedGraphs
-    from engine.graphs import capture_blocker, eager_reason
+    from engine.capture import CapturedGraphs, capture_blocker, eager_reason
     from model.kernel_select import reference_kernels
 
     alltoall = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout(dispatcher="alltoall")))
@@ -213,8 +215,7 @@ def test_a_dispatcher_that_waits_on_the_host_blocks_capture(tiny_ckpts):
 def test_steps_over_the_dispatchers_graph_token_bound_are_not_tried(tiny_ckpts):
     """DeepEP's low-latency path (the graph-safe one) holds at most ``deepep_max_decode_tokens`` tokens per rank:
     a decode shape within it is tried, a verify shape over it gets the reason up front, on every rank alike."""
-    from engine.cuda_graphs import CapturedGraphs
-    from engine.graphs import token_limit_blocker
+    from engine.capture import CapturedGraphs, token_limit_blocker
 
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
     assert token_limit_blocker(model, 10_000) == ""  # the allreduce dispatcher has no bound
@@ -236,7 +237,7 @@ def test_one_rank_runs_a_key_whose_capture_failed_eagerly_and_replays_the_others
     static outputs (several ranks stop instead: ``test_a_capture_that_fails_on_one_rank_stops_every_rank``)."""
     from fake_capture import faked_capture
 
-    from engine.cuda_graphs import CapturedGraphs
+    from engine.capture import CapturedGraphs
 
     graphs, box = CapturedGraphs(), {"value": 1.0}
     run = lambda: (torch.tensor([box["value"]]), None)  # noqa: E731 - a step whose inputs live in ``box``
@@ -247,16 +248,16 @@ def test_one_rank_runs_a_key_whose_capture_failed_eagerly_and_replays_the_others
         assert graphs._capture("decode", torch.device("cuda"), lambda: None, run) == ""
     box["value"] = 2.0
     replayed, (out, _) = graphs._replay_or_run("decode", run)
-    assert replayed and float(out) == 2.0 and graphs.graphs["decode"][1][0] is out  # the captured buffer
+    assert replayed and float(out) == 2.0 and graphs.captured["decode"][1][0] is out  # the captured buffer
     assert graphs._replay_or_run("verify", run)[0] is False
-    assert sorted(graphs.graphs) == ["decode"] and list(graphs.reasons) == ["verify"]
+    assert sorted(graphs.captured) == ["decode"] and list(graphs.reasons) == ["verify"]
 
 
 def test_a_warm_up_that_raises_is_an_error_not_an_eager_fallback(monkeypatch):
     """The warm-up runs are eager steps: one that raises would fail as an eager step too, so it propagates
     (``capture_graph`` wraps only the capture itself in GraphCaptureError; it needs CUDA, so it is stood in
     for here by one whose warm-up raises)."""
-    import engine.cuda_graphs as cg
+    import engine.capture as cg
 
     def broken(run, pool):
         raise ValueError("Triton: out of shared memory")
@@ -265,11 +266,11 @@ def test_a_warm_up_that_raises_is_an_error_not_an_eager_fallback(monkeypatch):
     graphs = cg.CapturedGraphs()
     with pytest.raises(ValueError, match="out of shared memory"):
         graphs._capture("verify", torch.device("cuda"), lambda: None, lambda: None)
-    assert graphs.reasons == {} and graphs.graphs == {}
+    assert graphs.reasons == {} and graphs.captured == {}
 
 
 def test_check_rows_keeps_the_rows_after_a_failing_case_and_stops_at_the_budget():
-    from engine.cuda_graphs import check_rows
+    from bench.gpu.harness import check_rows
 
     def check(budget: int) -> dict:
         if budget == 256:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from layouts import layout
 
-from model.moe import run_local_experts
+from model.kernels import local_experts
 from parallelism.comm import build_groups
 from parallelism.deepep import (
     DeepEPDispatcher,
@@ -27,7 +27,8 @@ from parallelism.deepep import (
     packed_to_expert_input,
     to_deepep_ids,
 )
-from parallelism.dispatch import AllToAllDispatcher, DeepEPUnavailable, Dispatcher, make_dispatcher
+from parallelism.dispatch import AllToAllDispatcher, make_dispatcher
+from parallelism.dispatch_base import DeepEPUnavailable, Dispatcher
 from parallelism.layout import ExpertPlacement, Layout
 
 E, K = 16, 3
@@ -242,7 +243,7 @@ def test_packed_round_trip_through_real_experts():
     counts = torch.tensor([5, 0, 2], dtype=torch.int32)
     for e, n in enumerate(counts.tolist()):
         packed[e, n:] = float("nan")
-    y = expert_output_to_packed(run_local_experts(packed_to_expert_input(packed, counts), w_gate_up, w_down),
+    y = expert_output_to_packed(local_experts(packed_to_expert_input(packed, counts), w_gate_up, w_down),
                                 (el, r, h))
     for e, n in enumerate(counts.tolist()):
         g, u = (packed[e, :n] @ w_gate_up[e].T).chunk(2, dim=-1)
@@ -506,11 +507,11 @@ def test_single_rank_matches_alltoall_with_real_experts():
         weights = torch.rand(6, K, generator=gen)
         ref = AllToAllDispatcher(g, placement)
         inp, meta = ref.dispatch(x, ids, weights)
-        want = ref.combine(run_local_experts(inp, w_gate_up, w_down), meta, None).float()
+        want = ref.combine(local_experts(inp, w_gate_up, w_down), meta, None).float()
         dep = DeepEPDispatcher(g, placement, low_latency=True, max_decode_tokens=8,
                                buffer=FakeBuffer(None, 1, 0, E))
         inp, meta = dep.dispatch(x, ids, weights)
-        got = dep.combine(run_local_experts(inp, w_gate_up, w_down), meta, None).float()
+        got = dep.combine(local_experts(inp, w_gate_up, w_down), meta, None).float()
         assert meta.mode == ("normal" if h == 64 else "low_latency")
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # weights applied twice would fail this
 

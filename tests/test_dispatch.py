@@ -145,7 +145,7 @@ def _split_bytes(ctx, lay, path, seqs):
 
 def test_attention_tp_split_moves_one_share_per_rank(pool, tiny_ckpts):
     """Per MoE layer a TP rank all-gathers its share of ceil(T/2) rows and reduce-scatters the shared experts'
-    2·ceil(T/2) rows (fp32, hidden 64): what the cost model charges (``engine.cost_model``)."""
+    2·ceil(T/2) rows (fp32, hidden 64): what the cost model charges (``bench.cost.formulas``)."""
     lay = layout("tp2xdp4_ep8")
     for got, tokens in pool.run(_split_bytes, lay, tiny_ckpts["tiny_deepseek"], [[1, 2, 3], [4, 5], [6]]):
         share = -(-tokens // 2) * 64 * 4

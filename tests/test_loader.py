@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from model.batch import ForwardBatch
 from model.config import ConfigError, load_config, parse_config
-from model.loader import CheckpointError, load_model
+from model.loader import CheckpointError, DeviceConfig, load_model, load_target
 from model.tiny import load_hf, write_tiny
 from model.transformer import CausalLM
 from parallelism.comm import build_groups
@@ -31,6 +31,22 @@ def test_sharded_checkpoint_with_index_loads_the_same(tiny_ckpts, tmp_path):
     a = load_model(src, build_groups(Layout()))
     b = load_model(sharded, build_groups(Layout()))
     assert torch.equal(a.logits(a(batch)), b.logits(b(batch)))
+
+
+
+def test_load_target_on_cpu_is_load_model_with_the_references(tiny_ckpts):
+    """The entry points' model: on CPU the same logits as ``load_model`` and the torch reference kernels."""
+    src, batch = tiny_ckpts["tiny_deepseek"], ForwardBatch.from_sequences([[3, 4, 5, 6], [7, 8]])
+    plain = load_model(src, build_groups(Layout()))
+    target = load_target(src, build_groups(Layout()), 0, DeviceConfig())
+    assert target.kernels.reasons["rms_norm"] == "torch reference: no CUDA device (cpu)"
+    assert torch.equal(plain.logits(plain(batch)), target.logits(target(batch)))
+
+
+@pytest.mark.parametrize("field", [dict(type="tpu"), dict(dtype="float33"), dict(kernels="cuda")])
+def test_device_config_names_the_bad_field(field):
+    with pytest.raises(ValueError, match=f"device.{next(iter(field))}"):
+        DeviceConfig(**field)
 
 
 def test_missing_tensor_names_tensor_and_dir(tiny_ckpts, tmp_path):

@@ -12,11 +12,13 @@ from test_engine import run_requests
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig, SeqWork
+from engine.scheduler import SchedulerConfig
+from engine.step import SeqWork
 from model.kernel_select import native_bf16_matmul
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
+from spec_decode.speculation import load_speculation
 
 PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
 CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
@@ -29,10 +31,11 @@ def _job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
     model = load_model(path, ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
     results = []
     for spec in spec_list:
+        speculation = load_speculation(spec, model)
         if ctx.rank != 0:
-            worker_loop(make_runner(model, cfg, spec))
+            worker_loop(make_runner(model, cfg, speculation))
             continue
-        engine = Engine(model, cfg, spec=spec)
+        engine = Engine(model, cfg, speculation=speculation)
         res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
         results.append((res, engine.stats.acceptance_length, engine.scheduler.blocks_in_use()))
         engine.shutdown()
@@ -72,19 +75,20 @@ def _static_job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
     results, static_steps = [], []
     for spec in spec_list:
         pair = []
+        speculation = load_speculation(spec, model)
         for on_off in (dataclasses.replace(cfg, static_steps="on"), cfg):
             if ctx.rank != 0:
-                runner = make_runner(model, on_off, spec)
+                runner = make_runner(model, on_off, speculation)
                 worker_loop(runner)
             else:
-                engine = Engine(model, on_off, spec=spec)
+                engine = Engine(model, on_off, speculation=speculation)
                 res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-                pair.append((res, engine.graphs.summary(), engine.scheduler.blocks_in_use(),
+                pair.append((res, engine.coverage.summary(), engine.scheduler.blocks_in_use(),
                              engine.stats.acceptance_length))
                 engine.shutdown()
                 runner = engine.runner
-            if runner.graphs is not None:
-                static_steps.append({k: v["steps"] for k, v in runner.graphs.coverage.summary().items()})
+            if runner.static is not None:
+                static_steps.append({k: v["steps"] for k, v in runner.static.coverage.summary().items()})
         results.append(pair)
     return (results if ctx.rank == 0 else None), static_steps
 
@@ -172,7 +176,8 @@ def _speculator(tiny_ckpts, drafter_path, num_blocks=12):
 
 
 def _work(rid: str, bonus: int, start: int, blocks: list[int]) -> SeqWork:
-    return SeqWork(rid, [bonus], start, blocks, True, SamplingParams(), 0, 1, True, spec=True)
+    return SeqWork(request_id=rid, token_ids=[bonus], start=start, block_table=blocks, sample=True,
+                   params=SamplingParams(), seed=0, num_generated=1, decode=True, spec=True)
 
 
 def _same_tree(a, b) -> bool:
@@ -263,8 +268,10 @@ def test_accept_commits_the_walked_path_and_moves_its_kv(tiny_ckpts, random_draf
             store.copy_(torch.randn(store.shape, generator=gen))
     before = [tuple(s.clone() for s in stores) for stores in spec.cache.layers]
     lp2 = SamplingParams(temperature=0.0, logprobs=2)
-    work = [SeqWork("a", [7], 5, [0, 1, 2, 3, 4], True, lp2, 0, 3, True, spec=True),
-            SeqWork("b", [9], 2, [6, 7, 8, 9], True, SamplingParams(temperature=0.0), 0, 1, True, spec=True)]
+    work = [SeqWork(request_id="a", token_ids=[7], start=5, block_table=[0, 1, 2, 3, 4], sample=True, params=lp2,
+                    seed=0, num_generated=3, decode=True, spec=True),
+            SeqWork(request_id="b", token_ids=[9], start=2, block_table=[6, 7, 8, 9], sample=True,
+                    params=SamplingParams(temperature=0.0), seed=0, num_generated=1, decode=True, spec=True)]
     trees = [build_tree_host((torch.randn(spec.cfg.draft_rows, vocab, generator=gen) * 4).log_softmax(-1), root, 10)
              for root in (7, 9, 0)]  # the third: a padding row
     a = trees[0]
@@ -353,21 +360,21 @@ def _faked_capture_job(ctx, lay, path, prompts, spec, params, fail_rank=-1):
     (tokens, coverage) dynamic); with ``fail_rank`` every rank returns its GraphCaptureError message."""
     from fake_capture import faked_capture
 
-    import engine.cuda_graphs as cg
+    import engine.capture as cg
     from model.kernel_select import reference_kernels
 
     model = load_model(path, ctx.groups(lay))
     model.use_kernels(dataclasses.replace(reference_kernels(), graph_safe=True))  # as the Triton set is
-    out = []
+    out, speculation = [], load_speculation(spec, model)
     with faked_capture(fail=ctx.rank == fail_rank):
         for cfg in (dataclasses.replace(CFG, static_steps="on"), CFG):
             try:
                 if ctx.rank != 0:
-                    worker_loop(make_runner(model, cfg, spec))
+                    worker_loop(make_runner(model, cfg, speculation))
                     continue
-                engine = Engine(model, cfg, spec=spec)
+                engine = Engine(model, cfg, speculation=speculation)
                 res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-                out.append(({k: v for k, (v, _) in res.items()}, engine.graphs.summary()))
+                out.append(({k: v for k, (v, _) in res.items()}, engine.coverage.summary()))
                 engine.shutdown()
             except cg.GraphCaptureError as exc:
                 return str(exc)

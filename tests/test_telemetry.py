@@ -6,8 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.cost_model import Floors, Hardware, ModelShape, step_bytes, step_flops
-from engine.telemetry import (
+from bench.cost.formulas import Floors, step_bytes, step_flops
+from bench.cost.hardware import Hardware
+from bench.cost.shapes import ModelShape
+from bench.telemetry import (
     CpuBackend,
     NvmlBackend,
     TelemetrySampler,

@@ -5,7 +5,7 @@ Every comparison is fp32 at tight tolerance (close, not bit-exact: the kernels s
 tiny shapes: ragged context lengths, shuffled non-contiguous block tables, key splits, head and latent dims
 that are not powers of two, experts with zero tokens, every token on one expert, rows with no local expert.
 Index helpers are checked against hand-worked values (exact). Last, every kernel is compiled ahead of time
-for sm_90 in a subprocess, which catches what the interpreter does not (``tl.dot`` shapes, dtypes,
+for sm_90 and sm_100 in a subprocess, which catches what the interpreter does not (``tl.dot`` shapes, dtypes,
 shared-memory budget).
 """
 
@@ -30,8 +30,8 @@ from model.batch import PaddedContext
 from model.config import MLAConfig, MoEConfig
 from model.kernel_select import OPS, select_kernels
 from model.moe import LocalExperts
-from model.tree_mask import ancestor_mask
-from model.triton import cases, reference
+from model.tree_mask import ancestor_mask, resolve_tree_mask
+from model.triton import cases
 from parallelism.layout import ExpertPlacement
 
 if not triton.knobs.runtime.interpret:
@@ -76,14 +76,14 @@ def test_ancestor_mask_hand_worked():
     assert mask[0, 2].nonzero().flatten().tolist() == [0, 1, 2]
     assert (mask[1].sum(dim=1) == torch.tensor([1] + [2] * 8)).all()
     with pytest.raises(ValueError, match="exactly one"):
-        reference.resolve_tree_mask(mask, parents)
+        resolve_tree_mask(mask, parents)
 
 
 @pytest.mark.parametrize("routing", ["spread", "one_expert", "none_local"])
 def test_fused_moe_matches_local_experts(routing):
     case = cases.expert_case(40, 3, hidden=24, inter=20, local_experts=4, routing=routing, gen=gen())
     out = moe.fused_moe(**case)
-    torch.testing.assert_close(out, reference.local_experts(**case), **TOL)
+    torch.testing.assert_close(out, kernels.local_experts(**case), **TOL)
     if routing == "none_local":
         assert not out.any()
 
@@ -96,7 +96,7 @@ def test_masked_moe_on_deepep_packed_rows(counts):
     case = cases.packed_expert_case(counts, 32, hidden=24, inter=20, gen=gen(3))
     inp = case["inp"]
     valid = (inp.slots >= 0).flatten()
-    want = reference.local_experts(**case)
+    want = kernels.local_experts(**case)
     direct = moe.masked_moe(inp.hidden.view(3, 32, 24), inp.packed_counts, case["w_gate_up"], case["w_down"])
     assert direct.shape == (3, 32, 24)
     for got in (direct.view(96, 24), moe.fused_moe(**case)):
@@ -112,17 +112,17 @@ def test_fused_moe_takes_the_masked_path_for_packed_rows():
     valid = (inp.slots >= 0).flatten()
     no_slots = dataclasses.replace(inp, slots=torch.full_like(inp.slots, -1))
     out = moe.fused_moe(no_slots, case["w_gate_up"], case["w_down"])
-    torch.testing.assert_close(out[valid], reference.local_experts(**case)[valid], **TOL)
+    torch.testing.assert_close(out[valid], kernels.local_experts(**case)[valid], **TOL)
 
 
 def test_local_experts_reference_is_the_module():
-    """reference.local_experts is LocalExperts.forward itself (bit-exact), for a rank holding 4 of 8 experts."""
+    """kernels.local_experts is LocalExperts.forward itself (bit-exact), for a rank holding 4 of 8 experts."""
     cfg = MoEConfig(num_experts=8, top_k=3, intermediate_size=20, scoring="softmax", norm_topk_prob=False)
     module = LocalExperts(24, cfg, ExpertPlacement(8, moe_ep=2, moe_tp=1), ep_rank=1, tp_rank=0)
     case = cases.expert_case(40, 3, hidden=24, inter=20, local_experts=4, routing="spread", gen=gen(1))
     module.w_gate_up.copy_(case["w_gate_up"])
     module.w_down.copy_(case["w_down"])
-    assert torch.equal(module(case["inp"]), reference.local_experts(**case))
+    assert torch.equal(module(case["inp"]), kernels.local_experts(**case))
 
 
 @pytest.mark.parametrize("inter", [20, 6], ids=["grouped_gemm", "unaligned_per_expert"])
@@ -138,21 +138,21 @@ def test_local_experts_match_a_per_row_sum(inter, routing):
             if slot >= 0:
                 gate, up = (w_gate_up[slot] @ inp.hidden[row]).split(inter)
                 want[row] += weight * (w_down[slot] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(reference.local_experts(**case), want, **TOL)
+    torch.testing.assert_close(kernels.local_experts(**case), want, **TOL)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_gqa(num_splits):
+@pytest.mark.parametrize("split_keys", [64, 256])
+def test_paged_decode_gqa(split_keys):
     case = cases.gqa_case(LENS, heads=6, kv_heads=2, head_dim=24, block_size=4, gen=gen())
-    out = attention.paged_decode_gqa(**case, num_splits=num_splits)
-    torch.testing.assert_close(out, reference.paged_decode_gqa(**case), **TOL)
+    out = attention.paged_decode_gqa(**case, split_keys=split_keys)
+    torch.testing.assert_close(out, kernels.paged_decode_gqa(**case), **TOL)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_mla(num_splits):
+@pytest.mark.parametrize("split_keys", [64, 256])
+def test_paged_decode_mla(split_keys):
     case = cases.mla_case(LENS, heads=4, latent=40, rope=8, block_size=4, gen=gen())
-    out = attention.paged_decode_mla(**case, num_splits=num_splits)
-    torch.testing.assert_close(out, reference.paged_decode_mla(**case), **TOL)
+    out = attention.paged_decode_mla(**case, split_keys=split_keys)
+    torch.testing.assert_close(out, kernels.paged_decode_mla(**case), **TOL)
 
 
 def test_mla_decode_kernel_inside_decode_absorbed():
@@ -169,7 +169,7 @@ def test_mla_decode_kernel_inside_decode_absorbed():
     m = max(LENS)
     valid = torch.arange(m)[None, :] < torch.tensor(LENS)[:, None]
     padded = [torch.stack([torch.nn.functional.pad(
-        reference.gather_paged(cache, case["block_tables"][b], n, 4), (0, 0, 0, m - n)) for b, n in enumerate(LENS)])
+        kernels.gather_paged(cache, case["block_tables"][b], n, 4), (0, 0, 0, m - n)) for b, n in enumerate(LENS)])
         for cache in (case["latent_cache"], case["rope_cache"])]
     layer = SimpleNamespace(mla=MLAConfig(None, latent, dn, dr, dv), heads=heads,
                             kv_b_proj=SimpleNamespace(weight=w), scale=case["scale"])
@@ -182,8 +182,8 @@ def test_mla_decode_kernel_inside_decode_absorbed():
 
 def test_tree_verify_gqa():
     case = cases.gqa_case([5, 9, 75], heads=6, kv_heads=2, head_dim=24, block_size=4, gen=gen(), tree=5)
-    ref = reference.tree_verify_gqa(**case)
-    torch.testing.assert_close(attention.tree_verify_gqa(**case, num_splits=2), ref, **TOL)
+    ref = kernels.tree_verify_gqa(**case)
+    torch.testing.assert_close(attention.tree_verify_gqa(**case, split_keys=64), ref, **TOL)
     by_mask = {k: v for k, v in case.items() if k != "parents"}
     mask = ancestor_mask(case["parents"])
     torch.testing.assert_close(attention.tree_verify_gqa(**by_mask, tree_mask=mask), ref, **TOL)
@@ -191,8 +191,8 @@ def test_tree_verify_gqa():
 
 def test_tree_verify_mla():
     case = cases.mla_case([5, 9, 75], heads=4, latent=40, rope=8, block_size=4, gen=gen(), tree=5)
-    ref = reference.tree_verify_mla(**case)
-    torch.testing.assert_close(attention.tree_verify_mla(**case, num_splits=2), ref, **TOL)
+    ref = kernels.tree_verify_mla(**case)
+    torch.testing.assert_close(attention.tree_verify_mla(**case, split_keys=64), ref, **TOL)
     by_mask = {k: v for k, v in case.items() if k != "parents"}
     mask = ancestor_mask(case["parents"])
     torch.testing.assert_close(attention.tree_verify_mla(**by_mask, tree_mask=mask), ref, **TOL)
@@ -205,7 +205,7 @@ def test_rms_norm_and_residual():
                                kernels.rms_norm(x3, case["weight"], case["eps"]), **TOL)
     case = cases.norm_case(6, 40, gen(1), residual=True)
     normed, residual = norm.add_rms_norm(**case)
-    ref_normed, ref_residual = reference.add_rms_norm(**case)
+    ref_normed, ref_residual = kernels.add_rms_norm(**case)
     torch.testing.assert_close(normed, ref_normed, **TOL)
     assert torch.equal(residual, ref_residual)
 
@@ -213,25 +213,28 @@ def test_rms_norm_and_residual():
 def test_select_kernels_on_cpu_uses_references():
     ks = select_kernels("cpu")
     assert {op: ks.reasons[op] for op in OPS} == dict.fromkeys(OPS, "torch reference: no CUDA device (cpu)")
-    assert ks.moe_experts is reference.local_experts and ks.rms_norm is kernels.rms_norm
-    assert not ks.graph_safe  # the references wait on the host: engine.graphs.kernel_blocker
+    assert ks.moe_experts is kernels.local_experts and ks.rms_norm is kernels.rms_norm
+    assert not ks.graph_safe  # the references wait on the host: engine.capture.kernel_blocker
     assert select_kernels("cpu", backend="torch").reasons["rms_norm"].startswith("torch reference: requested")
     with pytest.raises(RuntimeError, match="no CUDA device.*torch references"):
         select_kernels("cpu", backend="triton")
 
 
-def test_every_kernel_compiles_for_sm90():
+def test_every_kernel_compiles_for_sm90_and_sm100():
     """Real Triton compiler and ptxas (shipped with triton), production shapes, no GPU needed; the core set
-    (every code path once, ~20 s cold, seconds with a warm Triton cache). The PTX of the fp32 configuration has
-    no TF32 MMA (with Triton's default ``input_precision`` it has; see ``reference.dot_precision``)."""
+    (every code path once, ~1 min cold for both targets, seconds with a warm Triton cache). The PTX of the fp32
+    configuration has no TF32 MMA (with Triton's default ``input_precision`` it has; see
+    ``model.triton.precision.dot_precision``)."""
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this triton build has no NVIDIA backend, so there is no compiler to run")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "model.triton.aot", "--arch", "90", "--core"], env=env, text=True,
-                          capture_output=True, cwd=Path(__file__).parents[1], timeout=240)
+    done = subprocess.run([sys.executable, "-m", "model.triton.aot", "--arch", "90", "100", "--core"], env=env,
+                          text=True, capture_output=True, cwd=Path(__file__).parents[1], timeout=480)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert {r["kernel"].split()[0] for r in rows} == {"gqa", "mla", "moe", "rms_norm"}
+    assert {r["arch"] for r in rows} == {"sm_90", "sm_100"}
+    assert {"mla split merge", "mla decode split block64"} <= {r["kernel"] for r in rows}
     assert [r for r in rows if not r["ok"]] == []
     # fp32 operands go through IEEE FMA, never TF32 tensor cores (Triton's default; the interpreter ignores it)
     assert any("fp32" in r["kernel"] for r in rows) and [r["kernel"] for r in rows if r["tf32_mma"]] == []
@@ -254,17 +257,17 @@ def test_gpu_check_on_cpu_runs_the_cpu_parts_and_says_the_rest_was_skipped(tmp_p
 
 
 HALF_CASES = [  # (kernel, reference, inputs(generator)) in fp16
-    pytest.param(attention.paged_decode_gqa, reference.paged_decode_gqa,
+    pytest.param(attention.paged_decode_gqa, kernels.paged_decode_gqa,
                  lambda g: cases.gqa_case(LENS, 6, 2, 24, 4, g, dtype=torch.float16), id="paged_decode_gqa"),
-    pytest.param(attention.tree_verify_mla, reference.tree_verify_mla,
+    pytest.param(attention.tree_verify_mla, kernels.tree_verify_mla,
                  lambda g: cases.mla_case([5, 9, 75], 4, 40, 8, 4, g, tree=5, dtype=torch.float16),
                  id="tree_verify_mla"),
-    pytest.param(moe.fused_moe, reference.local_experts,
+    pytest.param(moe.fused_moe, kernels.local_experts,
                  lambda g: cases.expert_case(40, 3, 24, 20, 4, "spread", g, dtype=torch.float16), id="fused_moe"),
-    pytest.param(cases.valid_rows_only(moe.fused_moe), cases.valid_rows_only(reference.local_experts),
+    pytest.param(cases.valid_rows_only(moe.fused_moe), cases.valid_rows_only(kernels.local_experts),
                  lambda g: cases.packed_expert_case([0, 7, 16, 3], 16, 24, 20, g, dtype=torch.float16),
                  id="masked_moe"),
-    pytest.param(norm.add_rms_norm, reference.add_rms_norm,
+    pytest.param(norm.add_rms_norm, kernels.add_rms_norm,
                  lambda g: cases.norm_case(6, 40, g, residual=True, dtype=torch.float16), id="add_rms_norm"),
 ]
 
@@ -320,7 +323,7 @@ def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
     same logits and trees with the Triton kernels (interpreted) as with the torch references."""
     from engine.kv_cache import KVSpec, PagedKVCache
     from engine.sampler import SamplingParams
-    from engine.scheduler import SeqWork
+    from engine.step import SeqWork
     from model.kernel_select import KernelSet, reference_kernels
     from model.loader import load_model
     from parallelism.comm import build_groups
@@ -334,7 +337,8 @@ def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
     cache = PagedKVCache(KVSpec.for_model(model), 12, 4)
     spec = Speculator(model, DFlashDrafter.load(random_drafter),
                       SpecConfig("ddtree", budget=6, block_size=5, drafter_path=random_drafter), cache)
-    work = [SeqWork(str(i), [30 + i], n, t, True, SamplingParams(), 0, 1, True, spec=True)
+    work = [SeqWork(request_id=str(i), token_ids=[30 + i], start=n, block_table=t, sample=True,
+                    params=SamplingParams(), seed=0, num_generated=1, decode=True, spec=True)
             for i, (n, t) in enumerate(((7, [3, 5, 1]), (2, [8, 2])))]
     for w in work:
         spec.add_context(w, torch.randn(w.start, len(spec.capture) * model.cfg.hidden_size, generator=gen(6)), 0)

@@ -17,7 +17,7 @@ import torch
 from model.kernel_select import KernelSet, reference_kernels
 from model.quant.config import INT4, QuantConfig
 from model.quant.linear import cdiv, check_shape, read_block
-from parallelism.dispatch import ExpertInput
+from parallelism.dispatch_base import ExpertInput
 from parallelism.linear import CheckpointTensor, ShardedModule, TensorSource, copy_into
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model.kernels import silu_and_mul
-from parallelism.dispatch import ExpertInput
+from parallelism.dispatch_base import ExpertInput
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from model.triton import attention, moe, norm
-from model.triton.reference import dot_precision
+from model.triton.precision import dot_precision
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may opt into on sm_90 and sm_100
 FLOAT_ARGS = ("scale", "eps")
@@ -34,7 +34,7 @@ FLOAT_ARGS = ("scale", "eps")
 
 @dataclass(frozen=True)
 class Spec:
-    """One kernel configuration: pointer dtypes by argument name (default ``bf16``), constexprs, warps.
+    """One kernel configuration: pointer dtypes by argument name (default ``bf16``), constexprs, warps, stages.
     ``core``: part of the smallest set that reaches every code path (what the tests compile)."""
 
     name: str
@@ -43,38 +43,54 @@ class Spec:
     pointers: dict = field(default_factory=dict)
     num_warps: int = 4
     core: bool = False
+    num_stages: int = 3
 
 
-def _attention_pointers(num_splits: int) -> dict:
-    out = "fp32" if num_splits > 1 else "bf16"
+def _attention_pointers(split_out: bool) -> dict:
+    out = "fp32" if split_out else "bf16"
     return dict(o_ptr=out, lse_ptr="fp32", bt_ptr="i32", lens_ptr="i32", mask_ptr="i8")
+
+
+def _launch_spec(name: str, kernel, meta: dict, pointers: dict, core: bool) -> Spec:
+    """A Spec from a kernel module's meta dict (constexprs plus ``num_warps`` / ``num_stages``)."""
+    meta = dict(meta)
+    return Spec(name, kernel, meta, pointers, meta.pop("num_warps"), core, meta.pop("num_stages"))
 
 
 def _attention_specs() -> list[Spec]:
     """Qwen3-235B at TP8 (8 query heads on 1 replicated KV head, D = 128) and DeepSeek-V3 at TP8 (16 heads,
-    latent 512, rope 64): decode with and without splits, tree verify at budget 64."""
+    latent 512, rope 64), 16-slot KV blocks: decode writing its output directly (one split in the grid) and
+    as split partials, tree verify at budget 64; MLA also with 64-slot blocks (one block-table load per tile:
+    the block is wider than the tile); the split merge for both."""
     specs = []
-    for n, splits, tree, kind in ((1, 1, False, "decode"), (1, 8, False, "decode split8"), (64, 1, True, "tree64")):
-        core = splits > 1 or tree
-        gqa = dict(attention.gqa_meta(n, 8, 128, tree, torch.bfloat16), NUM_SPLITS=splits)
-        mla = dict(attention.mla_meta(n, 16, 512, 64, tree, torch.bfloat16), NUM_SPLITS=splits)
-        specs.append(Spec(f"gqa {kind}", attention._gqa_kernel, gqa, _attention_pointers(splits), core=core))
-        specs.append(Spec(f"mla {kind}", attention._mla_kernel, mla, _attention_pointers(splits), core=core))
+    for n, split_out, tree, block, kind in ((1, False, False, 16, "decode"), (1, True, False, 16, "decode split"),
+                                            (64, True, True, 16, "tree64 split"),
+                                            (1, True, False, 64, "decode split block64")):
+        core = True  # direct output, split partials, tree masks and both tile-lookup forms are separate paths
+        gqa = dict(attention.gqa_meta(n, 8, 128, tree, torch.bfloat16, block), SPLIT_OUT=split_out)
+        mla = dict(attention.mla_meta(n, 16, 512, 64, tree, torch.bfloat16, block), SPLIT_OUT=split_out)
+        if block == 16:
+            specs.append(_launch_spec(f"gqa {kind}", attention._gqa_kernel, gqa, _attention_pointers(split_out), core))
+        specs.append(_launch_spec(f"mla {kind}", attention._mla_kernel, mla, _attention_pointers(split_out), core))
+    for name, rows, ncol in (("gqa", 8, 128), ("mla", 16, 512)):
+        specs.append(_launch_spec(f"{name} split merge", attention._merge_kernel, attention.merge_meta(rows, ncol),
+                                  dict(o_ptr="fp32", lse_ptr="fp32", lens_ptr="i32"), name == "mla"))
     return specs
 
 
 def _moe_specs() -> list[Spec]:
-    """DeepSeek-V3 experts (H = 7168, I = 2048) with the decode and the prefill tiles, and the masked GEMM on
-    DeepEP's low-latency layout."""
+    """DeepSeek-V3 experts (H = 7168, I = 2048) with the decode and the prefill tiles (grouped launch order),
+    the masked GEMM on DeepEP's low-latency layout, and the align-block-size kernel for 384 experts."""
     specs = []
     for kind, pairs in (("decode", 64 * 8), ("prefill", 4096 * 8)):
         t = moe.default_tiles(pairs, 7168, 2048)
-        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(torch.bfloat16))
+        tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                     DOT=dot_precision(torch.bfloat16))
         ids = dict(sorted_ptr="i32", expert_ptr="i32", num_post_ptr="i32")
         core = kind == "decode"
-        specs.append(Spec(f"moe gate_up {kind}", moe._gate_up_kernel, tiles, ids, t.num_warps, core))
+        specs.append(Spec(f"moe gate_up {kind}", moe._gate_up_kernel, tiles, ids, t.num_warps, core, t.num_stages))
         specs.append(Spec(f"moe down {kind}", moe._down_kernel, tiles,
-                          dict(ids, out_ptr="fp32", weight_ptr="fp32"), t.num_warps, core))
+                          dict(ids, out_ptr="fp32", weight_ptr="fp32"), t.num_warps, core, t.num_stages))
     t = moe.default_tiles(128 * 8, 7168, 2048)  # DeepEP low latency: 128 tokens per rank × 8 ranks per expert
     tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(torch.bfloat16))
     specs.append(Spec("moe masked gate_up", moe._masked_gate_up_kernel, tiles, dict(counts_ptr="i32"), t.num_warps,
@@ -83,6 +99,10 @@ def _moe_specs() -> list[Spec]:
     fp32 = dict(x_ptr="fp32", w_ptr="fp32", h_ptr="fp32", counts_ptr="i32")  # fp32 operands: IEEE dot, not TF32
     specs.append(Spec("moe masked gate_up fp32", moe._masked_gate_up_kernel,
                       dict(tiles, DOT=dot_precision(torch.float32)), fp32, t.num_warps, True))
+    align = dict(E_PAD=512, BLOCK=128, BLOCK_B=16)  # as moe_align_block_size launches it for 384 experts
+    specs.append(Spec("moe align_block_size", moe._align_kernel, align,
+                      dict(slots_ptr="i32", sorted_ptr="i32", expert_ids_ptr="i32", num_post_ptr="i32",
+                           cursor_ptr="i32"), 4, True))
     return specs
 
 
@@ -112,10 +132,12 @@ def _signature(spec: Spec) -> dict:
 def compile_spec(spec: Spec, arch: int) -> dict:
     """Compile one configuration for ``sm_{arch}``; never raises: failures come back as ``error``."""
     start = time.perf_counter()
-    row = dict(kernel=spec.name, arch=f"sm_{arch}", constexprs=spec.constexprs, num_warps=spec.num_warps)
+    row = dict(kernel=spec.name, arch=f"sm_{arch}", constexprs=spec.constexprs, num_warps=spec.num_warps,
+               num_stages=spec.num_stages)
     try:
         src = ASTSource(spec.kernel, _signature(spec), spec.constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=spec.num_warps))
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=spec.num_warps,
+                                                                                  num_stages=spec.num_stages))
     except Exception as exc:  # noqa: BLE001 - a compiler error is the result being reported
         return dict(row, ok=False, error=f"{type(exc).__name__}: {exc}"[:2000],
                     seconds=round(time.perf_counter() - start, 2))

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from parallelism.deepep import packed_to_expert_input
-from parallelism.dispatch import ExpertInput
+from parallelism.dispatch_base import ExpertInput
 
 
 def paged_tables(lens: list[int], block_size: int, gen: torch.Generator,
@@ -73,7 +73,7 @@ def mla_case(lens: list[int], heads: int, latent: int, rope: int, block_size: in
 
 def expert_case(rows: int, top_k: int, hidden: int, inter: int, local_experts: int, routing: str,
                 gen: torch.Generator, dtype=torch.float32, device="cpu") -> dict:
-    """Arguments ``inp, w_gate_up, w_down`` of ``fused_moe`` / ``reference.local_experts``.
+    """Arguments ``inp, w_gate_up, w_down`` of ``fused_moe`` / ``model.kernels.local_experts``.
 
     ``routing``: ``spread`` — each row picks ``top_k`` distinct experts among ``2 * local_experts`` (half of
     them on other ranks: slot −1), local expert 0 is never picked (an expert with zero tokens);
@@ -100,7 +100,7 @@ def expert_case(rows: int, top_k: int, hidden: int, inter: int, local_experts: i
 
 def packed_expert_case(counts: list[int], rows_per_expert: int, hidden: int, inter: int, gen: torch.Generator,
                        dtype=torch.float32, device="cpu") -> dict:
-    """Arguments ``inp, w_gate_up, w_down`` of ``fused_moe`` / ``reference.local_experts`` in DeepEP's
+    """Arguments ``inp, w_gate_up, w_down`` of ``fused_moe`` / ``model.kernels.local_experts`` in DeepEP's
     low-latency layout: ``len(counts)`` local experts × ``rows_per_expert`` rows, expert ``e``'s first
     ``counts[e]`` rows valid and every other row NaN (garbage that must never be read)."""
     experts = len(counts)

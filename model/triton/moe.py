@@ -1,14 +1,18 @@
 """Fused MoE over the locally held experts: a grouped GEMM over tokens sorted by expert, block-aligned.
 
-:func:`moe_align_block_size` (torch, no host synchronisation) sorts the ``(row, choice)`` pairs whose slot is
-local by expert and pads each expert's run to a multiple of ``block_m``, so every BLOCK_M block of the
-sorted order belongs to one expert. Two kernels then walk those blocks:
+:func:`moe_align_block_size` (one single-program Triton kernel, no host synchronisation; torch reference
+:func:`align_block_size_reference`) sorts the ``(row, choice)`` pairs whose slot is local by expert and pads
+each expert's run to a multiple of ``block_m``, so every BLOCK_M block of the sorted order belongs to one
+expert. Two kernels then walk those blocks, in grouped order (GROUP_M row blocks sweep the N tiles together,
+so an expert's weight tile is read from HBM once and reused from L2 by its neighbouring row blocks):
 
 1. gate_up GEMM with SiLU·mul in the epilogue → intermediate ``[P, I]`` in the sorted order;
 2. down GEMM with the routing weight applied in the epilogue, atomically added (fp32) into the output row.
 
 The intermediate stays in sorted order, so no gather or scatter happens between the GEMMs. The number of
-blocks is bounded from shapes alone (padding blocks exit at once), which keeps the launch graph-safe.
+blocks is bounded from shapes alone (padding blocks exit at once), which keeps the launch graph-safe. Tiles
+come from vLLM-style tables (:mod:`model.triton.launch_tables`, token bucket → tiles), else
+:func:`default_tiles`.
 
 DeepEP's low-latency dispatch already groups rows by expert (``[E_local, R, H]``, expert ``e``'s rows
 ``[0, counts[e])`` valid): :func:`masked_moe` runs on that layout directly — a masked grouped GEMM, the
@@ -24,20 +28,19 @@ import torch
 import triton
 import triton.language as tl
 
-from model.triton.reference import dot_precision
-from parallelism.dispatch import ExpertInput
+from model.triton.launch_tables import moe_config
+from model.triton.precision import dot_precision
+from parallelism.dispatch_base import ExpertInput
 
 
-def moe_align_block_size(slots: torch.Tensor, num_experts: int,
-                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``slots [N, k]`` int (local expert slot, −1 = not local) → the block-aligned sorted order.
+def _align_size(pairs: int, num_experts: int, block_m: int) -> int:
+    """``P``: the padded length for ``pairs`` pairs, from shapes only."""
+    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
 
-    Returns ``sorted_token_ids [P]`` int32: flat pair ids ``row * k + choice`` grouped by expert (stable
-    within an expert), each expert's run padded to a multiple of ``block_m`` with the sentinel ``N * k``;
-    ``expert_ids [P // block_m]`` int32, the expert of each block (−1 past the end);
-    ``num_tokens_post_padded [1]`` int32, the padded length actually used. ``P = round_up(N*k +
-    min(E, N*k) * (block_m - 1), block_m)`` depends on shapes only.
-    """
+
+def align_block_size_reference(slots: torch.Tensor, num_experts: int,
+                               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`moe_align_block_size` (same contract), ~15 torch ops."""
     flat = slots.reshape(-1)
     pairs, dev = flat.numel(), slots.device
     key = torch.where(flat >= 0, flat, num_experts).long()  # not-local pairs sort last
@@ -45,7 +48,7 @@ def moe_align_block_size(slots: torch.Tensor, num_experts: int,
     counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
-    size = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    size = _align_size(pairs, num_experts, block_m)
     order = torch.argsort(key, stable=True)
     expert = key[order]
     local = expert < num_experts
@@ -60,6 +63,81 @@ def moe_align_block_size(slots: torch.Tensor, num_experts: int,
 
 
 @triton.jit
+def _align_kernel(slots_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, cursor_ptr, num_pairs, num_experts, block_m,
+                  size, E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Grid ``(1,)``. Counts per expert (histogram), padded run starts (cumsum), sentinel fill and the expert of
+    each block; then the pairs, BLOCK at a time in order, go to ``start[e] + (earlier pairs of e)``: stable.
+    ``cursor [E_PAD]`` int32 scratch holds the next free position of each expert between chunks."""
+    e = tl.arange(0, E_PAD)
+    lane = tl.arange(0, BLOCK)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK):
+        s = tl.load(slots_ptr + p0 + lane, mask=p0 + lane < num_pairs, other=-1)
+        local = (s >= 0) & (s < num_experts)
+        counts += tl.histogram(tl.where(local, s, 0), E_PAD, mask=local)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + e, ends - padded)
+    tl.store(num_post_ptr, tl.sum(padded, 0))
+    for i0 in range(0, size, BLOCK):
+        tl.store(sorted_ptr + i0 + lane, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=i0 + lane < size)
+    for j0 in range(0, size // block_m, BLOCK_B):
+        j = j0 + tl.arange(0, BLOCK_B)
+        ex = tl.sum((j[:, None] * block_m >= ends[None, :]).to(tl.int32), axis=1)  # searchsorted(ends, right)
+        tl.store(expert_ids_ptr + j, tl.where(ex < num_experts, ex, -1), mask=j < size // block_m)
+    tl.debug_barrier()  # the fill and the cursor are visible to every thread before the scatter
+    run = ends - padded
+    for p0 in range(0, num_pairs, BLOCK):
+        s = tl.load(slots_ptr + p0 + lane, mask=p0 + lane < num_pairs, other=-1)
+        local = (s >= 0) & (s < num_experts)
+        key = tl.where(local, s, -1)
+        earlier = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        base = tl.load(cursor_ptr + key, mask=local, other=0)
+        tl.store(sorted_ptr + base + rank, (p0 + lane).to(tl.int32), mask=local)
+        run += tl.histogram(tl.where(local, s, 0), E_PAD, mask=local)
+        tl.debug_barrier()  # every thread has read the old cursor
+        tl.store(cursor_ptr + e, run)
+        tl.debug_barrier()
+
+
+def moe_align_block_size(slots: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``slots [N, k]`` int (local expert slot, −1 = not local) → the block-aligned sorted order.
+
+    Returns ``sorted_token_ids [P]`` int32: flat pair ids ``row * k + choice`` grouped by expert (stable
+    within an expert), each expert's run padded to a multiple of ``block_m`` with the sentinel ``N * k``;
+    ``expert_ids [P // block_m]`` int32, the expert of each block (−1 past the end);
+    ``num_tokens_post_padded [1]`` int32, the padded length actually used. ``P = round_up(N*k +
+    min(E, N*k) * (block_m - 1), block_m)`` depends on shapes only. One Triton launch (one program);
+    reference: :func:`align_block_size_reference`.
+    """
+    flat = slots.reshape(-1).to(torch.int32).contiguous()
+    pairs, dev = flat.numel(), slots.device
+    size = _align_size(pairs, num_experts, block_m)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, cursor, pairs, num_experts, block_m, size,
+                        E_PAD=e_pad, BLOCK=128, BLOCK_B=max(16, min(64, 8192 // e_pad)), num_warps=4)
+    return sorted_ids, expert_ids, num_post
+
+
+@triton.jit
+def _grouped_pid(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """1-D program id → (row block, N tile), GROUP_M row blocks at a time sweeping every N tile: consecutive
+    programs share a weight tile (an expert's row blocks are adjacent in the sorted order), so it is read from
+    HBM once and then from L2. GROUP_M = 1 is plain row-major order."""
+    pid = tl.program_id(0)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group, (pid % width) // group
+
+
+@triton.jit
 def _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M: tl.constexpr):
     """One BLOCK_M block of the sorted order: its sorted positions, pair ids, validity, token rows, expert."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,15 +148,16 @@ def _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M: tl.con
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k, hidden, inter,
-                    stride_x, stride_we, stride_wn, stride_h,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Grid ``(P // BLOCK_M, cdiv(I, BLOCK_N))``: ``h[row] = silu(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)``
-    for the block's rows; ``w [E, 2I, H]`` (gate rows then up rows, last dim contiguous)."""
-    pid_m = tl.program_id(0)
+                    num_blocks, stride_x, stride_we, stride_wn, stride_h,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    DOT: tl.constexpr):
+    """Grid ``(P // BLOCK_M * cdiv(I, BLOCK_N),)`` in grouped order: ``h[row] = silu(x[tok] @ Wg[e].T) *
+    (x[tok] @ Wu[e].T)`` for the block's rows; ``w [E, 2I, H]`` (gate rows then up rows, last dim contiguous)."""
+    pid_m, pid_n = _grouped_pid(num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     rows, pair, ok, tok, e = _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     w_gate = w_ptr + e * stride_we + n[None, :] * stride_wn
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -98,15 +177,16 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, n
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k,
-                 hidden, inter, stride_h, stride_we, stride_wn, stride_out,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Grid ``(P // BLOCK_M, cdiv(H, BLOCK_N))``: ``out[tok] += weight[pair] * (h[row] @ Wd[e].T)``;
-    ``w [E, H, I]`` (last dim contiguous), ``out [N, H]`` fp32, ``weight [N*k]`` fp32."""
-    pid_m = tl.program_id(0)
+                 hidden, inter, num_blocks, stride_h, stride_we, stride_wn, stride_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 DOT: tl.constexpr):
+    """Grid ``(P // BLOCK_M * cdiv(H, BLOCK_N),)`` in grouped order: ``out[tok] += weight[pair] * (h[row] @
+    Wd[e].T)``; ``w [E, H, I]`` (last dim contiguous), ``out [N, H]`` fp32, ``weight [N*k]`` fp32."""
+    pid_m, pid_n = _grouped_pid(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     rows, pair, ok, tok, e = _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
@@ -124,11 +204,12 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_
 
 @triton.jit
 def _masked_rows(counts_ptr, rows_per_expert, BLOCK_M: tl.constexpr):
-    """A masked-GEMM program's expert (grid dim 0), that expert's row count, and its BLOCK_M rows (grid dim 1)
-    with their validity."""
-    e = tl.program_id(0).to(tl.int64)
+    """A masked-GEMM program's expert (grid dim 2), that expert's row count, and its BLOCK_M rows (grid dim 0)
+    with their validity. Row blocks vary fastest, then N tiles: an expert's row blocks run back to back on
+    each weight tile (read once from HBM, then from L2)."""
+    e = tl.program_id(2).to(tl.int64)
     count = tl.load(counts_ptr + e)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     return e, count, rows, rows < tl.minimum(count, rows_per_expert)
 
 
@@ -136,12 +217,12 @@ def _masked_rows(counts_ptr, rows_per_expert, BLOCK_M: tl.constexpr):
 def _masked_gate_up_kernel(x_ptr, w_ptr, h_ptr, counts_ptr, rows_per_expert, hidden, inter,
                            stride_xe, stride_x, stride_we, stride_wn, stride_he, stride_h,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Grid ``(E, cdiv(R, BLOCK_M), cdiv(I, BLOCK_N))``: ``h[e, r] = silu(x[e, r] @ Wg[e].T) * (x[e, r] @ Wu[e].T)``
+    """Grid ``(cdiv(R, BLOCK_M), cdiv(I, BLOCK_N), E)``: ``h[e, r] = silu(x[e, r] @ Wg[e].T) * (x[e, r] @ Wu[e].T)``
     for ``r < counts[e]``; blocks past the count exit at once. ``x [E, R, H]``, ``w [E, 2I, H]``, ``h [E, R, I]``."""
     e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
-    if tl.program_id(1) * BLOCK_M >= count:
+    if tl.program_id(0) * BLOCK_M >= count:
         return
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     x_rows = x_ptr + e * stride_xe + rows[:, None].to(tl.int64) * stride_x
     w_gate = w_ptr + e * stride_we + n[None, :] * stride_wn
@@ -163,12 +244,12 @@ def _masked_gate_up_kernel(x_ptr, w_ptr, h_ptr, counts_ptr, rows_per_expert, hid
 def _masked_down_kernel(h_ptr, w_ptr, out_ptr, counts_ptr, rows_per_expert, hidden, inter,
                         stride_he, stride_h, stride_we, stride_wn, stride_oe, stride_o,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Grid ``(E, cdiv(R, BLOCK_M), cdiv(H, BLOCK_N))``: ``out[e, r] = h[e, r] @ Wd[e].T`` for ``r < counts[e]``
+    """Grid ``(cdiv(R, BLOCK_M), cdiv(H, BLOCK_N), E)``: ``out[e, r] = h[e, r] @ Wd[e].T`` for ``r < counts[e]``
     (unweighted: DeepEP's combine applies the routing weights); ``w [E, H, I]``, ``out [E, R, H]``."""
     e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
-    if tl.program_id(1) * BLOCK_M >= count:
+    if tl.program_id(0) * BLOCK_M >= count:
         return
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     h_rows = h_ptr + e * stride_he + rows[:, None].to(tl.int64) * stride_h
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -185,19 +266,39 @@ def _masked_down_kernel(h_ptr, w_ptr, out_ptr, counts_ptr, rows_per_expert, hidd
 
 @dataclass(frozen=True)
 class MoETiles:
-    """Tile sizes of both GEMMs (every dim ≥ 16 for ``tl.dot``)."""
+    """Tile sizes of both GEMMs (every dim ≥ 16 for ``tl.dot``), the grouped launch order (GROUP_M row blocks
+    per sweep over N; sorted path only) and the launch options."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
+    group_m: int = 1
+    num_stages: int = 3
 
 
 def default_tiles(num_pairs: int, hidden: int, inter: int) -> MoETiles:
-    """Small M blocks when few pairs per expert (decode), 64-row blocks for prefill; N/K capped by the dims."""
+    """Small M blocks when few pairs per expert (decode), 64-row blocks for prefill; N/K capped by the dims;
+    prefill sweeps 8 row blocks per group. Untuned (no GPU has timed it)."""
     cap = lambda dim, most: max(16, min(most, triton.next_power_of_2(dim)))
     block_m = 16 if num_pairs <= 1024 else 64
-    return MoETiles(block_m, cap(min(hidden, inter), 64), cap(min(hidden, inter), 64), 4 if block_m == 16 else 8)
+    return MoETiles(block_m, cap(min(hidden, inter), 64), cap(min(hidden, inter), 64), 4 if block_m == 16 else 8,
+                    1 if block_m == 16 else 8)
+
+
+def _device_name(device: torch.device) -> str:
+    """vLLM's device part of a config file name (``NVIDIA_H200``); ``default`` off CUDA."""
+    return torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else "default"
+
+
+def table_tiles(experts: int, inter: int, hidden: int, tokens: int, device: torch.device) -> MoETiles | None:
+    """The tiles of the ``configs/moe`` file for (E, N = I, K = H, this device) at the bucket nearest ``tokens``
+    (rows entering the experts), else of its ``device_name=default`` file; None without either."""
+    cfg = moe_config(experts, inter, hidden, tokens, _device_name(device))
+    if cfg is None:
+        return None
+    return MoETiles(cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["num_warps"],
+                    cfg["GROUP_SIZE_M"], cfg["num_stages"])
 
 
 def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -206,8 +307,9 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
     ``inp.hidden [N, H]``, ``inp.slots [N, k]`` int (−1 = not local), ``inp.weights [N, k]`` fp32;
     ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]`` in hidden's dtype. Returns ``[N, H]`` in hidden's dtype
-    (accumulated in fp32). Reference: :func:`model.triton.reference.local_experts`. Rows in DeepEP's packed
-    layout (``inp.packed_counts`` set) go to :func:`masked_moe`.
+    (accumulated in fp32). ``tiles`` None: :func:`table_tiles`, else :func:`default_tiles`. Reference:
+    :func:`model.kernels.local_experts`. Rows in DeepEP's packed layout (``inp.packed_counts`` set)
+    go to :func:`masked_moe`.
     """
     if inp.packed_counts is not None:
         e = inp.packed_counts.shape[0]
@@ -218,20 +320,20 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     inter, pairs = two_inter // 2, inp.slots.numel()
     if pairs == 0 or experts == 0:
         return torch.zeros_like(x)
-    t = tiles or default_tiles(pairs, hidden, inter)
+    t = tiles or table_tiles(experts, inter, hidden, n, x.device) or default_tiles(pairs, hidden, inter)
     sorted_ids, expert_ids, num_post = moe_align_block_size(inp.slots, experts, t.block_m)
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
     blocks, top_k = expert_ids.numel(), inp.slots.shape[1]
-    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(x.dtype),
-                num_warps=t.num_warps)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, t.block_n))](
-        x, w_gate_up, h, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter,
+    tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                DOT=dot_precision(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
+    _gate_up_kernel[(blocks * triton.cdiv(inter, t.block_n),)](
+        x, w_gate_up, h, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, blocks,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), **tile)
     weights = inp.weights.reshape(-1).float().contiguous()
-    _down_kernel[(blocks, triton.cdiv(hidden, t.block_n))](
-        h, w_down, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter,
+    _down_kernel[(blocks * triton.cdiv(hidden, t.block_n),)](
+        h, w_down, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, blocks,
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), **tile)
     return out.to(x.dtype)
 
@@ -244,7 +346,8 @@ def masked_moe(packed: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tens
     (on the device: no host sync, the grid depends on shapes only, so it is graph-safe), ``w_gate_up [E, 2I, H]``,
     ``w_down [E, H, I]``. Returns ``[E, R, H]`` in packed's dtype: ``down(silu(gate) * up)`` of every valid row;
     rows past the count are left unwritten (unspecified; ``low_latency_combine`` reads valid rows only).
-    Reference: :func:`model.triton.reference.local_experts` on :func:`parallelism.deepep.packed_to_expert_input`.
+    ``tiles`` None: :func:`default_tiles` (the tables are for the sorted path). Reference:
+    :func:`model.kernels.local_experts` on :func:`parallelism.deepep.packed_to_expert_input`.
     """
     (experts, rows_per_expert, hidden), inter = packed.shape, w_gate_up.shape[1] // 2
     out = torch.empty_like(packed)
@@ -255,12 +358,12 @@ def masked_moe(packed: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tens
     counts = counts.to(torch.int32).contiguous()
     h = torch.empty(experts, rows_per_expert, inter, dtype=packed.dtype, device=packed.device)
     tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(packed.dtype),
-                num_warps=t.num_warps)
+                num_warps=t.num_warps, num_stages=t.num_stages)
     m_blocks = triton.cdiv(rows_per_expert, t.block_m)
-    _masked_gate_up_kernel[(experts, m_blocks, triton.cdiv(inter, t.block_n))](
+    _masked_gate_up_kernel[(m_blocks, triton.cdiv(inter, t.block_n), experts)](
         packed, w_gate_up, h, counts, rows_per_expert, hidden, inter, packed.stride(0), packed.stride(1),
         w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), h.stride(1), **tile)
-    _masked_down_kernel[(experts, m_blocks, triton.cdiv(hidden, t.block_n))](
+    _masked_down_kernel[(m_blocks, triton.cdiv(hidden, t.block_n), experts)](
         h, w_down, out, counts, rows_per_expert, hidden, inter, h.stride(0), h.stride(1), w_down.stride(0),
         w_down.stride(1), out.stride(0), out.stride(1), **tile)
     return out

@@ -56,5 +56,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x, residual [..., D]`` (same dtype) → ``(rms_norm(x + residual), x + residual)``. Reference:
-    :func:`model.triton.reference.add_rms_norm`."""
+    :func:`model.kernels.add_rms_norm`."""
     return _launch(x, residual, weight, eps)

@@ -18,7 +18,7 @@ import triton
 
 from model.triton import moe, quant_gemm, quant_moe
 from model.triton.aot import Spec, compile_spec
-from model.triton.reference import dot_precision
+from model.triton.precision import dot_precision
 
 INT4 = dict(INT4=True, S_ROWS=1, S_COLS=32)
 FP8 = dict(INT4=False, S_ROWS=128, S_COLS=128)

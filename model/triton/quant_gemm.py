@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from model.quant.reference import act_qdq, act_quant
-from model.triton.reference import dot_precision
+from model.triton.precision import dot_precision
 
 
 @triton.jit

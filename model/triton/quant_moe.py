@@ -20,9 +20,9 @@ import triton.language as tl
 
 from model.quant.reference import act_qdq, act_quant
 from model.triton.moe import _block_rows, _masked_rows, default_tiles, moe_align_block_size
+from model.triton.precision import dot_precision
 from model.triton.quant_gemm import dequant_tile, fp8_block_dot
-from model.triton.reference import dot_precision
-from parallelism.dispatch import ExpertInput
+from parallelism.dispatch_base import ExpertInput
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """GPU check of whole speculative steps through the engine's :class:`engine.runner.ModelRunner`.
 
-Two runners share one random model (``engine.cuda_graphs.check_setup``) and a random drafter
-(``spec_decode.static_draft.random_speculator``): one with static steps — draft graph → verify graph → the walk
+Two runners share one random model (``bench.gpu.fixtures.check_setup``) and a random drafter
+(``bench.gpu.fixtures.random_speculator``): one with static steps — draft graph → verify graph → the walk
 and KV compaction on the device, with ``strict_sync`` on so that any host synchronisation between the draft
 and the commit raises — and one dynamic. Both prefill the same prompts, then run the same tree-verify step;
 the check reports whether they commit the same tokens, both step times and the graph coverage. A step is
@@ -15,13 +15,14 @@ import time
 
 import torch
 
-from engine.cuda_graphs import check_rows, check_setup, seconds_per_call
+from bench.gpu.fixtures import GPU_CHECK_CASES, check_setup, random_speculator
+from bench.gpu.harness import check_rows, cuda_time_s
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
-from engine.scheduler import SeqWork
+from engine.step import SeqWork
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
-from spec_decode.static_draft import GPU_CHECK_CASES, random_speculator
+from spec_decode.speculation import speculation_from
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
@@ -36,18 +37,20 @@ def spec_runner(model: CausalLM, budget: int, batch: int, context: int, static: 
                 block_size: int = 16) -> ModelRunner:
     """A runner with a random DDTree speculator (drafter block 16) and room for ``batch`` requests of
     ``context`` tokens plus one step; ``static``: static steps at batch size ``batch``."""
-    scratch = SpecConfig("ddtree", budget=budget, block_size=16, drafter_path="random").scratch_slots
+    cfg = SpecConfig("ddtree", budget=budget, block_size=16, drafter_path="random")
     return ModelRunner(model, batch * blocks_per_seq(budget, context, block_size), block_size,
-                       lambda m, cache: random_speculator(m, cache, budget), static_batch_sizes=(batch,) if static
-                       else (), max_model_len=context, max_nodes=scratch)
+                       speculation_from(cfg, lambda m, cache: random_speculator(m, cache, budget)),
+                       static_batch_sizes=(batch,) if static else (), max_model_len=context)
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], per_seq: int) -> list[SeqWork]:
     """Prefills ``prompts`` (request b in blocks ``b*per_seq ..``) → each request's first speculative step."""
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(len(prompts))]
-    first = runner.execute([SeqWork(str(b), p, 0, tables[b], True, GREEDY, b, 0, False)
-                            for b, p in enumerate(prompts)])
-    return [SeqWork(str(b), first[str(b)].tokens, len(p), tables[b], True, GREEDY, b, 1, True, spec=True)
+    first = runner.execute([SeqWork(request_id=str(b), token_ids=p, start=0, block_table=tables[b], sample=True,
+                                    params=GREEDY, seed=b, num_generated=0, decode=False)
+                            for b, p in enumerate(prompts)]).results
+    return [SeqWork(request_id=str(b), token_ids=first[str(b)].tokens, start=len(p), block_table=tables[b],
+                    sample=True, params=GREEDY, seed=b, num_generated=1, decode=True, spec=True)
             for b, p in enumerate(prompts)]
 
 
@@ -61,18 +64,18 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
     work = {name: prefill(r, prompts, per_seq) for name, r in (("static", static), ("dynamic", dynamic))}
     row = {"budget": budget, "batch": batch, "context": context}
     try:
-        got = static.execute(work["static"])
+        got = static.execute(work["static"]).results
     except RuntimeError as exc:  # strict_sync: a host synchronisation inside the device part
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
-    want = dynamic.execute(work["dynamic"])
+    want = dynamic.execute(work["dynamic"]).results
     row["same_tokens"] = all(got[k].tokens == want[k].tokens for k in want)
     row["tokens_per_step"] = sum(len(r.tokens) for r in got.values()) / batch
     row["host_syncs_draft_to_commit"] = 0 if torch.cuda.is_available() else "not checked off CUDA"
     if torch.cuda.is_available():
-        row["static_ms"] = 1e3 * seconds_per_call(lambda: static.execute(work["static"]))
-        row["dynamic_ms"] = 1e3 * seconds_per_call(lambda: dynamic.execute(work["dynamic"]))
+        row["static_ms"] = 1e3 * cuda_time_s(lambda: static.execute(work["static"]))
+        row["dynamic_ms"] = 1e3 * cuda_time_s(lambda: dynamic.execute(work["dynamic"]))
         row["speedup"] = row["dynamic_ms"] / row["static_ms"]
-    coverage = {**static.graphs.coverage.summary(), **static.drafts.coverage.summary(),
+    coverage = {**static.static.coverage.summary(), **static.drafts.coverage.summary(),
                 **static.commits.coverage.summary()}
     row["replays"] = {kind: f"{c['replays']}/{c['steps']}" for kind, c in coverage.items()}
     row["eager_reason"] = "; ".join(sorted({c["eager_reason"] for c in coverage.values() if c["eager_reason"]}))

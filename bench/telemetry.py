@@ -11,7 +11,7 @@ Without NVML or a GPU a sample is ``{"t": s, "cpu_total_pct": %, "cpu_pct": [% p
 ``/proc/stat`` deltas, and ``reason`` says why ("no NVML/GPU: ...").
 
 :func:`verdict` classifies a cell as bound by memory, compute, interconnect or host/launch overhead from its
-measured step time against the floors of :func:`compute_floors` (see engine/cost_model.py).
+measured step time against the floors of :func:`compute_floors` (see bench/cost/formulas.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable, Mapping
 from itertools import pairwise
 
-from engine.cost_model import Floors, Hardware, ModelShape, step_floors
+from bench.cost.formulas import Floors, step_floors
+from bench.cost.hardware import Hardware
+from bench.cost.shapes import ModelShape
+from parallelism import nvml as nvml_lib
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +180,7 @@ class NvmlBackend:
                     self.nvml.nvmlGpmSampleFree(s)
                 except Exception:  # best effort at shutdown
                     pass
-        try:
-            self.nvml.nvmlShutdown()
-        except Exception:
-            pass
+        nvml_lib.shutdown(self.nvml)
 
 
 def open_backend(prefer: str = "auto", nvml=None, indices: list[int] | None = None):
@@ -192,9 +192,7 @@ def open_backend(prefer: str = "auto", nvml=None, indices: list[int] | None = No
     if prefer == "cpu":
         return CpuBackend("no NVML/GPU: CPU backend requested")
     try:
-        if nvml is None:
-            import pynvml as nvml  # the nvidia-ml-py package
-        nvml.nvmlInit()
+        nvml = nvml_lib.load(nvml)
     except Exception as err:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...
         reason = f"no NVML/GPU: {type(err).__name__}: {err}"
     else:
@@ -204,10 +202,7 @@ def open_backend(prefer: str = "auto", nvml=None, indices: list[int] | None = No
             reason = "no NVML/GPU: NVML found no GPU"
         except Exception as err:
             reason = f"no NVML/GPU: {type(err).__name__}: {err}"
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
+        nvml_lib.shutdown(nvml)
     if prefer == "nvml":
         raise RuntimeError(reason)
     return CpuBackend(reason)
@@ -391,7 +386,7 @@ def compute_floors(model: ModelShape, hw: Hardware, layout, batch: int, context:
     FLOPs / peak (2 × active params × tokens + attention); interconnect = Σ α·calls + bytes·factor/link
     bandwidth. ``comm_per_step``: measured ``{"group/op": {"calls", "bytes"}}`` for one step (a CommCounter
     delta / steps); default: the documented per-forward formula with the model's message sizes.
-    See :func:`engine.cost_model.step_floors`; ``layout`` is a Layout or a preset name."""
+    See :func:`bench.cost.formulas.step_floors`; ``layout`` is a Layout or a preset name."""
     return step_floors(layout, hw, model, batch, context, comm_per_step, tokens_per_seq)
 
 

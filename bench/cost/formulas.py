@@ -35,27 +35,27 @@ as ``host_overhead_s``, routing skew, prefill, the drafter's own cost).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import yaml
 
+from bench import CONF
+from bench.cost.hardware import HARDWARE, Hardware
+from bench.cost.shapes import KIMI_K2_INT4, ModelShape
 from parallelism.layout import Layout
 
-REF = "REFERENCES.md"
-VENDOR = "vendor spec, not measured here"
-ASSUMED = "assumption, not measured here"
+# the 8-GPU presets of conf/parallel/ that the projections cover, in table order
+BOX_PRESETS = ("tp8", "ep8", "dp8_ep8", "tp2_ep4", "tp4_ep2", "tp2xdp4_ep8")
 
-# The parallel presets of conf/parallel/ (tests check they agree).
-LAYOUTS: dict[str, Layout] = {
-    "tp8": Layout(world_size=8, attn_tp=8, attn_dp=1, moe_tp=8, moe_ep=1),
-    "ep8": Layout(world_size=8, attn_tp=8, attn_dp=1, moe_tp=1, moe_ep=8),
-    "dp8_ep8": Layout(world_size=8, attn_tp=1, attn_dp=8, moe_tp=1, moe_ep=8),
-    "tp2_ep4": Layout(world_size=8, attn_tp=8, attn_dp=1, moe_tp=2, moe_ep=4),
-    "tp4_ep2": Layout(world_size=8, attn_tp=8, attn_dp=1, moe_tp=4, moe_ep=2),
-    "tp2xdp4_ep8": Layout(world_size=8, attn_tp=2, attn_dp=4, moe_tp=1, moe_ep=8),
-}
+
+def preset(name: str) -> Layout:
+    """The layout of ``conf/parallel/<name>.yaml`` (the file the scripts compose)."""
+    return Layout(**yaml.safe_load((CONF / "parallel" / f"{name}.yaml").read_text()))
+
+
+LAYOUTS: dict[str, Layout] = {name: preset(name) for name in BOX_PRESETS}
 
 # op → (bandwidth attribute of Hardware, bytes factor as a function of the group size p)
 _OPS = {
@@ -66,210 +66,6 @@ _OPS = {
     "broadcast": ("bus_bw", lambda p: 1.0),
     "all_to_all": ("a2a_bw", lambda p: (p - 1) / p),
 }
-
-
-# ---------------------------------------------------------------------------------------------- hardware
-@dataclass(frozen=True)
-class Hardware:
-    """One box of ``num_gpus`` identical GPUs. Every number is per GPU; ``sources`` names where each came from."""
-
-    name: str
-    num_gpus: int
-    mem_bw: float        # B/s, HBM/GDDR bandwidth
-    peak_flops: float    # FLOP/s, dense bf16 tensor-core peak
-    mem_capacity: float  # bytes of device memory
-    link: str            # the interconnect, in words
-    bus_bw: float        # B/s, ring all-reduce bus bandwidth (also all-gather/reduce-scatter/gather/broadcast)
-    a2a_bw: float        # B/s, all-to-all / point-to-point bandwidth per rank
-    alpha_s: float       # s, fixed cost of one collective call
-    sources: Mapping[str, str] = field(default_factory=dict)
-
-    def parameters(self) -> list[dict]:
-        """``[{"parameter", "value", "unit", "source"}]`` for printing beside projections."""
-        rows = [("mem_bw", self.mem_bw / 1e9, "GB/s"), ("peak_flops", self.peak_flops / 1e12, "TFLOP/s"),
-                ("mem_capacity", self.mem_capacity / 1e9, "GB"), ("bus_bw", self.bus_bw / 1e9, "GB/s"),
-                ("a2a_bw", self.a2a_bw / 1e9, "GB/s"), ("alpha_s", self.alpha_s * 1e6, "µs")]
-        out = [{"parameter": "link", "value": self.link, "unit": "", "source": self.sources.get("link", "")}]
-        return out + [{"parameter": k, "value": v, "unit": u, "source": self.sources.get(k, "")} for k, v, u in rows]
-
-
-B300_NVLINK5 = Hardware(
-    name="8x B300 NVLink5", num_gpus=8, mem_bw=8.0e12, peak_flops=2.25e15, mem_capacity=288e9,
-    link="NVLink5, 1.8 TB/s bidirectional per GPU", bus_bw=740e9, a2a_bw=690e9, alpha_s=8e-6,
-    sources={
-        "mem_bw": f"HBM3e 8 TB/s; {VENDOR}",
-        "peak_flops": f"HGX B300 36 PFLOPS sparse FP16/BF16 per 8 GPUs -> 2.25 dense per GPU; {VENDOR}",
-        "mem_capacity": f"288 GB HBM3e; {VENDOR}",
-        "link": REF,
-        "bus_bw": "derived: REFERENCES.md's NVLink4 ratio (370 GB/s busBW of 450 GB/s per direction) "
-                  "applied to NVLink5's 900 GB/s per direction; not measured",
-        "a2a_bw": "derived: DeepEP's 153 GB/s on H800 (200 GB/s per direction, REFERENCES.md) scaled to "
-                  "900 GB/s per direction; not measured",
-        "alpha_s": f"typical NCCL small-message latency inside one NVLink node; {ASSUMED}",
-    },
-)
-
-H200_NVLINK4 = Hardware(
-    name="8x H200 NVLink4", num_gpus=8, mem_bw=4.8e12, peak_flops=989e12, mem_capacity=141e9,
-    link="NVLink4, 900 GB/s bidirectional per GPU", bus_bw=370e9, a2a_bw=344e9, alpha_s=8e-6,
-    sources={
-        "mem_bw": f"HBM3e 4.8 TB/s; {VENDOR}",
-        "peak_flops": f"H200 SXM 1979 TFLOPS BF16 with sparsity -> 989 dense; {VENDOR}",
-        "mem_capacity": f"141 GB HBM3e; {VENDOR}",
-        "link": REF,
-        "bus_bw": f"{REF}: ~370 GB/s ring all-reduce bus bandwidth (~480 with NVLS, not used here)",
-        "a2a_bw": "derived: DeepEP's 153 GB/s on H800 (REFERENCES.md) scaled from 200 to 450 GB/s per "
-                  "direction; not measured",
-        "alpha_s": f"typical NCCL small-message latency inside one NVLink node; {ASSUMED}",
-    },
-)
-
-RTX_PRO_6000_PCIE5 = Hardware(
-    name="8x RTX PRO 6000 PCIe Gen5", num_gpus=8, mem_bw=1.792e12, peak_flops=500e12, mem_capacity=96e9,
-    link="PCIe Gen5 x16, ~63 GB/s per direction, P2P ~54 GB/s", bus_bw=22e9, a2a_bw=54e9, alpha_s=24e-6,
-    sources={
-        "mem_bw": f"GDDR7 1792 GB/s; {VENDOR}",
-        "peak_flops": f"~4000 AI TOPS FP4 sparse -> ~500 TFLOPS dense BF16 (derived); {VENDOR}",
-        "mem_capacity": f"96 GB GDDR7; {VENDOR}",
-        "link": REF,
-        "bus_bw": f"{REF}: NCCL all-reduce bus bandwidth 22 GB/s default (38-41 tuned)",
-        "a2a_bw": f"{REF}: P2P ~54 GB/s",
-        "alpha_s": f"{REF}: small all-reduce ~24 µs (used for every collective)",
-    },
-)
-
-HARDWARE: dict[str, Hardware] = {"b300": B300_NVLINK5, "h200": H200_NVLINK4, "rtx_pro_6000": RTX_PRO_6000_PCIE5}
-
-
-def profile_for_gpu(name: str | None) -> Hardware | None:
-    """The profile of a box of ``name`` GPUs (an NVML device name, e.g. "NVIDIA H200"), or None when none is
-    known: floors for a measured cell on that box (its native links, also under ``topology=pcie``)."""
-    known = {r"\bB300\b": B300_NVLINK5, r"\bH200\b(?! NVL)": H200_NVLINK4, r"\bRTX PRO 6000\b": RTX_PRO_6000_PCIE5}
-    return next((hw for pattern, hw in known.items() if name and re.search(pattern, name)), None)
-
-
-def cpu_box(num_ranks: int, mem_bw_total: float, flops_total: float, alpha_s: float, bus_bw: float,
-            name: str = "CPU ranks, gloo over loopback") -> Hardware:
-    """A crude profile for ranks sharing one CPU host (the gloo demo): totals (B/s, FLOP/s) split evenly
-    over ``num_ranks``; ``alpha_s`` (s) and ``bus_bw`` (B/s) should be measured on the box."""
-    src = "caller-supplied for this host; crude (ranks time-share cores and memory)"
-    return Hardware(name=name, num_gpus=num_ranks, mem_bw=mem_bw_total / num_ranks,
-                    peak_flops=flops_total / num_ranks, mem_capacity=float("inf"), link="gloo over loopback",
-                    bus_bw=bus_bw, a2a_bw=bus_bw, alpha_s=alpha_s,
-                    sources=dict.fromkeys(("mem_bw", "peak_flops", "bus_bw", "a2a_bw", "alpha_s", "link"), src))
-
-
-# ------------------------------------------------------------------------------------------------- model
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions that decide bytes, FLOPs and message sizes. MLA when ``kv_lora_rank > 0``, else GQA.
-
-    Bytes per element: ``weight_bytes`` for attention, dense MLP, shared experts, embedding and LM head;
-    ``expert_weight_bytes`` for routed experts (INT4 checkpoints: ~0.5625 = 4 bits + a bf16 scale per 32);
-    ``router_bytes`` for the gate (fp32 in this engine); ``kv_bytes`` per cached element; ``act_bytes`` per
-    activation element on the wire (hidden states and logits).
-    """
-
-    name: str
-    num_layers: int
-    num_dense_layers: int
-    hidden: int
-    num_heads: int
-    vocab: int
-    num_experts: int
-    top_k: int
-    moe_intermediate: int
-    num_shared_experts: int
-    dense_intermediate: int
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    num_kv_heads: int = 0  # GQA only
-    head_dim: int = 0      # GQA only
-    weight_bytes: float = 2.0
-    expert_weight_bytes: float = 2.0
-    router_bytes: float = 4.0
-    kv_bytes: float = 2.0
-    act_bytes: float = 2.0
-
-    @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_layers - self.num_dense_layers
-
-    @property
-    def attn_params(self) -> tuple[int, int]:
-        """Per layer: (params replicated over attention-TP, params split over attention-TP)."""
-        h, n = self.hidden, self.num_heads
-        if self.mla:
-            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim)
-            kv_b = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
-            o = n * self.v_head_dim * h
-            if self.q_lora_rank:
-                return h * self.q_lora_rank + kv_a, self.q_lora_rank * n * qk + kv_b + o
-            return kv_a, h * n * qk + kv_b + o
-        d = self.head_dim
-        return 0, h * n * d * 2 + 2 * h * self.num_kv_heads * d
-
-    @property
-    def expert_params(self) -> int:
-        """One routed expert (gate, up, down)."""
-        return 3 * self.hidden * self.moe_intermediate
-
-    @property
-    def kv_elems_per_token_layer(self) -> int:
-        """Cached elements per token per layer for the whole model (MLA: latent + rope key; GQA: K and V)."""
-        if self.mla:
-            return self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * self.num_kv_heads * self.head_dim
-
-    def total_params(self) -> int:
-        repl, shard = self.attn_params
-        per_moe = self.num_experts * self.expert_params + self.num_shared_experts * self.expert_params
-        per_moe += self.num_experts * self.hidden
-        return (self.num_layers * (repl + shard) + self.num_dense_layers * 3 * self.hidden * self.dense_intermediate
-                + self.num_moe_layers * per_moe + 2 * self.vocab * self.hidden)
-
-    def active_params(self) -> int:
-        """Params one token touches: attention, dense MLP, shared + top-k routed experts, router, LM head."""
-        repl, shard = self.attn_params
-        per_moe = (self.top_k + self.num_shared_experts) * self.expert_params + self.num_experts * self.hidden
-        return (self.num_layers * (repl + shard) + self.num_dense_layers * 3 * self.hidden * self.dense_intermediate
-                + self.num_moe_layers * per_moe + self.vocab * self.hidden)
-
-    @staticmethod
-    def from_config(cfg, name: str = "", **bytes_per_element) -> ModelShape:
-        """From a :class:`model.config.ModelConfig`; ``bytes_per_element`` overrides the ``*_bytes`` fields."""
-        m, moe = cfg.mla, cfg.moe
-        dense = sum(1 for x in cfg.moe_layers if not x)
-        kw = dict(name=name or cfg.model_type, num_layers=cfg.num_layers, num_dense_layers=dense,
-                  hidden=cfg.hidden_size, num_heads=cfg.num_heads, vocab=cfg.vocab_size, num_experts=moe.num_experts,
-                  top_k=moe.top_k, moe_intermediate=moe.intermediate_size, num_shared_experts=moe.num_shared_experts,
-                  dense_intermediate=cfg.intermediate_size)
-        if m is not None:
-            kw.update(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
-                      qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim)
-        else:
-            kw.update(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-        return ModelShape(**kw, **bytes_per_element)
-
-
-# Kimi K2 text model (K2.5/K2.6 wrap the same text_config). Dims from REFERENCES.md and the public config.json
-# (qk_nope 128, v_head 128, dense intermediate 18432, as DeepSeek-V3).
-KIMI_K2 = ModelShape(
-    name="Kimi-K2 (bf16)", num_layers=61, num_dense_layers=1, hidden=7168, num_heads=64, vocab=163840,
-    num_experts=384, top_k=8, moe_intermediate=2048, num_shared_experts=1, dense_intermediate=18432,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-)
-# Kimi K2.5/K2.6 as deployed: INT4 routed experts (compressed-tensors, group 32, bf16 scales: 4.5 bits; an
-# assumption from the public checkpoint config, not verified here), everything else bf16.
-KIMI_K2_INT4 = replace(KIMI_K2, name="Kimi-K2.x (INT4 experts)", expert_weight_bytes=0.5625)
 
 
 # ------------------------------------------------------------------------------------- collective costs
@@ -596,117 +392,3 @@ def project_matrix(model: ModelShape = KIMI_K2_INT4, hardware: Mapping[str, Hard
     """Every (box, layout, batch) projection; ``kw`` goes to :func:`project`."""
     boxes = HARDWARE if hardware is None else hardware
     return [project(lay, hw, model, b, context, **kw) for hw in boxes.values() for lay in layouts for b in batches]
-
-
-def projection_table(projections: list[Projection]) -> str:
-    """Markdown table of projections (times in ms)."""
-    head = ("| box | layout | batch | context | memory ms | compute ms | comm ms | step ms | tok/s | tok/s/user "
-            "| bound | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [f"| {p.hardware} | {p.layout} | {p.batch} | {p.context} | {p.memory_s * 1e3:.3f} | "
-            f"{p.compute_s * 1e3:.3f} | {p.comm_s * 1e3:.3f} | {p.step_s * 1e3:.3f} | {p.tok_s:.1f} | "
-            f"{p.tok_s_per_user:.1f} | {p.bound} | {'yes' if p.fits else 'no'} |" for p in projections]
-    return "\n".join([head, *rows])
-
-
-def hardware_table(hw: Hardware) -> str:
-    """Markdown table of one profile's parameters with their sources."""
-    rows = []
-    for r in hw.parameters():
-        value = r["value"] if isinstance(r["value"], str) else f"{r['value']:g} {r['unit']}"
-        rows.append(f"| {r['parameter']} | {value} | {r['source']} |")
-    return "\n".join([f"**{hw.name}**", "", "| parameter | value | source |", "|---|---|---|", *rows])
-
-
-# ------------------------------------------------------------------------------------------- validation
-@dataclass(frozen=True)
-class Published:
-    """A published single-box decode figure to check projections against (tok/s per user at ``batch``)."""
-
-    case: str
-    hardware: Hardware
-    model: ModelShape
-    layout: str
-    batch: int
-    tok_s: float
-    source: str
-    note: str = ""
-
-
-# The autoregressive B300 figure is derived: 303 tok/s with speculative decoding at 2.15x over autoregressive.
-B300_AR_TOK_S = 303 / 2.15
-
-PUBLISHED: tuple[Published, ...] = (
-    Published("origin story: Kimi K2.6, 8x RTX PRO 6000 PCIe, TP8, C=1", RTX_PRO_6000_PCIE5, KIMI_K2_INT4,
-              "tp8", 1, 26.0, REF),
-    Published("origin story: Kimi K2.6, 8x RTX PRO 6000 PCIe, EP8, C=1", RTX_PRO_6000_PCIE5, KIMI_K2_INT4,
-              "ep8", 1, 65.0, REF, "EP8 with TP attention (vLLM --enable-expert-parallel, DP=1)"),
-    Published("origin story: Kimi K2.6, 8x B300 NVLink5, TP8 + graphs, C=1, autoregressive", B300_NVLINK5,
-              KIMI_K2_INT4, "tp8", 1, B300_AR_TOK_S, REF, "derived: 303 tok/s with spec decode / 2.15x"),
-    Published("Kimi K2.5, 8x RTX PRO 6000 PCIe, vLLM TP8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, "tp8", 1, 90.0, REF,
-              "concurrency not stated; compared at C=1"),
-    Published("Kimi K2.5, 8x RTX PRO 6000 PCIe, SGLang EP8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, "ep8", 1, 101.0,
-              REF, "concurrency not stated; compared at C=1; assumed TP attention (no DP attention)"),
-)
-
-# The speculative B300 figure: tau is not published, so it is solved for instead of compared.
-B300_SPEC = Published("origin story: Kimi K2.6, 8x B300 NVLink5, TP8 + DFlash/DDTree, C=1", B300_NVLINK5,
-                      KIMI_K2_INT4, "tp8", 1, 303.0, REF, "2.15x over autoregressive; tau not published")
-
-
-def validate(context: int = 2048, verify_width: int = 8, **kw) -> list[dict]:
-    """Projections against :data:`PUBLISHED` (pure floors unless ``kw`` adds ``host_overhead_s``).
-
-    Each row: ``case, layout, published_tok_s, projected_tok_s, ratio`` (projected/published),
-    ``error_pct`` (100·(ratio−1)), ``unexplained_ms`` (published step − projected step: what the floors miss),
-    ``bound``, ``note``. Then the EP8/TP8 ratios, and the B300 speculative row, where the τ that the model
-    needs to reach 303 tok/s with a ``verify_width``-token verify step is reported instead of an error.
-    ``context``: cached tokens per sequence (not published; an assumption)."""
-    rows = []
-    by_case = {}
-    for pub in PUBLISHED:
-        pr = project(pub.layout, pub.hardware, pub.model, pub.batch, context, **kw)
-        ratio = pr.tok_s_per_user / pub.tok_s
-        by_case[pub.case] = (pub, pr)
-        rows.append({"case": pub.case, "layout": pub.layout, "published_tok_s": pub.tok_s,
-                     "projected_tok_s": pr.tok_s_per_user, "ratio": ratio, "error_pct": 100 * (ratio - 1),
-                     "unexplained_ms": (1 / pub.tok_s - pr.step_s) * 1e3, "bound": pr.bound,
-                     "note": pub.note, "source": pub.source})
-    cases = [p.case for p in PUBLISHED]
-    for label, tp_case, ep_case in (("EP8/TP8, origin story (Kimi K2.6, PCIe)", cases[0], cases[1]),
-                                    ("EP8/TP8, SGLang vs vLLM (Kimi K2.5, PCIe)", cases[3], cases[4])):
-        (tp_pub, tp_pr), (ep_pub, ep_pr) = by_case[tp_case], by_case[ep_case]
-        published, projected = ep_pub.tok_s / tp_pub.tok_s, ep_pr.tok_s_per_user / tp_pr.tok_s_per_user
-        rows.append({"case": label, "layout": "ep8/tp8",
-                     "published_tok_s": published, "projected_tok_s": projected, "ratio": projected / published,
-                     "error_pct": 100 * (projected / published - 1), "unexplained_ms": None, "bound": "",
-                     "note": "ratio of the two rows above", "source": REF})
-    ar = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, context, **kw)
-    spec = project("tp8", B300_NVLINK5, KIMI_K2_INT4, 1, context, tokens_per_seq=verify_width, **kw)
-    tau_needed = B300_SPEC.tok_s * spec.step_s
-    rows.append({"case": B300_SPEC.case, "layout": "tp8", "published_tok_s": B300_SPEC.tok_s,
-                 "projected_tok_s": None, "ratio": None, "error_pct": None, "unexplained_ms": None,
-                 "bound": spec.bound, "tau_needed": tau_needed,
-                 "tau_for_2_15x": 2.15 * spec.step_s / ar.step_s, "source": REF,
-                 "note": f"tau is not published: tau the floors need for 303 tok/s with a {verify_width}-token "
-                         "verify step (drafter cost ignored), and tau that 2.15x implies over the projected "
-                         "autoregressive step"})
-    return rows
-
-
-def validation_table(rows: list[dict]) -> str:
-    """Markdown table of :func:`validate` rows."""
-    def f(x, fmt):
-        return "—" if x is None else format(x, fmt)
-
-    head = ("| case | published | projected | projected/published | error | unexplained ms/step | note |\n"
-            "|---|---|---|---|---|---|---|")
-    out = []
-    for r in rows:
-        note = r["note"]
-        if "tau_needed" in r:
-            note = f"tau needed {r['tau_needed']:.2f}; tau implied by 2.15x {r['tau_for_2_15x']:.2f}. {note}"
-        num = ".2f" if r["layout"] == "ep8/tp8" else ".1f"
-        out.append(f"| {r['case']} | {f(r['published_tok_s'], num)} | {f(r['projected_tok_s'], num)} | "
-                   f"{f(r['ratio'], '.2f')} | {f(r['error_pct'], '+.0f')}{'' if r['error_pct'] is None else ' %'} | "
-                   f"{f(r['unexplained_ms'], '.2f')} | {note} |")
-    return "\n".join([head, *out])

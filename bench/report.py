@@ -11,7 +11,9 @@ import csv
 import json
 from pathlib import Path
 
-from engine.cost_model import HARDWARE, KIMI_K2_INT4, ModelShape, project, rescale_calls
+from bench.cost.formulas import project, rescale_calls
+from bench.cost.hardware import HARDWARE
+from bench.cost.shapes import KIMI_K2_INT4, ModelShape
 from parallelism.layout import Layout
 
 COLUMNS = [

@@ -34,6 +34,8 @@ import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
+from parallelism.nvml import load, shutdown
+
 MODES = ("auto", "nvlink", "pcie")
 CPU_FALLBACK = "no GPU: gloo over loopback"
 
@@ -88,12 +90,11 @@ def detect_links(nvml=None) -> dict:
     "gpus": [{"index", "name", "nvlink_active", "pcie_gen", "pcie_width"}],
     "pairs": [{"a", "b", "p2p_read", "p2p_nvlink", "common_ancestor"}], "errors": [str]}``.
     ``kind`` is ``nvlink`` when any GPU pair reports NVLink P2P ok (or, without P2P answers, every GPU has
-    active NVLinks), ``pcie`` for two or more GPUs otherwise. ``nvml``: a module to use instead of ``pynvml``."""
+    active NVLinks), ``pcie`` for two or more GPUs otherwise. Every GPU of the box, by NVML index. ``nvml``: a
+    module to use instead of ``pynvml``."""
     cpu = {"kind": "none", "backend": "gloo", "gpus": [], "pairs": [], "errors": []}
     try:
-        if nvml is None:
-            import pynvml as nvml  # the nvidia-ml-py package
-        nvml.nvmlInit()
+        nvml = load(nvml)
     except Exception as err:
         return {**cpu, "reason": f"{CPU_FALLBACK} (NVML unavailable: {type(err).__name__}: {err})"}
     try:
@@ -102,10 +103,7 @@ def detect_links(nvml=None) -> dict:
             return {**cpu, "reason": f"{CPU_FALLBACK} (NVML found no GPU)"}
         return _links(nvml, count)
     finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # best effort
-            pass
+        shutdown(nvml)
 
 
 def _links(nvml, count: int) -> dict:

@@ -1,26 +1,11 @@
-"""The topology A/B: the same weights under each layout, a closed-loop sweep through gRPC.
-
-    python scripts/bench.py -m parallel=tp8,ep8,dp8_ep8,tp2_ep4 bench.context=[64,256] bench.concurrency=[1,4]
-
-Per layout (one hydra job each, outermost) and spec mode: one server lifetime (``scripts/serve.py``), then
-``bench.warmup`` warm-up requests, then ``bench.context × bench.concurrency`` cells of ≥ 5·C measured prompts of
-fixed output length, greedy. Every cell writes ``cell_*.json`` to ``bench.output_dir``: ``vllm bench
-serve``-named metrics, τ, collective calls/bytes per output token, CUDA-graph coverage, telemetry, a
-verdict against the floors, and whether its tokens equal the reference layout's (the first layout run).
-After each layout ``summary.csv``, ``summary.md`` and PNG plots are refreshed.
-
-NVLink vs PCIe on one NVLink box: ``-m parallel=tp8,ep8 topology=nvlink,pcie``. Each server applies the mode
-(``scripts/common.prepare_ranks``: NCCL's switches before its ranks start), cells record the plan, and a mode
-other than ``auto`` labels the layout ``tp8@pcie`` in files and reports; the tokens must still equal the first
-job's.
-"""
+"""The topology A/B sweep behind ``scripts/bench_layouts.py``: one layout's servers, closed-loop cells through gRPC, the
+cell JSONs and the reports (the script's docstring describes the run)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -28,17 +13,16 @@ import threading
 import time
 from pathlib import Path
 
-import hydra
 import torch
-from common import CONF_DIR, REPO, layout_from, model_dir, prepare_ranks
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from engine.bench_metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
-from engine.bench_report import write_reports
-from engine.cost_model import ModelShape, cpu_box, profile_for_gpu
-from engine.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
+from bench import REPO
+from bench.cost.formulas import preset
+from bench.cost.hardware import cpu_box, profile_for_gpu
+from bench.cost.shapes import ModelShape
+from bench.metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
+from bench.report import write_reports
+from bench.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
 from model.config import load_config
 from parallelism.launch import free_port
 from parallelism.layout import Layout
@@ -132,7 +116,7 @@ def cpu_hardware(world_size: int) -> object:
 
 def floor_hardware(cfg, world_size: int, gpus: list[str]):
     """The box the verdict's floors model: this CPU host for ``device=cpu``, else the profile of its GPUs
-    (``engine.cost_model.profile_for_gpu``; None for a GPU without one)."""
+    (``bench.cost.hardware.profile_for_gpu``; None for a GPU without one)."""
     if cfg.device.get("type", "cpu") != "cuda":
         return cpu_hardware(world_size)
     return profile_for_gpu(gpus[0] if gpus else None)
@@ -164,9 +148,9 @@ def server_overrides(task: list[str]) -> list[str]:
 def layout_label(name: str, layout, mode: str) -> str:
     """The layout's name in cell files and reports: the preset, the fields an override changed from it
     (``ep8[dispatcher=alltoall]``), ``@mode`` for a topology other than auto (``tp8@pcie``)."""
-    preset = Layout(**OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "parallel" / f"{name}.yaml")))
+    base = preset(name)
     changed = [f"{f.name}={getattr(layout, f.name)}" for f in dataclasses.fields(layout)
-               if getattr(layout, f.name) != getattr(preset, f.name)]
+               if getattr(layout, f.name) != getattr(base, f.name)]
     return name + (f"[{','.join(changed)}]" if changed else "") + ("" if mode == "auto" else f"@{mode}")
 
 
@@ -212,20 +196,13 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
     return cell
 
 
-@hydra.main(config_path=CONF_DIR, config_name="bench", version_base=None)
-def main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.INFO)
-    layout, ckpt = layout_from(cfg), model_dir(cfg)
-    if any(o.lstrip("+").split("=", 1)[0] == "spec_decode" for o in HydraConfig.get().overrides.task):
-        raise SystemExit("bench: choose the spec modes with bench.spec=[none,ddtree,...], not spec_decode=...")
-    _, _, topology = prepare_ranks(cfg, layout, environ={})  # refuses early; the servers apply it themselves
-    out_dir = Path(cfg.bench.output_dir)
-    if not out_dir.is_absolute():
-        out_dir = Path(hydra.utils.get_original_cwd()) / out_dir
+def sweep(cfg, layout: Layout, ckpt: str, name: str, topology: dict, task: list[str], out_dir: Path) -> dict:
+    """Every cell of one layout (preset ``name``, possibly changed by ``parallel.*`` overrides in ``task``, the
+    job's hydra overrides): one server per spec mode, warm-up, then the cells; the reports are refreshed at the
+    end. Returns :func:`bench.report.write_reports`' paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_path = out_dir / "reference_tokens.json"
     reference = json.loads(ref_path.read_text()) if ref_path.exists() else {}
-    name = HydraConfig.get().runtime.choices.get("parallel")
     label = layout_label(name, layout, topology["mode"])
     reference.setdefault("_layout", label)
     mcfg = load_config(ckpt)
@@ -237,7 +214,7 @@ def main(cfg: DictConfig) -> None:
                                                   for c in b.concurrency)), desc=f"{label} ({total} cells)", unit="req")
     max_c = max(b.concurrency)
     for spec in specs:
-        overrides = [*server_overrides(list(HydraConfig.get().overrides.task)), f"model.path={ckpt}",
+        overrides = [*server_overrides(task), f"model.path={ckpt}",
                      f"parallel={name}", f"spec_decode={spec}", f"topology={topology['mode']}",
                      f"engine.max_num_seqs={max(max_c, 1)}", f"server.max_num_seqs={max(max_c, 1)}"]
         if cfg.model.get("drafter_path"):
@@ -255,11 +232,4 @@ def main(cfg: DictConfig) -> None:
             log.info("server %s/%s exited with %s", label, spec, code)
     bar.close()
     ref_path.write_text(json.dumps(reference))
-    paths = write_reports(out_dir, shape)
-    print(Path(paths["summary_md"]).read_text())
-    print("plots:", *paths["plots"], sep="\n  ")
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    return write_reports(out_dir, shape)

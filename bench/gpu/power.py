@@ -1,0 +1,36 @@
+"""NVML power of the GPU that CUDA calls device 0 while a timed kernel runs back to back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from bench.telemetry import NvmlBackend, power_during
+from parallelism import nvml
+
+
+class PowerMeter:
+    """NVML power of the GPU that CUDA calls device 0 (found by UUID: :func:`parallelism.nvml.cuda_handle`).
+    ``measure(name, fn)`` runs ``fn`` back to back for ``seconds`` and keeps :func:`bench.telemetry.power_during`'s
+    row: the mean comes from the energy counter, since NVML's power value is a 1 s average on Ampere and newer
+    and the timed calls last micro- to milliseconds."""
+
+    def __init__(self, seconds: float = 1.5):
+        self.rows, self.seconds, self.backend, self.why_not = [], seconds, None, None
+        try:
+            nv = nvml.load()
+            self.backend = NvmlBackend(nv, [nv.nvmlDeviceGetIndex(nvml.cuda_handle(nv, 0))])
+        except Exception as exc:  # noqa: BLE001 - ImportError, or NVML present but no driver/GPU/UUID match
+            self.why_not = f"NVML power not measured: {type(exc).__name__}: {exc}"
+
+    def measure(self, name: str, fn: Callable[[], object]) -> None:
+        if self.backend is not None:
+            self.rows.append(dict(phase=name, **power_during(self.backend, fn, self.seconds, torch.cuda.synchronize)))
+
+    def summary(self) -> dict | str:
+        if self.backend is None:
+            return self.why_not
+        missing = dict(self.backend.missing)
+        self.backend.close()
+        return dict(phases=self.rows, missing=missing)

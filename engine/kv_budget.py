@@ -1,0 +1,69 @@
+"""How many KV blocks a rank gets: on CUDA from the device's memory (``engine.gpu_memory_utilization``, vLLM's
+name and rule), elsewhere ``engine.num_blocks``; the count and the maximum concurrency are logged at start."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from engine.kv_cache import KVSpec
+from engine.scheduler import SchedulerConfig
+from model.transformer import CausalLM
+
+log = logging.getLogger("engine.kv")
+
+
+def blocks_for_memory(free_bytes: int, total_bytes: int, bytes_per_block: int, utilization: float) -> int:
+    """KV blocks that fit when the engine may use ``utilization`` of the device's ``total_bytes``: what is already
+    taken (``total - free``: weights, the CUDA context, other processes) comes off that share first, and the rest is
+    cut into blocks. 0 when nothing is left. Pure: tested on CPU."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = utilization * total_bytes - (total_bytes - free_bytes)
+    return max(int(budget // bytes_per_block), 0)
+
+
+def bytes_per_block(model: CausalLM, block_size: int, drafter_path: str | None = None) -> int:
+    """This rank's KV bytes for one block of ``block_size`` tokens, the DFlash drafter's context cache included
+    (it has as many blocks as the target's)."""
+    per_token = KVSpec.for_model(model).bytes_per_token()
+    if drafter_path:
+        raw = json.loads((Path(drafter_path) / "config.json").read_text())
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        per_token += 2 * raw["num_key_value_heads"] * head_dim * raw["num_hidden_layers"] * model.dtype.itemsize
+    return per_token * block_size
+
+
+def max_concurrency(num_blocks: int, cfg: SchedulerConfig) -> float:
+    """Requests of ``max_model_len`` tokens the blocks hold at once (per attention-DP rank), as vLLM logs it."""
+    return num_blocks * cfg.block_size / cfg.max_model_len
+
+
+def size_kv_cache(model: CausalLM, cfg: SchedulerConfig, drafter_path: str | None = None) -> SchedulerConfig:
+    """``cfg`` with ``num_blocks`` sized from free device memory on CUDA (every rank measures, all take the
+    smallest count); unchanged elsewhere or with ``cfg.gpu_memory_utilization=None``. Call on every rank after the
+    weights are loaded. Logs blocks, bytes and maximum concurrency on rank 0."""
+    per_block = bytes_per_block(model, cfg.block_size, drafter_path)
+    how, utilization = "engine.num_blocks", cfg.gpu_memory_utilization
+    if model.device.type == "cuda" and utilization is not None:
+        torch.cuda.synchronize(model.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(model.device)
+        mine = blocks_for_memory(free, total, per_block, utilization)
+        n = min(model.groups.world.all_gather_objects(mine))
+        if n < 1:
+            raise RuntimeError(f"engine.gpu_memory_utilization={utilization}: no memory left for one KV block "
+                               f"({per_block} bytes) after the weights ({(total - free) / 2**30:.1f} of "
+                               f"{total / 2**30:.1f} GiB in use); raise it or use more ranks")
+        cfg = replace(cfg, num_blocks=n)
+        how = f"engine.gpu_memory_utilization={utilization} (free {free / 2**30:.2f} of {total / 2**30:.2f} GiB)"
+    if model.groups.coords.rank == 0:
+        log.info("KV cache: %d blocks of %d tokens per rank, %.1f MiB (%d bytes/block) from %s; maximum concurrency "
+                 "for %d tokens per request: %.2fx per attention-DP rank", cfg.num_blocks, cfg.block_size,
+                 cfg.num_blocks * per_block / 2**20, per_block, how, cfg.max_model_len,
+                 max_concurrency(cfg.num_blocks, cfg))
+    return cfg

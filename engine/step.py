@@ -1,0 +1,77 @@
+"""Step types shared by the scheduler, the runner and spec_decode: what a step feeds (:class:`SeqWork`,
+:class:`StepPlan`) and what it gives back (:class:`StepResult`, :class:`RunnerOutput`, :class:`RequestOutput`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.sampler import SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeqWork:
+    """One sequence's share of a step, shipped to the ranks of its DP group."""
+
+    request_id: str
+    token_ids: list[int]  # fed this step, at positions start .. start+len-1
+    start: int
+    block_table: list[int]
+    sample: bool  # the last fed token's logits pick the next token
+    params: SamplingParams
+    seed: int
+    num_generated: int
+    decode: bool  # feeds a generated token (not part of the prompt)
+    spec: bool = False  # draft + verify a tree rooted at token_ids[0] instead of a plain decode
+
+
+def step_kind(items: Iterable[SeqWork]) -> str:
+    """"prefill", "decode" or "mixed": whether a step's items feed prompt tokens, generated tokens or both."""
+    fed = {w.decode for w in items}
+    return "mixed" if len(fed) == 2 else "decode" if fed == {True} else "prefill"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    work: list[list[SeqWork]]  # per attention-DP rank
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.token_ids) for per_rank in self.work for w in per_rank)
+
+    @property
+    def kind(self) -> str:
+        """:func:`step_kind` over every attention-DP rank's items."""
+        return step_kind(w for per_rank in self.work for w in per_rank)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced for one request: one token, or (speculative) the accepted drafts + bonus."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """One rank's share of a step (``ModelRunner.execute``): ``results`` per sampling request (None on ranks
+    that do not hold the logits) and ``coverage`` ``{kind: (replayed, why not)}`` for the target step and, when
+    this rank speculated, its draft and commit (``engine.capture.STEP_KINDS``)."""
+
+    results: dict[str, StepResult] | None
+    coverage: dict[str, tuple[bool, str]]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -1,0 +1,78 @@
+"""What every MoE token dispatcher shares: the expert-side contract (:class:`ExpertInput`), the
+:class:`Dispatcher` base class and its routing tables, and the errors and capture check the backends use.
+
+The backends live beside it (``parallelism/dispatch.py``: allreduce, alltoall, allgather and the registry;
+``parallelism/deepep.py``: DeepEP); each imports only this module, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallelism.comm import ParallelGroups
+from parallelism.layout import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class ExpertInput:
+    """Rows for the local experts. ``packed_counts`` (DeepEP low latency): ``hidden`` is the packed layout
+    ``[E_local, R, H]`` viewed ``[E_local * R, H]`` and expert ``e``'s valid rows are ``[0, packed_counts[e])``
+    (``slots`` says the same: ``e`` there, −1 elsewhere); the experts' outputs on the other rows are
+    unspecified (whatever reads them must not)."""
+
+    hidden: torch.Tensor   # [N, H]
+    slots: torch.Tensor    # [N, k] int64 local expert slot, -1 = not on this rank
+    weights: torch.Tensor  # [N, k] float32 routing weights
+    packed_counts: torch.Tensor | None = None  # [E_local] int, on hidden's device
+
+
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Dispatcher:
+    """Base class. ``dispatch`` → local experts → ``combine``."""
+
+    name = "base"
+    needs_partitioned_tokens = False
+    graph_safe = False
+    needs_nvlink = False
+    graph_token_limit: int | None = None  # most tokens per rank a captured step may hold (None: no bound)
+
+    def __init__(self, groups: ParallelGroups, placement: ExpertPlacement):
+        self.groups = groups
+        self.world = groups.world
+        rank = groups.rank
+        e = placement.num_experts
+        local_slot = torch.full((e,), -1, dtype=torch.int64)
+        holders = torch.zeros(e, groups.layout.world_size, dtype=torch.bool)  # [E, W]
+        for expert in range(e):
+            ranks = placement.ranks_of(expert)
+            holders[expert, ranks] = True
+            if rank in ranks:
+                local_slot[expert] = placement.local_slot_of(expert)
+        self.local_slot = local_slot  # [E]
+        self.holders = holders
+        slot_of = torch.tensor([placement.local_slot_of(x) for x in range(e)])[:, None]  # [E, 1]
+        self.slot_at_rank = torch.where(holders, slot_of, -1)  # [E, W]: expert's slot on rank r, or -1
+
+    def to(self, device: torch.device | str) -> Dispatcher:
+        """Moves the routing tables to ``device`` (the model's), so dispatch launches no host copies."""
+        self.local_slot, self.holders = self.local_slot.to(device), self.holders.to(device)
+        self.slot_at_rank = self.slot_at_rank.to(device)
+        return self
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` → (ExpertInput, meta)."""
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, meta, shared: torch.Tensor | None) -> torch.Tensor:
+        """Expert outputs ``[N, H]`` (+ this rank's shared-expert partial ``[T, H]``) → MoE output ``[T, H]``."""
+        raise NotImplementedError
+
+
+class DeepEPUnavailable(RuntimeError):
+    """The ``deepep`` dispatcher cannot run here; the message says why and names the fallback."""

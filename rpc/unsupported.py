@@ -1,0 +1,40 @@
+"""The ``VllmEngine`` RPCs this engine does not serve: one log line each, never a traceback.
+
+The generated base servicer raises ``NotImplementedError``, which grpc.aio logs with a full traceback on every
+call; these answer ``UNIMPLEMENTED`` with the reason instead. ``FlushCache`` succeeds: there is no prefix cache
+(every request's KV blocks are freed when it ends), so there is nothing to flush.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+
+log = logging.getLogger("rpc.requests")
+
+
+async def _unimplemented(context: grpc.aio.ServicerContext, rpc: str, why: str) -> None:
+    log.info("%s: UNIMPLEMENTED (%s)", rpc, why)
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is not supported by switchyard: {why}")
+
+
+class UnsupportedRPCs:
+    """Mixed into the servicer ahead of the generated base class."""
+
+    async def Embed(self, request, context):
+        await _unimplemented(context, "Embed", "generation models only")
+
+    async def StartProfile(self, request, context):
+        await _unimplemented(context, "StartProfile", "no profiler hook; use scripts/bench.py or torch.profiler")
+
+    async def StopProfile(self, request, context):
+        await _unimplemented(context, "StopProfile", "no profiler hook; use scripts/bench.py or torch.profiler")
+
+    async def SubscribeKvEvents(self, request, context):
+        await _unimplemented(context, "SubscribeKvEvents", "no prefix cache, so no KV events")
+
+    async def FlushCache(self, request, context) -> common_pb2.FlushCacheResponse:
+        log.info("FlushCache: OK (no prefix cache; nothing to flush)")
+        return common_pb2.FlushCacheResponse(success=True, message="no prefix cache: nothing to flush")

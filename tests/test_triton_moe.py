@@ -1,0 +1,115 @@
+# ruff: noqa: E402  (the interpreter switch must precede the imports)
+"""The MoE align-block-size kernel, the grouped launch order and the launch-config tables, on CPU under
+``TRITON_INTERPRET=1``.
+
+The align kernel must equal its torch reference exactly (integer outputs); the fused MoE under each grouped
+order is compared with the torch reference at fp32 tolerance (close: fp32 atomics sum in launch order).
+GROUP_M only reorders programs for L2 reuse on a GPU — a performance change this CPU box cannot measure.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from model import kernels
+from model.triton import cases
+
+if not triton.knobs.runtime.interpret:
+    pytest.skip("TRITON_INTERPRET is set to a false value: these kernels need the interpreter on a CPU box",
+                allow_module_level=True)
+
+
+def _interpreted(module_name: str):
+    """The kernel module with interpreted kernels (reloaded if something imported it before the env var)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = importlib.import_module(module_name)
+    jitted = [v for v in vars(module).values() if hasattr(v, "arg_names")]
+    return module if all(isinstance(v, InterpretedFunction) for v in jitted) else importlib.reload(module)
+
+
+moe = _interpreted("model.triton.moe")
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _slots(kind: str, rows: int, k: int, experts: int) -> torch.Tensor:
+    if kind == "empty_experts":  # experts 0 and 2 get nothing; a third of the pairs are remote
+        s = torch.randint(-1, experts, (rows, k), generator=gen(1))
+        return torch.where((s == 0) | (s == 2), -1, s)
+    if kind == "one_expert":
+        return torch.full((rows, k), 3)
+    if kind == "none_local":
+        return torch.full((rows, k), -1)
+    return torch.randint(-1, experts, (rows, k), generator=gen(2))  # "spread"
+
+
+@pytest.mark.parametrize("kind", ["empty_experts", "one_expert", "none_local", "spread"])
+@pytest.mark.parametrize("rows, k, experts, block_m", [(5, 2, 6, 4), (40, 8, 48, 16), (300, 2, 5, 64)],
+                         ids=["tiny", "48_experts", "multi_chunk"])
+def test_align_kernel_equals_the_torch_reference(kind, rows, k, experts, block_m):
+    """Exact: sorted ids (stable within an expert, sentinel padding), block experts, padded length. The
+    multi-chunk case has 600 pairs (5 chunks of 128) so the per-expert cursor carries across chunks."""
+    slots = _slots(kind, rows, k, experts)
+    got = moe.moe_align_block_size(slots, experts, block_m)
+    want = moe.align_block_size_reference(slots, experts, block_m)
+    for g, w, name in zip(got, want, ("sorted_ids", "expert_ids", "num_post"), strict=True):
+        assert g.dtype == w.dtype == torch.int32 and torch.equal(g, w), name
+
+
+def test_align_kernel_single_expert():
+    slots = torch.tensor([[0], [0], [-1], [0]])
+    sorted_ids, expert_ids, num_post = moe.moe_align_block_size(slots, num_experts=1, block_m=16)
+    # P = round_up(4 pairs + 1 expert × 15, 16) = 32: one used block, one spare past the end
+    assert sorted_ids.tolist() == [0, 1, 3] + [4] * 29 and expert_ids.tolist() == [0, -1]
+    assert num_post.tolist() == [16]
+
+
+@pytest.mark.parametrize("group_m", [1, 2, 8])
+@pytest.mark.parametrize("routing", ["spread", "one_expert"])
+def test_fused_moe_in_grouped_order(group_m, routing):
+    """Correctness only: every grouped launch order gives the reference (3 N tiles, 6+ row blocks)."""
+    case = cases.expert_case(40, 3, hidden=40, inter=36, local_experts=4, routing=routing, gen=gen(3))
+    tiles = moe.MoETiles(16, 16, 16, 4, group_m, 2)
+    torch.testing.assert_close(moe.fused_moe(**case, tiles=tiles), kernels.local_experts(**case), **TOL)
+
+
+def test_moe_tables_are_untuned_defaults_and_are_looked_up():
+    from model.triton.launch_tables import CONFIG_DIR, UNTUNED, moe_config
+
+    files = sorted((CONFIG_DIR / "moe").glob("*.json"))
+    assert any(f.name == "E=48,N=2048,K=7168,device_name=default.json" for f in files)
+    for f in files:
+        table = json.loads(f.read_text())
+        assert table["_source"] == UNTUNED, f.name
+        for bucket, cfg in table.items():
+            if bucket.isdigit():
+                assert set(cfg) == {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+                                    "num_stages"}, f.name
+    assert moe_config(48, 2048, 7168, 1)["BLOCK_SIZE_M"] == 16
+    assert moe_config(48, 2048, 7168, 4000)["BLOCK_SIZE_M"] == 64  # nearest bucket 4096
+    assert moe_config(48, 2048, 7168, 100, "NVIDIA_H200") == moe_config(48, 2048, 7168, 96)  # falls back to default
+    assert moe_config(5, 7, 9, 1) is None
+    t = moe.table_tiles(48, 2048, 7168, 3000, torch.device("cpu"))
+    assert (t.block_m, t.group_m, t.num_warps) == (64, 8, 8)
+
+
+def test_tune_moe_without_a_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this box has a GPU")
+    done = subprocess.run([sys.executable, "scripts/tune_moe.py", "--experts", "4", "--inter", "8", "--hidden", "8"],
+                          text=True, capture_output=True, cwd=Path(__file__).parents[1], timeout=120)
+    assert done.returncode == 2 and "needs a GPU" in done.stderr and "--write-defaults" in done.stderr
