@@ -19,10 +19,30 @@ import triton
 import triton.language as tl
 
 from model.quant.reference import act_qdq, act_quant
-from model.triton.moe import _block_rows, _masked_rows, default_tiles, moe_align_block_size
+from model.triton.moe import default_tiles, moe_align_block_size
 from model.triton.precision import dot_precision
 from model.triton.quant_gemm import dequant_tile, fp8_block_dot
 from parallelism.dispatch_base import ExpertInput
+
+
+@triton.jit
+def _block_rows(sorted_ptr, expert_ptr, pid_m, num_pairs, top_k, BLOCK_M: tl.constexpr):
+    """One BLOCK_M block of :func:`moe_align_block_size`'s order: sorted positions, pair ids, validity, token
+    rows, expert."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    ok = pair < num_pairs
+    return rows, pair, ok, pair // top_k, tl.load(expert_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
+def _masked_rows(counts_ptr, rows_per_expert, BLOCK_M: tl.constexpr):
+    """A masked-GEMM program (grid ``(row blocks, N tiles, E)``: an expert's row blocks run back to back on each
+    weight tile): its expert, that expert's row count, its BLOCK_M rows and their validity."""
+    e = tl.program_id(2).to(tl.int64)
+    count = tl.load(counts_ptr + e)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, count, rows, rows < tl.minimum(count, rows_per_expert)
 
 
 @triton.jit
@@ -101,12 +121,12 @@ def _q_masked_gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, counts_ptr, row
                              stride_h, INT4: tl.constexpr, A_FP8: tl.constexpr, S_ROWS: tl.constexpr,
                              S_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Grid ``(E, cdiv(R, BLOCK_M), cdiv(I, BLOCK_N))`` on DeepEP's ``x [E, R, H]``: ``h[e, r]`` for ``r <
+    """Grid ``(cdiv(R, BLOCK_M), cdiv(I, BLOCK_N), E)`` on DeepEP's ``x [E, R, H]``: ``h[e, r]`` for ``r <
     counts[e]``; ``xs [E*R, H/BLOCK_K]`` (W8A8) indexed by ``e * R + r``."""
     e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
-    if tl.program_id(1) * BLOCK_M >= count:
+    if tl.program_id(0) * BLOCK_M >= count:
         return
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     x_rows = x_ptr + e * stride_xe + rows[:, None].to(tl.int64) * stride_x
     w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
@@ -138,12 +158,12 @@ def _q_masked_down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, counts_ptr, rows
                           stride_o, INT4: tl.constexpr, A_FP8: tl.constexpr, S_ROWS: tl.constexpr,
                           S_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT: tl.constexpr):
-    """Grid ``(E, cdiv(R, BLOCK_M), cdiv(H, BLOCK_N))``: ``out[e, r] = h[e, r] @ Wd[e]ᵀ`` for ``r < counts[e]``,
+    """Grid ``(cdiv(R, BLOCK_M), cdiv(H, BLOCK_N), E)``: ``out[e, r] = h[e, r] @ Wd[e]ᵀ`` for ``r < counts[e]``,
     unweighted (DeepEP's combine applies the routing weights)."""
     e, count, rows, ok = _masked_rows(counts_ptr, rows_per_expert, BLOCK_M)
-    if tl.program_id(1) * BLOCK_M >= count:
+    if tl.program_id(0) * BLOCK_M >= count:
         return
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     h_rows = h_ptr + e * stride_he + rows[:, None].to(tl.int64) * stride_h
     w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
@@ -186,13 +206,13 @@ def _masked(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols:
     meta = dict(INT4=int4, A_FP8=a_fp8, S_ROWS=s_rows, S_COLS=s_cols, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                 BLOCK_K=s_cols if a_fp8 else t.block_k, DOT=dot_precision(flat.dtype), num_warps=t.num_warps)
     m_blocks = triton.cdiv(rows_per_expert, t.block_m)
-    _q_masked_gate_up_kernel[(experts, m_blocks, triton.cdiv(inter, t.block_n))](
+    _q_masked_gate_up_kernel[(m_blocks, triton.cdiv(inter, t.block_n), experts)](
         x3, a_s, w13, s13, h, counts, rows_per_expert, hidden, inter, x3.stride(0), x3.stride(1), a_s.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), h.stride(1), **meta)
     h2 = h.view(experts * rows_per_expert, inter)
     hq, h_s = act_quant(h2, s_cols) if a_fp8 else (act_qdq(h2, s_cols) if qdq else h2, h2)
     hq3, out3 = hq.view(experts, rows_per_expert, inter), out.view(experts, rows_per_expert, hidden)
-    _q_masked_down_kernel[(experts, m_blocks, triton.cdiv(hidden, t.block_n))](
+    _q_masked_down_kernel[(m_blocks, triton.cdiv(hidden, t.block_n), experts)](
         hq3, h_s, w2, s2, out3, counts, rows_per_expert, hidden, inter, hq3.stride(0), hq3.stride(1), h_s.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out3.stride(0), out3.stride(1), **meta)
     return out
