@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model.config import ConfigError, load_config, parse_config
+from model.layout_fit import check_layout_fits
 from model.quant.config import FP8, INT4
 from model.quant.layout import check_layout
 from model.quant.reference import act_quant, dequant_fp8, dequant_int4, unpack_int4
@@ -99,6 +100,8 @@ def test_layout_that_cuts_a_group_fails_naming_tensor_and_degree(tiny_ckpts):
     check_layout(int4, Layout(world_size=8, attn_tp=8, moe_ep=8))
     with pytest.raises(LayoutError, match=r"moe_tp=2 cuts model.layers.1.mlp.experts.\*.down_proj.weight_packed"):
         check_layout(int4, Layout(world_size=8, attn_tp=8, moe_tp=2, moe_ep=4))
+    with pytest.raises(LayoutError, match=r"moe_tp=2 cuts"):  # what the launchers' preflight runs
+        check_layout_fits(int4, Layout(world_size=8, attn_tp=8, moe_tp=2, moe_ep=4))
     fp8 = parse_config(_raw(tiny_ckpts, {**FP8_CFG, "weight_block_size": [16, 16]}))
     check_layout(fp8, Layout())
     with pytest.raises(LayoutError, match=r"attn_tp=8 cuts model.layers.0.self_attn.q_b_proj.weight .*16 rows"):
