@@ -1,4 +1,3 @@
-# ruff: noqa: E402  (the interpreter switch must precede the imports)
 """Triton kernels against their torch references, on CPU under ``TRITON_INTERPRET=1``.
 
 Every comparison is fp32 at tight tolerance (close, not bit-exact: the kernels sum in another order), at
@@ -9,18 +8,15 @@ for sm_90 and sm_100 in a subprocess, which catches what the interpreter does no
 shared-memory budget).
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
-
 import dataclasses
-import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
 import triton
@@ -34,23 +30,12 @@ from model.tree_mask import ancestor_mask, resolve_tree_mask
 from model.triton import cases
 from parallelism.layout import ExpertPlacement
 
-if not triton.knobs.runtime.interpret:
-    pytest.skip("TRITON_INTERPRET is set to a false value: these kernels need the interpreter on a CPU box",
-                allow_module_level=True)
+interpret_triton.require()
 
 
-def _interpreted(module_name: str):
-    """The kernel module with interpreted kernels (reloaded if something imported it before the env var)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = importlib.import_module(module_name)
-    jitted = [v for v in vars(module).values() if hasattr(v, "arg_names")]
-    return module if all(isinstance(v, InterpretedFunction) for v in jitted) else importlib.reload(module)
-
-
-attention = _interpreted("model.triton.attention")
-moe = _interpreted("model.triton.moe")
-norm = _interpreted("model.triton.norm")
+attention = interpret_triton.module("model.triton.attention")
+moe = interpret_triton.module("model.triton.moe")
+norm = interpret_triton.module("model.triton.norm")
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LENS = [1, 7, 70, 150]  # ragged; 150 keys = 3 key tiles of 64 (GQA) / 5 of 32 (MLA)

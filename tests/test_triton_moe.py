@@ -1,4 +1,3 @@
-# ruff: noqa: E402  (the interpreter switch must precede the imports)
 """The MoE align-block-size kernel, the grouped launch order and the launch-config tables, on CPU under
 ``TRITON_INTERPRET=1``.
 
@@ -7,38 +6,22 @@ order is compared with the torch reference at fp32 tolerance (close: fp32 atomic
 GROUP_M only reorders programs for L2 reuse on a GPU — a performance change this CPU box cannot measure.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
-
-import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
-import triton
 
 from model import kernels
 from model.triton import cases
 
-if not triton.knobs.runtime.interpret:
-    pytest.skip("TRITON_INTERPRET is set to a false value: these kernels need the interpreter on a CPU box",
-                allow_module_level=True)
+interpret_triton.require()
 
 
-def _interpreted(module_name: str):
-    """The kernel module with interpreted kernels (reloaded if something imported it before the env var)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = importlib.import_module(module_name)
-    jitted = [v for v in vars(module).values() if hasattr(v, "arg_names")]
-    return module if all(isinstance(v, InterpretedFunction) for v in jitted) else importlib.reload(module)
-
-
-moe = _interpreted("model.triton.moe")
+moe = interpret_triton.module("model.triton.moe")
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 

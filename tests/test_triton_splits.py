@@ -1,4 +1,3 @@
-# ruff: noqa: E402  (the interpreter switch must precede the imports)
 """Key splits of the paged attention kernels and the merge, on CPU under ``TRITON_INTERPRET=1``.
 
 A sequence of context c uses ``cdiv(c, SPLIT_KEYS)`` splits of whole key tiles; these tests check the kernels
@@ -7,34 +6,18 @@ against the torch references at the split boundaries (fp32, close: the kernels s
 (exact: the batch-invariance contract).
 """
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
-
-import importlib
-
+import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
-import triton
 
 from model import kernels
 from model.triton import cases
 
-if not triton.knobs.runtime.interpret:
-    pytest.skip("TRITON_INTERPRET is set to a false value: these kernels need the interpreter on a CPU box",
-                allow_module_level=True)
+interpret_triton.require()
 
 
-def _interpreted(module_name: str):
-    """The kernel module with interpreted kernels (reloaded if something imported it before the env var)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = importlib.import_module(module_name)
-    jitted = [v for v in vars(module).values() if hasattr(v, "arg_names")]
-    return module if all(isinstance(v, InterpretedFunction) for v in jitted) else importlib.reload(module)
-
-
-attention = _interpreted("model.triton.attention")
+attention = interpret_triton.module("model.triton.attention")
 S = attention.SPLIT_KEYS
 TOL = dict(atol=1e-5, rtol=1e-5)
 BOUNDARY_LENS = [1, 16, S - 1, S, S + 1, 2 * S + 3]  # 16 = one KV block
