@@ -1,4 +1,3 @@
-# ruff: noqa: E402  (the interpreter switch must precede the imports)
 """Quantized Triton kernels against their torch references (dequantize, then matmul), on CPU under
 ``TRITON_INTERPRET=1``, fp32, relative error <= 1e-5 (close, not bit-exact: tiles sum in another order).
 
@@ -10,16 +9,14 @@ itself — the sm_90/sm_100 AOT compile covers in part; a run on a device remain
 model's static decode and tree-verify steps give the same logits on the Triton set as on the references.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
-
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
 import triton
@@ -27,11 +24,15 @@ import triton
 from model.kernel_select import fp8_scheme, select_kernels
 from model.quant import reference as R
 from model.tree_mask import ancestor_mask
-from model.triton import attention, cases, moe, norm, quant_gemm, quant_moe
+from model.triton import cases
 
-if not triton.knobs.runtime.interpret:
-    pytest.skip("TRITON_INTERPRET is set to a false value: these kernels need the interpreter on a CPU box",
-                allow_module_level=True)
+interpret_triton.require()
+
+moe = interpret_triton.module("model.triton.moe")  # before quant_moe, which takes its align step from it
+attention = interpret_triton.module("model.triton.attention")
+norm = interpret_triton.module("model.triton.norm")
+quant_gemm = interpret_triton.module("model.triton.quant_gemm")
+quant_moe = interpret_triton.module("model.triton.quant_moe")
 
 
 def gen(seed=0):
