@@ -101,3 +101,25 @@ def test_serve_through_smg(quant_ckpts, tmp_path):
         if client is not None:
             client.close()
         srv.close()
+
+
+@pytest.mark.parametrize("ckpt", ["deepseek_fp8", "kimi_k25_int4"])
+def test_bf16_model_decodes(quant_ckpts, ckpt):
+    """A bf16 model (the GPU dtype) on a quantized checkpoint decodes through the absorbed MLA path, which reads
+    the dequantized ``kv_b_proj`` in the model's dtype (FP8: it is quantized), and stays close to fp32."""
+    from test_engine import SMALL, run_requests
+
+    from engine.engine import Engine
+    from model.loader import load_model
+    from parallelism.comm import build_groups
+    from parallelism.layout import Layout
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = Engine(load_model(quant_ckpts[ckpt][0], build_groups(Layout()), dtype), SMALL)
+        out[dtype] = run_requests(engine, [("a", PROMPTS[0], params), ("b", PROMPTS[2], params)])
+        engine.shutdown()
+    for rid in ("a", "b"):
+        assert len(out[torch.bfloat16][rid][0]) == 6
+        assert out[torch.bfloat16][rid][0][0] == out[torch.float32][rid][0][0]

@@ -77,6 +77,7 @@ class QuantLinear(ShardedModule):
                  reduce: bool = False, dtype=torch.float32, names_relative_to_parent: bool = False):
         super().__init__()
         self.cfg, self.parts, self.split = cfg, parts, split
+        self.dtype = dtype  # the model's (activations') dtype: what ``weight`` dequantizes to
         self.comm, self.reduce = comm, reduce
         self.names_relative_to_parent = names_relative_to_parent
         out, k = sum(p.local_out for p in parts), split.local_in
@@ -101,13 +102,13 @@ class QuantLinear(ShardedModule):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized local weight ``[out, in]`` in the scales' dtype (INT4) or fp32 (FP8), computed on
-        each call: for code that reads weights directly (MLA's absorbed ``kv_b_proj``)."""
+        """The dequantized local weight ``[out, in]`` in the model's dtype, computed on each call (as DeepSeek's
+        inference code does): for code that reads weights directly (MLA's absorbed ``kv_b_proj``)."""
         if self.cfg.method == INT4:
-            return dequant_int4(self.qweight, self.scale, self.cfg.group_size, self.scale.dtype)
+            return dequant_int4(self.qweight, self.scale, self.cfg.group_size, self.dtype)
         parts, row = [], 0
         for p, scale in zip(self.parts, self._scale_rows(), strict=True):
-            parts.append(dequant_fp8(self.qweight[row:row + p.local_out], scale, self.cfg.block))
+            parts.append(dequant_fp8(self.qweight[row:row + p.local_out], scale, self.cfg.block, self.dtype))
             row += p.local_out
         return torch.cat(parts)
 
