@@ -1,16 +1,17 @@
 """HF ``config.json`` → frozen, validated model configs.
 
 Supported ``model_type``: ``deepseek_v3``, ``kimi_k2`` (DeepSeek-V3 architecture), ``kimi_k25``
-(its ``text_config``), ``qwen3_moe``. Anything else, and quantized checkpoints, fail with a
-:class:`ConfigError` naming the field.
+(its ``text_config``), ``qwen3_moe``. Quantized checkpoints: see :mod:`model.quant.config`. Anything else fails
+with a :class:`ConfigError` naming the field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from model.checkpoint_errors import read_json
+from model.quant.config import QuantConfig, QuantConfigError, parse_quant
 
 DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
 SUPPORTED_TYPES = (*DEEPSEEK_TYPES, "kimi_k25", "qwen3_moe")
@@ -81,6 +82,7 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or dense MLP
     mla: MLAConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quant: QuantConfig | None = None  # None: unquantized
 
     def __post_init__(self) -> None:
         if len(self.moe_layers) != self.num_layers:
@@ -178,26 +180,32 @@ def _qwen3_moe(raw: dict) -> ModelConfig:
     )
 
 
-def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
-    """Parses an HF config dict. ``source`` names the file in error messages."""
+def parse_config(raw: dict, source: str = "config.json", name_prefixes: tuple[str, ...] = ("",)) -> ModelConfig:
+    """Parses an HF config dict. ``source`` names the file in error messages; ``name_prefixes``: how the
+    quantization config's module names may be prefixed (kimi_k25: ``language_model.``)."""
     model_type = raw.get("model_type")
     if model_type == "kimi_k25":
         if "text_config" not in raw:
             raise ConfigError(f"{source}: model_type 'kimi_k25' without text_config")
         text = dict(raw["text_config"])
         text.setdefault("model_type", "deepseek_v3")
-        return parse_config(text, f"{source}:text_config")
+        outer = raw.get("quantization_config")
+        if outer and text.get("quantization_config") not in (None, outer):
+            raise ConfigError(f"{source}: quantization_config differs from text_config.quantization_config")
+        if outer:
+            text["quantization_config"] = outer
+        return parse_config(text, f"{source}:text_config", ("", "language_model."))
     if model_type not in SUPPORTED_TYPES:
         raise ConfigError(f"{source}: model_type {model_type!r} is not supported; supported: {SUPPORTED_TYPES}")
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", quant.get("format", "?"))
-        raise ConfigError(f"{source}: quantized checkpoint (quantization_config.quant_method={method!r}) "
-                          "is not supported yet; use a bf16/fp32 checkpoint")
+    try:
+        quant = parse_quant(raw["quantization_config"], name_prefixes) if raw.get("quantization_config") else None
+    except QuantConfigError as err:
+        raise ConfigError(f"{source}: {err}") from err
     if raw.get("attention_bias"):
         raise ConfigError(f"{source}: attention_bias=true is not supported yet")
     try:
-        return _deepseek(raw) if model_type in DEEPSEEK_TYPES else _qwen3_moe(raw)
+        cfg = _deepseek(raw) if model_type in DEEPSEEK_TYPES else _qwen3_moe(raw)
+        return replace(cfg, quant=quant) if quant else cfg
     except KeyError as err:
         raise ConfigError(f"{source}: missing field {err.args[0]!r} for model_type {model_type!r}") from err
 

@@ -15,6 +15,10 @@ Ops and their references (signatures in :mod:`model.kernels`):
 ``paged_decode_mla``          ``(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale)``
 ``tree_verify_gqa``           ``paged_decode_gqa``'s arguments with ``q [B, N, H, D]``, + ``tree_mask=`` or ``parents=``
 ``tree_verify_mla``           ``paged_decode_mla``'s arguments with a node dim, + ``tree_mask=`` or ``parents=``
+``w4a16_linear``              ``(x, packed, scale, group_size)`` → :func:`model.quant.reference.w4a16_linear`
+``fp8_linear``                ``(x, weight, scale_inv, block)`` → ``w8a8_linear`` (FP8 device) or ``w8a16_linear``
+``w4a16_moe``                 ``(inp, w13, w13_scale, w2, w2_scale, group_size)`` → ``quant.reference.w4a16_moe``
+``fp8_moe``                   ``(inp, w13, w13_scale, w2, w2_scale, block)`` → ``w8a8_moe`` or ``w8a16_moe``
 ============================  ===============================================================
 """
 
@@ -26,11 +30,14 @@ from dataclasses import dataclass, field
 import torch
 
 from model import kernels
+from model.quant import reference as qref
 
 OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
        "tree_verify_mla")
 BACKENDS = ("auto", "triton", "torch")
+QUANT_OPS = ("w4a16_linear", "fp8_linear", "w4a16_moe", "fp8_moe")
 MIN_CAPABILITY = (8, 0)  # bf16 tl.dot
+FP8_CAPABILITY = (8, 9)  # e4m3 tensor cores (Ada, Hopper, Blackwell)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,10 @@ class KernelSet:
     tree_verify_mla: Callable
     reasons: dict[str, str] = field(default_factory=dict)
     graph_safe: bool = False  # no host synchronisation in any op: the Triton set (the references read lengths/counts)
+    w4a16_linear: Callable = qref.w4a16_linear
+    fp8_linear: Callable = qref.w8a16_linear
+    w4a16_moe: Callable = qref.w4a16_moe
+    fp8_moe: Callable = qref.w8a16_moe
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -78,28 +89,49 @@ def triton_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
-def reference_kernels(reason: str = "default (no kernel set chosen)") -> KernelSet:
-    """The torch references for every op (what a model uses until :meth:`CausalLM.use_kernels`)."""
-    return _reference_set(reason)
+def reference_kernels(reason: str = "default (no kernel set chosen)", fp8_acts: bool = False) -> KernelSet:
+    """The torch references for every op (what a model uses until :meth:`CausalLM.use_kernels`); ``fp8_acts``:
+    FP8 layers quantize their activations (W8A8) as an FP8 device does, else W8A16."""
+    return _reference_set(reason, fp8_acts)
 
 
-def _reference_set(reason: str) -> KernelSet:
+def _reference_set(reason: str, fp8_acts: bool = False) -> KernelSet:
+    """``fp8_acts``: the FP8 ops quantize activations (W8A8, what an FP8 device runs), else W8A16."""
+    reasons = dict.fromkeys(OPS + QUANT_OPS, f"torch reference: {reason}")
+    scheme = "W8A8, per-token 1xB activations" if fp8_acts else "W8A16, activations unquantized"
+    for op in ("fp8_linear", "fp8_moe"):
+        reasons[op] += f" ({scheme})"
     return KernelSet(kernels.rms_norm, kernels.add_rms_norm, kernels.local_experts, kernels.paged_decode_gqa,
-                     kernels.paged_decode_mla, kernels.tree_verify_gqa, kernels.tree_verify_mla,
-                     reasons=dict.fromkeys(OPS, f"torch reference: {reason}"))
+                     kernels.paged_decode_mla, kernels.tree_verify_gqa, kernels.tree_verify_mla, reasons=reasons,
+                     fp8_linear=qref.w8a8_linear if fp8_acts else qref.w8a16_linear,
+                     fp8_moe=qref.w8a8_moe if fp8_acts else qref.w8a16_moe)
+
+
+def fp8_scheme(capability: tuple[int, int]) -> tuple[bool, str]:
+    """Whether FP8 layers run W8A8 (per-token FP8 activations on FP8 tensor cores) on a device of
+    ``capability``, and why; W8A16 (weights dequantized in registers) where the device lacks FP8."""
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if capability >= FP8_CAPABILITY:
+        return True, f"{sm} has FP8 tensor cores: W8A8, activations quantized per token in 1xB groups"
+    return False, f"{sm} < sm_89 has no FP8 tensor cores: W8A16, activations unquantized"
 
 
 def _triton_set(device: torch.device) -> KernelSet:
     import triton
 
-    from model.triton import attention, moe, norm
+    from model.triton import attention, moe, norm, quant_gemm, quant_moe
 
     name = torch.cuda.get_device_name(device)
     major, minor = torch.cuda.get_device_capability(device)
     reason = f"triton {triton.__version__}: {name} (sm_{major}{minor})"
+    w8a8, why = fp8_scheme((major, minor))
+    reasons = dict.fromkeys(OPS + QUANT_OPS, reason)
+    reasons["fp8_linear"] = reasons["fp8_moe"] = f"{reason}; {why}"
     return KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
                      attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
-                     reasons=dict.fromkeys(OPS, reason), graph_safe=True)
+                     reasons=reasons, graph_safe=True, w4a16_linear=quant_gemm.w4a16_linear,
+                     fp8_linear=quant_gemm.w8a8_linear if w8a8 else quant_gemm.w8a16_linear,
+                     w4a16_moe=quant_moe.w4a16_moe, fp8_moe=quant_moe.w8a8_moe if w8a8 else quant_moe.w8a16_moe)
 
 
 def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:

@@ -4,6 +4,7 @@ from ``config.json`` alone, so a launcher refuses a bad layout before it starts 
 from __future__ import annotations
 
 from model.config import ModelConfig
+from model.quant.layout import check_layout
 from parallelism.layout import Layout, LayoutError
 
 
@@ -42,3 +43,4 @@ def check_layout_fits(cfg: ModelConfig, layout: Layout, source: str = "config.js
     problems = layout_problems(cfg, layout)
     if problems:
         raise LayoutError(f"{source} does not fit {layout.describe()}: {'; '.join(problems)}")
+    check_layout(cfg, layout)  # a quantized checkpoint: no shard boundary inside a group or block

@@ -72,9 +72,9 @@ def load_weights(model: CausalLM, ckpt_dir: str | Path) -> int:
         with open_shard(path) as f:
             for name, ct in entries:
                 sl = f.get_slice(name)
-                if sl.get_dtype() in QUANTIZED_DTYPES:
-                    raise CheckpointError(f"tensor {name!r} in {path} has quantized dtype {sl.get_dtype()}; "
-                                          "quantized checkpoints are not supported yet")
+                if sl.get_dtype() in QUANTIZED_DTYPES and not ct.quantized:
+                    raise CheckpointError(f"tensor {name!r} in {path} has quantized dtype {sl.get_dtype()}, "
+                                          "but config.json's quantization_config does not quantize it")
                 shape = tuple(sl.get_shape())
                 if shape != ct.full_shape:
                     raise CheckpointError(f"tensor {name!r} in {path} has shape {list(shape)}, "

@@ -13,6 +13,7 @@ from model.config import ModelConfig
 from model.kernel_select import KernelSet, reference_kernels
 from model.layers import GatedMLP, RMSNorm
 from model.moe import MoE
+from model.quant.layout import check_layout, quantize_modules
 from model.rope import Rotary
 from parallelism.comm import ParallelGroups
 from parallelism.dispatch import make_dispatcher
@@ -61,6 +62,9 @@ class CausalLM(nn.Module):
         self.cfg, self.groups = cfg, groups
         self.model = Backbone(cfg, groups, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
+        if cfg.quant is not None:
+            check_layout(cfg, groups.layout)
+            quantize_modules(self, cfg)
         self.kernels: KernelSet = reference_kernels()  # the set every module calls (use_kernels), for callers
 
     @property

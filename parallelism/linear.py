@@ -31,11 +31,13 @@ class TensorSource(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointTensor:
-    """One tensor a layer needs: checkpoint-name suffix, expected full shape, and how to load it."""
+    """One tensor a layer needs: checkpoint-name suffix, expected full shape, and how to load it;
+    ``quantized``: stored in a quantized dtype (int32-packed, fp8) on purpose."""
 
     suffix: str
     full_shape: tuple[int, ...]
     load: Callable[[TensorSource], None]
+    quantized: bool = False
 
 
 def copy_into(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -38,3 +38,12 @@ def random_drafter(tmp_path_factory, tiny_ckpts):
     out = tmp_path_factory.mktemp("drafter")
     DFlashDrafter(cfg).save(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def quant_ckpts(tmp_path_factory):
+    """The tiny quantized checkpoints and their dequantized HF references, written once per session by
+    scripts/make_quant_checkpoints.py: ``{preset: (quantized dir, dequantized dir)}``."""
+    from quant_ckpts import write_all
+
+    return write_all(tmp_path_factory.mktemp("quant"))
