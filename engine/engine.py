@@ -27,6 +27,14 @@ SHUTDOWN = "shutdown"
 HEARTBEAT = "heartbeat"  # idle liveness round trip: no forward, no data collectives
 
 
+@dataclass(frozen=True)
+class WarmUpShape:
+    """Broadcast by :meth:`Engine.warm_up`: every rank runs (captures) static shape ``(batch, nodes)`` once."""
+
+    batch: int
+    nodes: int
+
+
 STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engine.max_num_seqs)
 
 
@@ -40,6 +48,8 @@ class EngineStats:
     step_kinds: dict[str, int] = field(default_factory=dict)
     spec_request_steps: int = 0  # (request, target forward) pairs that verified a tree
     spec_tokens: int = 0  # tokens those committed, bonus included
+    warmup_s: float = 0.0  # Engine.warm_up: every static shape run (captured on CUDA) before serving
+    warmup_shapes: list[dict] = field(default_factory=list)  # per shape: kind, batch, nodes, seconds, graph, reason
 
     @property
     def acceptance_length(self) -> float:
@@ -67,6 +77,35 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput:
         return self.scheduler.abort(request_id)
+
+    def warm_up(self) -> float:
+        """Runs every configured static shape once on every rank before the first request — captured as CUDA
+        graphs on CUDA, eagerly elsewhere — so no request pays Triton JIT or capture. Each shape is a lock-step
+        round (broadcast, run on all-padding batches in the scratch blocks, gather), logged with a progress bar
+        and its seconds; the result goes to ``stats.warmup_s`` / ``warmup_shapes`` (not to coverage or step
+        counts). Returns the total seconds."""
+        if self.has_work():
+            raise RuntimeError("warm_up runs before the first request")
+        shapes = self.runner.static_shapes()
+        t_all = time.perf_counter()
+        for i, (batch, nodes) in enumerate(shapes):
+            t0 = time.perf_counter()
+            self.groups.world.broadcast_object(WarmUpShape(batch, nodes))
+            replayed, reason = self.runner.warm_up(batch, nodes)
+            self.groups.world.gather_objects(None)
+            dt = time.perf_counter() - t0
+            kind, skipped = "decode" if nodes == 1 else "verify", (batch, nodes) in self.runner.skipped
+            self.stats.warmup_shapes.append({"kind": kind, "batch": batch, "nodes": nodes, "seconds": dt,
+                                             "graph": replayed, "skipped": skipped, "reason": reason})
+            done = (i + 1) * 20 // len(shapes)
+            what = "captured" if replayed else f"skipped ({reason})" if skipped else f"eager ({reason})"
+            (log.warning if skipped else log.info)("warm-up |%s%s| %d/%d %s batch %d x %d nodes: %s in %.2f s",
+                                                   "#" * done, "." * (20 - done), i + 1, len(shapes), kind, batch,
+                                                   nodes, what, dt)
+        self.stats.warmup_s = time.perf_counter() - t_all
+        log.info("warm-up: %d static shapes in %.2f s; KV blocks in use %d", len(shapes), self.stats.warmup_s,
+                 self.scheduler.blocks_in_use())
+        return self.stats.warmup_s
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -142,6 +181,10 @@ def worker_loop(runner: ModelRunner) -> None:
         if plan == SHUTDOWN:
             return
         if plan == HEARTBEAT:
+            groups.world.gather_objects(None)
+            continue
+        if isinstance(plan, WarmUpShape):
+            runner.warm_up(plan.batch, plan.nodes)
             groups.world.gather_objects(None)
             continue
         mine = runner.execute(plan.work[groups.coords.attn_dp_rank], plan.work)

@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from engine.capture import capture_blocker, no_host_sync
+from engine.capture import GraphCoverage, capture_blocker, free_device_memory, memory_blocker, no_host_sync, \
+    static_step_bytes
 from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
@@ -52,6 +53,7 @@ class ModelRunner:
                 self.drafts, self.commits = speculation.static_graphs(self.speculator, max_blocks, scratch_blocks,
                                                                       static_batch_sizes)
         self.eager_reason = eager_reason
+        self.skipped: dict[tuple[int, int], str] = {}  # static shapes the memory guard turned away (warm_up)
         self.strict_sync = False  # static verify steps raise on a host sync between draft and commit (gpu_check)
 
     def _batch(self, work: list[SeqWork], trees: dict) -> ForwardBatch:
@@ -98,6 +100,57 @@ class ModelRunner:
         parts = dict.fromkeys(("draft", "commit"), (False, why)) if spec_items else {}
         return RunnerOutput(results, {kind: target, **parts})
 
+    def static_shapes(self) -> list[tuple[int, int]]:
+        """Every configured static shape ``(batch, nodes)``: a decode (nodes 1) per static batch size, or, with
+        speculation on (every decode is then a tree verify), a verify of ``num_nodes`` nodes per batch size —
+        each a draft, a verify and a commit."""
+        if self.static is None:
+            return []
+        nodes = self.speculation.num_nodes if self.speculator is not None else 1
+        return [(b, nodes) for b in self.static.batch_sizes]
+
+    @torch.no_grad()
+    def warm_up(self, batch: int, nodes: int) -> tuple[bool, str]:
+        """Runs static shape ``(batch, nodes)`` once on an all-padding batch — capturing it on CUDA (the
+        capture's own warm-up runs compile the Triton kernels) — as an idle attention-DP rank would: only the
+        scratch blocks are written. Collective: every rank warms the same shape. Counts no coverage and no
+        timing. Returns the target step's ``(replayed, why not)``."""
+        reason = self._memory_guard(batch, nodes)
+        if reason:
+            self.skipped[batch, nodes] = reason
+            return False, reason
+        holders = [g for g in (self.static, self.drafts, self.commits) if g is not None]
+        saved = [g.coverage for g in holders], dict(self.timing)
+        for g in holders:
+            g.coverage = GraphCoverage()
+        try:
+            if nodes == 1:
+                return self._decode_static([], batch)[1]
+            _, record, _ = self._verify_static([], batch)
+            self.commits.warm_up(batch, nodes)  # an idle rank's verify does not commit
+            return record
+        finally:
+            for g, coverage in zip(holders, saved[0], strict=True):
+                g.coverage = coverage
+            self.timing = saved[1]
+
+    def _memory_guard(self, batch: int, nodes: int) -> str:
+        """"" when static shape ``(batch, nodes)``'s buffers fit in free device memory on every rank, else why not
+        (:func:`engine.capture.memory_blocker`). Collective over the control group, so every rank skips alike."""
+        cfg, spec = self.model.cfg, self.speculation
+        need = static_step_bytes(batch=batch, nodes=nodes, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
+                                 intermediate=max(cfg.intermediate_size, cfg.moe.intermediate_size * cfg.moe.top_k),
+                                 dtype_bytes=self.model.dtype.itemsize,
+                                 feature_width=len(self.speculator.capture) * cfg.hidden_size if spec else 0,
+                                 draft_rows=spec.scratch_slots if spec else 0)
+        reason = memory_blocker(need, free_device_memory(self.device))
+        control = self.model.groups.control
+        if control is None or control.size == 1:
+            return reason
+        reasons = control.all_gather_objects(reason)
+        rank = next((r for r, why in enumerate(reasons) if why), None)
+        return "" if rank is None else f"rank {control.ranks[rank]}: {reasons[rank]}"
+
     def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[tuple[int, int] | None, str]:
         """``((batch, nodes), "")`` when this step runs as a static step on every rank, else ``(None, why not)``.
 
@@ -115,10 +168,10 @@ class ModelRunner:
             return None, "no work on any rank"
         if batch > sizes[-1]:
             return None, f"batch {batch} above the largest static batch size {sizes[-1]}"
-        if all(verify):
-            return (batch, self.speculation.num_nodes), ""
-        if all(decode):
-            return (batch, 1), ""
+        if all(verify) or all(decode):
+            nodes = self.speculation.num_nodes if all(verify) else 1
+            skipped = self.skipped.get((self.static.shape_for(batch, nodes).batch, nodes))
+            return (None, f"static shape skipped: {skipped}") if skipped else ((batch, nodes), "")
         return None, "prefill or mixed step (variable shapes)"
 
     def _decode_static(self, work: list[SeqWork], batch: int) -> tuple[dict[str, StepResult] | None, Record]:

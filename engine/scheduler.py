@@ -38,6 +38,8 @@ class SchedulerConfig:
     # decode / tree-verify steps over fixed-shape buffers (engine/cuda_graphs.py): "auto" = on a CUDA device,
     # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
     static_steps: str = "auto"
+    warm_up: bool = True  # the scripts run Engine.warm_up (every static shape, captured on CUDA) before serving
+    overlap: str = "off"  # "on": the host schedules and stages step n+1 while step n runs (Engine.step)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -45,6 +47,8 @@ class SchedulerConfig:
                 raise RequestError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.static_steps not in ("auto", "on", "off"):
             raise RequestError(f"engine.static_steps must be auto, on or off, got {self.static_steps!r}")
+        if self.overlap not in ("on", "off"):
+            raise RequestError(f"engine.overlap must be on or off, got {self.overlap!r}")
 
 
 @dataclass

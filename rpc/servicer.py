@@ -94,6 +94,7 @@ def engine_info(engine: Engine) -> dict:
                   "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
                   "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0},
         "cuda_graphs": _graph_info(engine),
+        "warmup": {"seconds": s.warmup_s, "shapes": s.warmup_shapes},
         "spec_decode": _spec_info(engine),
         "scheduler": asdict(engine.scheduler.cfg),
     }
