@@ -12,8 +12,14 @@ import time
 
 import torch
 
-from engine.capture import GraphCoverage, capture_blocker, free_device_memory, memory_blocker, no_host_sync, \
-    static_step_bytes
+from engine.capture import (
+    GraphCoverage,
+    capture_blocker,
+    free_device_memory,
+    memory_blocker,
+    no_host_sync,
+    static_step_bytes,
+)
 from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
