@@ -85,6 +85,7 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         "spec_decode": spec.method,
         "acceptance_length": s.acceptance_length,
         "warmup_s": s.warmup_s,
+        "host_s_per_step": {phase: t / max(s.steps, 1) for phase, t in s.host_s.items()},
         "draft_s_per_step": engine.runner.timing["draft_s"] / max(s.steps, 1),
         "verify_s_per_step": engine.runner.timing["verify_s"] / max(s.steps, 1),
     }

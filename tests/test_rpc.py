@@ -205,3 +205,33 @@ def test_spec_decode_server_streams_hf_greedy_and_reports_acceptance(tiny_ckpts,
         wait_idle(client)
     finally:
         srv.close()
+
+
+def test_overlapped_server_streams_hf_greedy_and_frees_kv(tiny_ckpts, tmp_path):
+    """``engine.overlap=on`` with static steps (warmed up) behind the server: concurrent streams still carry HF's
+    greedy tokens, and a cancel or an Abort while the next step is already in flight frees the KV."""
+    ckpt = tiny_ckpts[CKPT]
+    srv = ServerProcess(ckpt, [*layout_args(2), "engine.overlap=on", "engine.static_steps=on", "server.max_num_seqs=4"],
+                        tmp_path / "server.log")
+    try:
+        client = srv.wait_ready()
+        ref = hf_greedy(ckpt, PROMPTS, N_TOKENS)
+        greedy = dict(max_tokens=N_TOKENS, min_tokens=N_TOKENS, temperature=0.0)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: client.generate(p, **greedy).token_ids, PROMPTS))
+        assert results == ref
+        s = client.stream(PROMPTS[0], **LONG)
+        it = iter(s)
+        next(it), next(it)
+        s.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(it)
+        s = client.stream(PROMPTS[2], **LONG)
+        it = iter(s)
+        next(it)
+        client.abort(s.request_id)
+        assert len(list(it)) < LONG["max_tokens"] and s.result.finish_reason == "abort"
+        wait_idle(client)
+        assert [w["batch"] for w in client.engine_info()["warmup"]["shapes"]] == [1, 2, 4]
+    finally:
+        srv.close()
