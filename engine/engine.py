@@ -101,6 +101,9 @@ class Engine:
         if self.has_work():
             raise RuntimeError("warm_up runs before the first request")
         shapes = self.runner.static_shapes()
+        if not shapes:
+            log.info("warm-up: no static shapes to run (%s)", self.runner.eager_reason)
+            return 0.0
         t_all = time.perf_counter()
         for i, (batch, nodes) in enumerate(shapes):
             t0 = time.perf_counter()
