@@ -36,7 +36,7 @@ class Readback:
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.event = None
-        if any(t.device.type == "cuda" for t in tensors):
+        if tensors[0].is_cuda:  # a step's outputs share one device
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                          for t in tensors]
             self.event = torch.cuda.Event()
