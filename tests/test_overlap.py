@@ -149,3 +149,37 @@ def test_scheduler_plans_the_next_step_before_the_tokens_are_back():
     alloc = sched.allocators[0]
     assert alloc.num_used == 0 and len(set(alloc._free)) == len(alloc._free) == CFG.num_blocks
     assert not sched.has_work() and sched.schedule().num_tokens == 0
+
+
+def _replay_job(ctx, lay, path):
+    """Warmed-up static steps with capture faked (every decode shape "captured" at warm-up, each replay re-runs
+    the step from its buffers), overlap off then on. Rank 0 returns per mode (outputs, coverage, blocks)."""
+    from fake_capture import faked_capture
+
+    from model.kernel_select import reference_kernels
+
+    model = load_model(path, ctx.groups(lay))
+    model.use_kernels(dataclasses.replace(reference_kernels(), graph_safe=True))  # as the Triton set is
+    out = {}
+    with faked_capture():
+        for overlap in ("off", "on"):
+            cfg = dataclasses.replace(CFG, overlap=overlap, static_steps="on")
+            if ctx.rank != 0:
+                worker_loop(make_runner(model, cfg))
+                continue
+            engine = Engine(model, cfg)
+            engine.warm_up()
+            out[overlap] = drive(engine, None, abort=True), engine.coverage.summary(), engine.scheduler.blocks_in_use()
+            engine.shutdown()
+    return out if ctx.rank == 0 else None
+
+
+def test_overlap_feeds_replayed_graphs_through_their_input_buffers(pool, tiny_ckpts):
+    """The previous step's tokens are written into a captured decode graph's input buffer before its replay
+    (capture faked), under DP attention with idle padding ranks: same tokens as without overlap, every decode
+    step replayed."""
+    out = pool.run(_replay_job, layout("dp8_ep8", "dispatcher=allgather"), tiny_ckpts["tiny_deepseek"])[0]
+    (off, cov_off, b_off), (on, cov_on, b_on) = out["off"], out["on"]
+    assert on == off and b_on == b_off == 0
+    for cov in (cov_off, cov_on):
+        assert cov["decode"]["replays"] == cov["decode"]["steps"] > 0, cov
