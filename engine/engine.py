@@ -1,9 +1,9 @@
 """The engine on rank 0 and the worker loop on the other ranks.
 
 Rank 0 holds the scheduler. Each step it broadcasts the plan (a small picklable object) to every
-rank, runs its own share, and gathers the sampled tokens from the rank that holds each DP group's
-logits. Every rank enters every step, so all MoE collectives are matched; a rank that dies makes the
-collectives fail (gloo/NCCL timeout) instead of hanging forever.
+rank over the gloo control group, runs its own share, and gathers the sampled tokens from the rank that
+holds each DP group's logits. Every rank enters every step, so all MoE collectives are matched; a rank
+that dies makes the collectives fail (gloo/NCCL timeout) instead of hanging forever.
 
 With ``engine.overlap=on`` (plain decoding) a step's results are read back and gathered one step late: every
 rank launches step n+1 first — its decodes take step n's tokens on the device (``SeqWork.prev_row``) — then
@@ -25,6 +25,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation import Speculation
 from engine.step import RequestOutput, StepPlan, StepResult
 from model.transformer import CausalLM
+from parallelism.comm import Comm, ParallelGroups
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Engine:
     def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None):
         """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off."""
         self.model, self.groups = model, model.groups
+        self.plane = control_plane(model.groups)
         self.speculation = speculation
         self.runner = make_runner(model, cfg, speculation)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
@@ -107,9 +109,9 @@ class Engine:
         t_all = time.perf_counter()
         for i, (batch, nodes) in enumerate(shapes):
             t0 = time.perf_counter()
-            self.groups.world.broadcast_object(WarmUpShape(batch, nodes))
+            self.plane.broadcast_object(WarmUpShape(batch, nodes))
             replayed, reason = self.runner.warm_up(batch, nodes)
-            self.groups.world.gather_objects(None)
+            self.plane.gather_objects(None)
             dt = time.perf_counter() - t0
             kind, skipped = "decode" if nodes == 1 else "verify", (batch, nodes) in self.runner.skipped
             self.stats.warmup_shapes.append({"kind": kind, "batch": batch, "nodes": nodes, "seconds": dt,
@@ -136,10 +138,10 @@ class Engine:
         t1 = time.perf_counter()
         launched = None
         if plan.num_tokens:
-            self.groups.world.broadcast_object(plan)
+            self.plane.broadcast_object(plan)
             launched = plan, self.runner.launch(plan.work[self.groups.coords.attn_dp_rank], plan.work)
         elif self._in_flight is not None:
-            self.groups.world.broadcast_object(DRAIN)
+            self.plane.broadcast_object(DRAIN)
         t2 = time.perf_counter()
         self._host("schedule", t1 - t0)
         self._host("launch", t2 - t1)
@@ -166,7 +168,7 @@ class Engine:
         t1 = time.perf_counter()
         mine = self.runner.finish(step)
         merged: dict[str, StepResult] = {}
-        for part in self.groups.world.gather_objects(mine.results) or [mine.results]:
+        for part in self.plane.gather_objects(mine.results) or [mine.results]:
             if part:
                 merged.update(part)
         t2 = time.perf_counter()
@@ -199,17 +201,23 @@ class Engine:
     def heartbeat(self) -> None:
         """A control-plane round trip with every rank while idle: keeps idle workers inside the
         process-group timeout and surfaces a dead rank without traffic. Runs no forward; not counted."""
-        self.groups.world.broadcast_object(HEARTBEAT)
-        self.groups.world.gather_objects(None)
+        self.plane.broadcast_object(HEARTBEAT)
+        self.plane.gather_objects(None)
 
     def shutdown(self) -> None:
         """Releases the other ranks (a step still in flight is read back and applied first)."""
         if self._in_flight is not None:
-            self.groups.world.broadcast_object(DRAIN)
+            self.plane.broadcast_object(DRAIN)
             in_flight, self._in_flight = self._in_flight, None
             outputs, merged = self._complete(*in_flight)
             self._account(in_flight[0], 0.0, merged, {o.request_id for o in outputs})
-        self.groups.world.broadcast_object(SHUTDOWN)
+        self.plane.broadcast_object(SHUTDOWN)
+
+
+def control_plane(groups: ParallelGroups) -> Comm:
+    """Where plans and results travel: the gloo control group over every rank. On GPUs the world group is NCCL,
+    whose object collectives stage through the device and make the host wait for the step in flight."""
+    return groups.control or groups.world
 
 
 def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None) -> ModelRunner:
@@ -228,21 +236,21 @@ def worker_loop(runner: ModelRunner) -> None:
     """Non-zero ranks: execute broadcast plans until shutdown — in rank 0's order (``Engine.step``): launch the
     new plan, then read back and gather the step in flight, then this plan's unless it overlaps."""
     groups = runner.model.groups
-    in_flight = None
+    plane, in_flight = control_plane(groups), None
     while True:
-        plan = groups.world.broadcast_object(None)
+        plan = plane.broadcast_object(None)
         if plan == SHUTDOWN:
             return
         if plan == HEARTBEAT:
-            groups.world.gather_objects(None)
+            plane.gather_objects(None)
             continue
         if isinstance(plan, WarmUpShape):
             runner.warm_up(plan.batch, plan.nodes)
-            groups.world.gather_objects(None)
+            plane.gather_objects(None)
             continue
         launched = None if plan == DRAIN else runner.launch(plan.work[groups.coords.attn_dp_rank], plan.work)
         if in_flight is not None:
-            groups.world.gather_objects(runner.finish(in_flight).results)
+            plane.gather_objects(runner.finish(in_flight).results)
         in_flight = launched if launched is not None and plan.overlap else None
         if launched is not None and not plan.overlap:
-            groups.world.gather_objects(runner.finish(launched).results)
+            plane.gather_objects(runner.finish(launched).results)
