@@ -121,10 +121,31 @@ class Engine:
             (log.warning if skipped else log.info)("warm-up |%s%s| %d/%d %s batch %d x %d nodes: %s in %.2f s",
                                                    "#" * done, "." * (20 - done), i + 1, len(shapes), kind, batch,
                                                    nodes, what, dt)
+        self._warm_prefill()
         self.stats.warmup_s = time.perf_counter() - t_all
-        log.info("warm-up: %d static shapes in %.2f s; KV blocks in use %d", len(shapes), self.stats.warmup_s,
-                 self.scheduler.blocks_in_use())
+        log.info("warm-up: %d static shapes and a prefill in %.2f s; KV blocks in use %d", len(shapes),
+                 self.stats.warmup_s, self.scheduler.blocks_in_use())
         return self.stats.warmup_s
+
+    def _warm_prefill(self) -> None:
+        """One greedy prompt per attention-DP rank, as long as one step feeds, through the ordinary step path: the
+        dynamic prefill's kernels (Triton JIT on CUDA) compile before the first request. Seeded, so the engine's
+        seed stream is untouched; its steps, stats and coverage are dropped; its blocks are released."""
+        cfg, sched = self.scheduler.cfg, self.scheduler
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1,
+                     cfg.num_blocks * cfg.block_size - sched.spec_scratch - 1)
+        t0, warm = time.perf_counter(), self.stats
+        params = SamplingParams(temperature=0.0, max_tokens=1, seed=0)
+        for dp in range(sched.dp_size):
+            self.add_request(f"warm-up prefill {dp}", [0] * tokens, params)
+        while self.has_work():
+            self.step()
+        self.stats, self.coverage = EngineStats(warmup_shapes=warm.warmup_shapes), GraphCoverage()
+        self.runner.timing = dict.fromkeys(self.runner.timing, 0.0)
+        dt = time.perf_counter() - t0
+        self.stats.warmup_shapes.append({"kind": "prefill", "batch": sched.dp_size, "nodes": tokens, "seconds": dt,
+                                         "graph": False, "skipped": False, "reason": "dynamic shapes: not captured"})
+        log.info("warm-up prefill: %d tokens on each of %d attention-DP ranks in %.2f s", tokens, sched.dp_size, dt)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None

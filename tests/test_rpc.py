@@ -198,7 +198,8 @@ def test_spec_decode_server_streams_hf_greedy_and_reports_acceptance(tiny_ckpts,
             s = client.stream(prompt, max_tokens=N_TOKENS, min_tokens=N_TOKENS, temperature=0.0)
             assert [t for d in s for t in d] == want and s.result.completion_tokens == N_TOKENS
         warm = client.engine_info()["warmup"]
-        assert [(w["kind"], w["batch"], w["nodes"]) for w in warm["shapes"]] == [("verify", 1, 13), ("verify", 2, 13)]
+        assert [(w["kind"], w["batch"], w["nodes"]) for w in warm["shapes"]] == [("verify", 1, 13), ("verify", 2, 13),
+                                                                                 ("prefill", 1, 511)]
         assert warm["seconds"] > 0
         spec = client.engine_info()["spec_decode"]
         assert spec["enabled"] and spec["method"] == "ddtree" and spec["acceptance_length"] >= 1.0
@@ -232,6 +233,6 @@ def test_overlapped_server_streams_hf_greedy_and_frees_kv(tiny_ckpts, tmp_path):
         client.abort(s.request_id)
         assert len(list(it)) < LONG["max_tokens"] and s.result.finish_reason == "abort"
         wait_idle(client)
-        assert [w["batch"] for w in client.engine_info()["warmup"]["shapes"]] == [1, 2, 4]
+        assert [w["kind"] for w in client.engine_info()["warmup"]["shapes"]] == ["decode"] * 3 + ["prefill"]
     finally:
         srv.close()

@@ -63,14 +63,18 @@ def _warm_job(ctx, lay, path, spec_list, cfg=CFG, fake=False):
 @pytest.mark.parametrize("preset", ["single", "dp8_ep8", "tp2xdp4_ep8"])
 def test_warm_up_covers_every_shape_and_changes_nothing(pool, tiny_ckpts, random_drafter, preset):
     """Plain decoding warms a decode per batch size (1, 2, 4, 8), DDTree a verify (draft + verify + commit) per
-    batch size at its tree size; every rank enters the same shapes (under dp8_ep8 / tp2xdp4_ep8 a rank that
-    skipped one would hang the collectives). Tokens, coverage and step counts equal a cold engine's."""
+    batch size at its tree size, both then a prefill per attention-DP rank; every rank enters the same shapes
+    (under dp8_ep8 / tp2xdp4_ep8 a rank that skipped one would hang the collectives). Tokens, coverage and step
+    counts equal a cold engine's."""
     spec_list = [specs(random_drafter)[0], specs(random_drafter)[2]]
     out = pool.run(_warm_job, layout(preset), tiny_ckpts["tiny_deepseek"], spec_list)[0]
+    dp = layout(preset).attn_dp
     for (warm, cold), (kind, nodes) in zip(out, (("decode", 1), ("verify", 13)), strict=True):
         res, cov, after_warm, blocks, shapes, static_cov, steps = warm
-        assert [(s["kind"], s["batch"], s["nodes"]) for s in shapes] == [(kind, b, nodes) for b in (1, 2, 4, 8)]
-        assert all(s["seconds"] > 0 and not s["graph"] and s["reason"] == "no CUDA device" for s in shapes)
+        assert [(s["kind"], s["batch"], s["nodes"]) for s in shapes] == [(kind, b, nodes) for b in (1, 2, 4, 8)] + [
+            ("prefill", dp, 64)]  # and one prompt of max_num_batched_tokens per attention-DP rank
+        assert all(s["seconds"] > 0 and not s["graph"] for s in shapes)
+        assert all(s["reason"] == "no CUDA device" for s in shapes[:-1])
         assert after_warm == 0 and blocks == 0
         assert res == cold[0] and cov == cold[1] and static_cov == cold[5] and steps == cold[6]
         assert cold[4] == []
@@ -85,7 +89,7 @@ def test_warm_up_captures_every_shape_so_requests_only_replay(pool, tiny_ckpts, 
                    CFG, True)[0]
     for (warm, cold), kinds in zip(out, (("decode",), ("verify", "draft", "commit")), strict=True):
         res, cov, _, blocks, shapes, _, steps = warm
-        assert all(s["graph"] and s["reason"] == "" for s in shapes) and len(shapes) == 4
+        assert all(s["graph"] and s["reason"] == "" for s in shapes[:-1]) and len(shapes) == 5
         assert res == cold[0] and blocks == 0 and steps == cold[6]
         for kind in kinds:
             assert cov[kind]["replays"] == cov[kind]["steps"] == cold[1][kind]["steps"] > 0, cov
@@ -140,7 +144,7 @@ def test_shapes_that_do_not_fit_on_one_rank_are_skipped_on_every_rank(pool, tiny
     free = int(sum(need) / 2 / 0.9)  # between the batch-2 and batch-4 needs, after the 10 % reserve
     (warm, cold), = pool.run(_guard_job, layout("tp8"), tiny_ckpts["tiny_deepseek"], free)[0]
     res, cov, _, blocks, shapes, _, _ = warm
-    assert [s["skipped"] for s in shapes] == [False, False, True, True]
+    assert [s["skipped"] for s in shapes] == [False, False, True, True, False]  # the prefill is not static
     assert shapes[3]["reason"].startswith("rank 3: needs ~") and shapes[3]["reason"].endswith("dynamic path")
     assert res == cold[0] and blocks == 0
     assert cov["decode"]["eager_reason"].startswith("static shape skipped: rank 3: needs ~")
