@@ -64,6 +64,42 @@ def token_limit_blocker(model, tokens: int) -> str:
             ) if tokens > limit else ""
 
 
+# sampling's temporaries per logit of a sampled row: log_softmax, the banned copy and the filtered logits (fp32),
+# the Gumbel noise (fp32) and its int64 hash bits, the top-p sort's values and int64 order
+SAMPLING_BYTES_PER_LOGIT = 4 * 3 + 4 + 8 + 4 + 8
+MEMORY_RESERVE = 0.1  # of the free memory, kept back for the allocator's fragmentation and NCCL/DeepEP buffers
+
+
+def static_step_bytes(*, batch: int, nodes: int, vocab: int, hidden: int, intermediate: int, dtype_bytes: int,
+                      feature_width: int = 0, draft_rows: int = 0) -> int:
+    """Upper estimate of the device bytes one static step of ``batch × nodes`` rows allocates beyond weights and
+    KV (which exist already): the logits ``[B·N, V]`` fp32 and sampling's temporaries per logit (they grow as
+    batch × nodes × vocab), the activations (hidden- and intermediate-wide, ``dtype_bytes`` each), the drafter
+    features ``[B·N, feature_width]`` and the tree masks; with drafting, the draft logits ``[B, draft_rows, V]``
+    fp32 and their log-softmax."""
+    rows = batch * nodes
+    logits = rows * vocab * (4 + SAMPLING_BYTES_PER_LOGIT)
+    activations = rows * (8 * hidden + 3 * intermediate + feature_width) * dtype_bytes
+    masks = 2 * batch * nodes * nodes
+    draft = batch * draft_rows * vocab * 4 * 2
+    return logits + activations + masks + draft
+
+
+def memory_blocker(need: int, free: int | None, reserve: float = MEMORY_RESERVE) -> str:
+    """Why a static shape needing ``need`` bytes (:func:`static_step_bytes`) is skipped: "" when it fits in
+    ``free`` bytes less ``reserve`` of them; ``free`` None (not CUDA) sets no limit."""
+    if free is None or need <= free * (1 - reserve):
+        return ""
+    gib = 2**30
+    return (f"needs ~{need / gib:.2f} GiB of buffers, {free / gib:.2f} GiB free on the device (keeping "
+            f"{reserve:.0%} back): skipped, its steps run the dynamic path")
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """Free bytes on ``device`` (``torch.cuda.mem_get_info``); None off CUDA, where no limit applies."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def eager_reason(model, static_steps: str) -> str:
     """Why a process whose runner has no static steps replays no graphs (``static_steps``:
     ``engine.static_steps``)."""

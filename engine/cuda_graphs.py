@@ -19,12 +19,14 @@ relies on — padding, buffer reuse across steps, equality with the dynamic forw
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.capture import CapturedGraphs, GraphCoverage, token_limit_blocker
 from engine.kv_cache import PagedKVCache
+from engine.staging import copy_in
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
 from parallelism.deepep import before_graph_replay
@@ -120,9 +122,10 @@ class StaticStep:
         seqs = self.load_layout(seqs)
         if any(len(s.token_ids) != self.shape.nodes for s in seqs):
             raise ValueError(f"a sequence's token count does not fit shape {self.shape}")
-        self.load_inputs(torch.tensor([v for s in seqs for v in s.token_ids]),  # host → buffer copies
-                         torch.tensor([v for s in seqs for v in s.positions]),
-                         None if self.tables.tree_mask is None else torch.stack([s.tree_mask for s in seqs]))
+        copy_in(self.input_ids, [v for s in seqs for v in s.token_ids])  # host → buffer copies, asynchronous
+        copy_in(self.positions, [v for s in seqs for v in s.positions])
+        if self.tables.tree_mask is not None:
+            copy_in(self.tables.tree_mask, torch.stack([s.tree_mask for s in seqs]))
 
     def load_layout(self, seqs: list[SeqLayout]) -> list[SeqLayout]:
         """Copies ``seqs``' write slots, block tables and context lengths (padded with :meth:`padding_seq`) into
@@ -135,12 +138,9 @@ class StaticStep:
             if len(s.write_slots) != n or len(s.block_table) > self.max_blocks:
                 raise ValueError(f"sequence with {len(s.write_slots)} nodes / {len(s.block_table)} blocks does not "
                                  f"fit shape {self.shape} with {self.max_blocks} blocks")
-        self.write_slots.copy_(torch.tensor([v for s in seqs for v in s.write_slots]))
-        tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        self.tables.block_tables.copy_(tables)
-        self.tables.context_lens.copy_(torch.tensor([s.context_len for s in seqs], dtype=torch.int32))
+        copy_in(self.write_slots, [v for s in seqs for v in s.write_slots])
+        copy_in(self.tables.block_tables, [s.block_table + [0] * (self.max_blocks - len(s.block_table)) for s in seqs])
+        copy_in(self.tables.context_lens, [s.context_len for s in seqs])
         return seqs
 
     def load_inputs(self, token_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> None:
@@ -196,12 +196,16 @@ class GraphRunner(CapturedGraphs):
         return self._capture(shape, self.cache.device, lambda: step.load([step.padding_seq()]),
                              step.run, lambda: token_limit_blocker(self.model, shape.batch * shape.nodes))
 
-    def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0,
+            fill: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``batch`` > ``len(seqs)`` pads to that shape (attention-DP ranks run one shape; an idle rank pads
-        everything)."""
+        everything). ``fill(input_ids)`` runs after the host inputs are loaded: it sets ids that are still on the
+        device (overlap: tokens the previous step sampled)."""
         shape = self.shape_for(max(len(seqs), batch, 1), nodes)
         self.capture(shape)  # first use of a shape: capture it (or learn why not) before loading inputs
         self.step(shape).load(seqs)
+        if fill is not None:
+            fill(self.step(shape).input_ids)
         logits, feats = self._launch(shape)
         rows = len(seqs) * nodes
         return logits[:rows], None if feats is None else feats[:rows]

@@ -1,9 +1,14 @@
 """The engine on rank 0 and the worker loop on the other ranks.
 
 Rank 0 holds the scheduler. Each step it broadcasts the plan (a small picklable object) to every
-rank, runs its own share, and gathers the sampled tokens from the rank that holds each DP group's
-logits. Every rank enters every step, so all MoE collectives are matched; a rank that dies makes the
-collectives fail (gloo/NCCL timeout) instead of hanging forever.
+rank over the gloo control group, runs its own share, and gathers the sampled tokens from the rank that
+holds each DP group's logits. Every rank enters every step, so all MoE collectives are matched; a rank
+that dies makes the collectives fail (gloo/NCCL timeout) instead of hanging forever.
+
+With ``engine.overlap=on`` (plain decoding) a step's results are read back and gathered one step late: every
+rank launches step n+1 first — its decodes take step n's tokens on the device (``SeqWork.prev_row``) — then
+reads back step n; rank 0 schedules step n+1 before it has step n's tokens. :data:`DRAIN` closes the pipeline
+when there is nothing new to launch. Why and what it costs: ``docs/gpu_path.md`` ("Host per step").
 """
 
 from __future__ import annotations
@@ -14,17 +19,27 @@ import time
 from dataclasses import dataclass, field
 
 from engine.capture import GraphCoverage, eager_reason
-from engine.runner import ModelRunner
+from engine.runner import Launched, ModelRunner
 from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation import Speculation
-from engine.step import RequestOutput, RunnerOutput, StepPlan, StepResult
+from engine.step import RequestOutput, StepPlan, StepResult
 from model.transformer import CausalLM
+from parallelism.comm import Comm, ParallelGroups
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
 HEARTBEAT = "heartbeat"  # idle liveness round trip: no forward, no data collectives
+DRAIN = "drain"  # overlap: nothing new to launch; read back and gather the step in flight
+
+
+@dataclass(frozen=True)
+class WarmUpShape:
+    """Broadcast by :meth:`Engine.warm_up`: every rank runs (captures) static shape ``(batch, nodes)`` once."""
+
+    batch: int
+    nodes: int
 
 
 STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engine.max_num_seqs)
@@ -40,6 +55,12 @@ class EngineStats:
     step_kinds: dict[str, int] = field(default_factory=dict)
     spec_request_steps: int = 0  # (request, target forward) pairs that verified a tree
     spec_tokens: int = 0  # tokens those committed, bonus included
+    warmup_s: float = 0.0  # Engine.warm_up: every static shape run (captured on CUDA) before serving
+    warmup_shapes: list[dict] = field(default_factory=list)  # per shape: kind, batch, nodes, seconds, graph, reason
+    # rank 0's host seconds per phase of Engine.step: schedule, launch (broadcast + queue the step; off CUDA it
+    # computes there), readback (wait for the step's tokens + gather them), update (scheduler, outputs)
+    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("schedule", "launch", "readback",
+                                                                            "update"), 0.0))
 
     @property
     def acceptance_length(self) -> float:
@@ -53,6 +74,7 @@ class Engine:
     def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None):
         """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off."""
         self.model, self.groups = model, model.groups
+        self.plane = control_plane(model.groups)
         self.speculation = speculation
         self.runner = make_runner(model, cfg, speculation)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
@@ -60,6 +82,10 @@ class Engine:
         self.stats = EngineStats()
         self.coverage = GraphCoverage()  # rank 0's steps, as each step's RunnerOutput reports them
         self._rng = random.Random(seed)
+        self._in_flight: tuple[StepPlan, Launched] | None = None  # overlap: launched, not yet read back
+        self._unaccounted_s = 0.0  # step() time not yet attributed to a finished step
+        if cfg.overlap == "on" and not self.scheduler.overlap:
+            log.info("engine.overlap=on: speculative steps drain (the next start depends on the accepted count)")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -68,39 +94,119 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput:
         return self.scheduler.abort(request_id)
 
+    def warm_up(self) -> float:
+        """Runs every configured static shape once on every rank before the first request — captured as CUDA
+        graphs on CUDA, eagerly elsewhere — so no request pays Triton JIT or capture. Each shape is a lock-step
+        round (broadcast, run on all-padding batches in the scratch blocks, gather), logged with a progress bar
+        and its seconds; the result goes to ``stats.warmup_s`` / ``warmup_shapes`` (not to coverage or step
+        counts). Returns the total seconds."""
+        if self.has_work():
+            raise RuntimeError("warm_up runs before the first request")
+        shapes = self.runner.static_shapes()
+        if not shapes:
+            log.info("warm-up: no static shapes to run (%s)", self.runner.eager_reason)
+            return 0.0
+        t_all = time.perf_counter()
+        for i, (batch, nodes) in enumerate(shapes):
+            t0 = time.perf_counter()
+            self.plane.broadcast_object(WarmUpShape(batch, nodes))
+            replayed, reason = self.runner.warm_up(batch, nodes)
+            self.plane.gather_objects(None)
+            dt = time.perf_counter() - t0
+            kind, skipped = "decode" if nodes == 1 else "verify", (batch, nodes) in self.runner.skipped
+            self.stats.warmup_shapes.append({"kind": kind, "batch": batch, "nodes": nodes, "seconds": dt,
+                                             "graph": replayed, "skipped": skipped, "reason": reason})
+            done = (i + 1) * 20 // len(shapes)
+            what = "captured" if replayed else f"skipped ({reason})" if skipped else f"eager ({reason})"
+            (log.warning if skipped else log.info)("warm-up |%s%s| %d/%d %s batch %d x %d nodes: %s in %.2f s",
+                                                   "#" * done, "." * (20 - done), i + 1, len(shapes), kind, batch,
+                                                   nodes, what, dt)
+        self._warm_prefill()
+        self.stats.warmup_s = time.perf_counter() - t_all
+        log.info("warm-up: %d static shapes and a prefill in %.2f s; KV blocks in use %d", len(shapes),
+                 self.stats.warmup_s, self.scheduler.blocks_in_use())
+        return self.stats.warmup_s
+
+    def _warm_prefill(self) -> None:
+        """One greedy prompt per attention-DP rank, as long as one step feeds, through the ordinary step path: the
+        dynamic prefill's kernels (Triton JIT on CUDA) compile before the first request. Seeded, so the engine's
+        seed stream is untouched; its steps, stats and coverage are dropped; its blocks are released."""
+        cfg, sched = self.scheduler.cfg, self.scheduler
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1,
+                     cfg.num_blocks * cfg.block_size - sched.spec_scratch - 1)
+        t0, warm = time.perf_counter(), self.stats
+        params = SamplingParams(temperature=0.0, max_tokens=1, seed=0)
+        for dp in range(sched.dp_size):
+            self.add_request(f"warm-up prefill {dp}", [0] * tokens, params)
+        while self.has_work():
+            self.step()
+        self.stats, self.coverage = EngineStats(warmup_shapes=warm.warmup_shapes), GraphCoverage()
+        self.runner.timing = dict.fromkeys(self.runner.timing, 0.0)
+        dt = time.perf_counter() - t0
+        self.stats.warmup_shapes.append({"kind": "prefill", "batch": sched.dp_size, "nodes": tokens, "seconds": dt,
+                                         "graph": False, "skipped": False, "reason": "dynamic shapes: not captured"})
+        log.info("warm-up prefill: %d tokens on each of %d attention-DP ranks in %.2f s", tokens, sched.dp_size, dt)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if plan.num_tokens == 0:
-            return []
+        """Schedules and launches a step, then reads back and applies the step that is done: this one, or with
+        ``engine.overlap=on`` the one the previous call launched — so the host schedules and stages step n+1
+        while the device runs step n, and each call returns step n's outputs (the first call returns none)."""
         t0 = time.perf_counter()
-        mine, sampled = self._execute(plan)
-        dt = time.perf_counter() - t0
-        outputs = self.scheduler.update(plan, sampled)
-        self._account(plan, dt, sampled)
-        for kind, (replayed, reason) in mine.coverage.items():  # rank 0's step, draft and commit
-            self.coverage.record(kind, replayed, reason)
-        return outputs
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        launched = None
+        if plan.num_tokens:
+            self.plane.broadcast_object(plan)
+            launched = plan, self.runner.launch(plan.work[self.groups.coords.attn_dp_rank], plan.work)
+        elif self._in_flight is not None:
+            self.plane.broadcast_object(DRAIN)
+        t2 = time.perf_counter()
+        self._host("schedule", t1 - t0)
+        self._host("launch", t2 - t1)
+        done, self._in_flight = [self._in_flight], None
+        if launched is not None and launched[0].overlap:
+            self._in_flight = launched
+        else:
+            done.append(launched)
+        finished = [(d[0], self._complete(*d)) for d in done if d is not None]
+        # the call's wall time goes to the step it finished (the first overlapped call finishes none: carried)
+        self._unaccounted_s += time.perf_counter() - t0
+        for i, (plan_done, (outputs, merged)) in enumerate(finished):
+            self._account(plan_done, self._unaccounted_s if i == 0 else 0.0, merged, {o.request_id for o in outputs})
+        if finished:
+            self._unaccounted_s = 0.0
+        return [o for _, (outputs, _) in finished for o in outputs]
 
-    def _execute(self, plan: StepPlan) -> tuple[RunnerOutput, dict[str, StepResult]]:
-        """Rank 0's RunnerOutput and every DP group's results, merged."""
-        world = self.groups.world
-        world.broadcast_object(plan)
-        mine = self.runner.execute(plan.work[self.groups.coords.attn_dp_rank], plan.work)
+    def _host(self, phase: str, seconds: float) -> None:
+        self.stats.host_s[phase] += seconds
+
+    def _complete(self, plan: StepPlan, step: Launched) -> tuple[list[RequestOutput], dict[str, StepResult]]:
+        """Reads back rank 0's share of ``plan``, gathers every DP group's results and applies them; returns the
+        outputs and the merged results."""
+        t1 = time.perf_counter()
+        mine = self.runner.finish(step)
         merged: dict[str, StepResult] = {}
-        for part in world.gather_objects(mine.results) or [mine.results]:
+        for part in self.plane.gather_objects(mine.results) or [mine.results]:
             if part:
                 merged.update(part)
-        return mine, merged
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update(plan, merged)
+        self._host("readback", t2 - t1)
+        self._host("update", time.perf_counter() - t2)
+        for kind, (replayed, reason) in mine.coverage.items():  # rank 0's step, draft and commit
+            self.coverage.record(kind, replayed, reason)
+        return outputs, merged
 
-    def _account(self, plan: StepPlan, dt: float, results: dict[str, StepResult]) -> None:
+    def _account(self, plan: StepPlan, dt: float, results: dict[str, StepResult], emitted: set[str]) -> None:
+        """``emitted``: the requests the step gave tokens to (overlap: one that ended a step earlier got none)."""
         s = self.stats
         s.steps += 1
         items = [w for per_rank in plan.work for w in per_rank]
         prefill = sum(len(w.token_ids) for w in items if not w.decode)
-        decode = sum(len(results[w.request_id].tokens) for w in items if w.decode)
+        decode = sum(len(results[w.request_id].tokens) for w in items if w.decode and w.request_id in emitted)
         spec = [w for w in items if w.spec]
         s.spec_request_steps += len(spec)
         s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
@@ -116,11 +222,23 @@ class Engine:
     def heartbeat(self) -> None:
         """A control-plane round trip with every rank while idle: keeps idle workers inside the
         process-group timeout and surfaces a dead rank without traffic. Runs no forward; not counted."""
-        self.groups.world.broadcast_object(HEARTBEAT)
-        self.groups.world.gather_objects(None)
+        self.plane.broadcast_object(HEARTBEAT)
+        self.plane.gather_objects(None)
 
     def shutdown(self) -> None:
-        self.groups.world.broadcast_object(SHUTDOWN)
+        """Releases the other ranks (a step still in flight is read back and applied first)."""
+        if self._in_flight is not None:
+            self.plane.broadcast_object(DRAIN)
+            in_flight, self._in_flight = self._in_flight, None
+            outputs, merged = self._complete(*in_flight)
+            self._account(in_flight[0], 0.0, merged, {o.request_id for o in outputs})
+        self.plane.broadcast_object(SHUTDOWN)
+
+
+def control_plane(groups: ParallelGroups) -> Comm:
+    """Where plans and results travel: the gloo control group over every rank. On GPUs the world group is NCCL,
+    whose object collectives stage through the device and make the host wait for the step in flight."""
+    return groups.control or groups.world
 
 
 def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None) -> ModelRunner:
@@ -131,18 +249,29 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation 
     sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()
     return ModelRunner(model, cfg.num_blocks, cfg.block_size, speculation, static_batch_sizes=sizes,
                        max_model_len=cfg.max_model_len,
-                       eager_reason="" if sizes else eager_reason(model, cfg.static_steps))
+                       eager_reason="" if sizes else eager_reason(model, cfg.static_steps),
+                       overlap=cfg.overlap == "on" and speculation is None)
 
 
 def worker_loop(runner: ModelRunner) -> None:
-    """Non-zero ranks: execute broadcast plans until shutdown."""
+    """Non-zero ranks: execute broadcast plans until shutdown — in rank 0's order (``Engine.step``): launch the
+    new plan, then read back and gather the step in flight, then this plan's unless it overlaps."""
     groups = runner.model.groups
+    plane, in_flight = control_plane(groups), None
     while True:
-        plan = groups.world.broadcast_object(None)
+        plan = plane.broadcast_object(None)
         if plan == SHUTDOWN:
             return
         if plan == HEARTBEAT:
-            groups.world.gather_objects(None)
+            plane.gather_objects(None)
             continue
-        mine = runner.execute(plan.work[groups.coords.attn_dp_rank], plan.work)
-        groups.world.gather_objects(mine.results)
+        if isinstance(plan, WarmUpShape):
+            runner.warm_up(plan.batch, plan.nodes)
+            plane.gather_objects(None)
+            continue
+        launched = None if plan == DRAIN else runner.launch(plan.work[groups.coords.attn_dp_rank], plan.work)
+        if in_flight is not None:
+            plane.gather_objects(runner.finish(in_flight).results)
+        in_flight = launched if launched is not None and plan.overlap else None
+        if launched is not None and not plan.overlap:
+            plane.gather_objects(runner.finish(launched).results)

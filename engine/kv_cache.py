@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.staging import to_device
 from model.batch import PaddedContext
 from model.transformer import CausalLM
 
@@ -120,19 +121,19 @@ class PagedKV:
         self.device = dev = cache.device
         self.padded = bool(seqs) and all(s.query_len == 1 or s.mask is not None for s in seqs)
         reads = [cache.slots(s.block_table, 0, s.start + s.query_len) for s in seqs]
-        self.write = torch.tensor([slot for s, r in zip(seqs, reads, strict=True) for slot in r[s.start:]],
-                                  dtype=torch.int64, device=dev)
+        self.write = to_device([slot for s, r in zip(seqs, reads, strict=True) for slot in r[s.start:]],
+                               torch.int64, dev)
         if self.padded:  # one padded gather for the whole batch
             self._pad_layout(reads)
         else:
-            self.read = [torch.tensor(r, dtype=torch.int64, device=dev) for r in reads]
+            self.read = [to_device(r, torch.int64, dev) for r in reads]
 
     def _pad_layout(self, reads: list[list[int]]) -> None:
         longest, n = max(len(r) for r in reads), max(s.query_len for s in self.seqs)
         dev = self.device
-        self.read_padded = torch.tensor([r + [0] * (longest - len(r)) for r in reads], dtype=torch.int64, device=dev)
-        lens = torch.tensor([len(r) for r in reads], device=dev)
-        query_lens = torch.tensor([s.query_len for s in self.seqs], device=dev)
+        self.read_padded = to_device([r + [0] * (longest - len(r)) for r in reads], torch.int64, dev)
+        lens = to_device([len(r) for r in reads], torch.int64, dev)
+        query_lens = to_device([s.query_len for s in self.seqs], torch.int64, dev)
         mask = torch.zeros(len(reads), n, longest, dtype=torch.bool, device=dev)
         mask[:, 0] = torch.arange(longest, device=dev)[None, :] < lens[:, None]  # a causal token sees its context
         mask[:, :, 0] |= torch.arange(n, device=dev)[None, :] >= query_lens[:, None]  # padding queries: entry 0
@@ -140,8 +141,8 @@ class PagedKV:
             if s.mask is not None:  # a tree's own mask
                 mask[b, :s.query_len, :len(r)] = s.mask
         self.padded_mask = mask
-        self.to_padded = None if all(s.query_len == n for s in self.seqs) else torch.tensor(
-            [b * n + i for b, s in enumerate(self.seqs) for i in range(s.query_len)], dtype=torch.int64, device=dev)
+        self.to_padded = None if all(s.query_len == n for s in self.seqs) else to_device(
+            [b * n + i for b, s in enumerate(self.seqs) for i in range(s.query_len)], torch.int64, dev)
 
     def store(self, layer, entries):
         return self.cache.write(layer, self.write, entries)

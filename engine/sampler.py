@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.staging import to_device
+
 MAX_LOGPROBS = 20
 TOP_K_OFF = torch.iinfo(torch.int64).max  # any value >= V disables top-k
 
@@ -117,11 +119,13 @@ class SamplingBatch:
                 ban_ids += sorted(banned)
                 ban_left += [p.min_tokens - count] * len(banned)
 
-        def f32(xs):
-            return torch.tensor(xs, dtype=torch.float32, device=device)
+        device = torch.device(device)
+
+        def f32(xs):  # pinned and asynchronous on CUDA: the host does not wait for the step in flight
+            return to_device(xs, torch.float32, device)
 
         def i64(xs):
-            return torch.tensor(xs, dtype=torch.int64, device=device)
+            return to_device(xs, torch.int64, device)
 
         sampled = [p for p in params if p.temperature > 0]
         return cls(

@@ -10,6 +10,11 @@ Policy (written down here because vLLM and SGLang differ):
 - Limits apply per DP rank, as with vLLM's per-DP-rank engines: ``max_num_seqs`` running,
   ``max_num_batched_tokens`` fed per forward.
 - Every end (stop, length, abort, error) releases the request's blocks.
+- ``overlap`` (``engine.overlap=on``, plain decoding only): step n+1 is planned before step n's tokens are back.
+  A request sampled in step n then feeds a placeholder that the device fills from step n's sampled row
+  (``SeqWork.prev_row``); its KV counts as computed when it is scheduled; a request whose in-flight token
+  reaches its length limit is not scheduled again. A request that stops (or is aborted) at step n may be in step
+  n+1 already: that step's token for it is discarded, and its blocks were freed once, when it ended.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class SchedulerConfig:
     # on CUDA: share of the device's memory the engine may use; num_blocks is then sized from what is free after
     # the weights (engine/kv_budget.py). None: num_blocks as given. Off CUDA num_blocks is always used.
     gpu_memory_utilization: float | None = 0.9
+    warm_up: bool = True  # the scripts run Engine.warm_up (every static shape, captured on CUDA) before serving
+    overlap: str = "off"  # "on": the host schedules and stages step n+1 while step n runs (Engine.step)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -51,6 +58,8 @@ class SchedulerConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise RequestError(f"engine.gpu_memory_utilization must be in (0, 1] or null, got "
                                f"{self.gpu_memory_utilization}")
+        if self.overlap not in ("on", "off"):
+            raise RequestError(f"engine.overlap must be on or off, got {self.overlap!r}")
 
 
 @dataclass
@@ -64,8 +73,10 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a launched step)
     finish_reason: str | None = None
+    pending: int = 0  # overlap: tokens sampled by launched steps, not yet read back
+    pending_row: int = -1  # overlap: the latest of those steps' row for it (SeqWork.prev_row)
 
     @property
     def tokens(self) -> list[int]:
@@ -83,6 +94,8 @@ class Scheduler:
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_size)]
         self.running: list[list[Request]] = [[] for _ in range(dp_size)]
         self.requests: dict[str, Request] = {}
+        self.overlap = cfg.overlap == "on" and spec_scratch == 0  # a verify's next start needs its accepted count
+        self._scheduled: dict[int, dict[str, Request]] = {}  # step id → the requests it feeds, until its update
         self._steps = itertools.count()
 
     # ---- admission -------------------------------------------------------------------------------
@@ -128,42 +141,65 @@ class Scheduler:
         return any(self.running) or any(self.waiting)
 
     def schedule(self) -> StepPlan:
-        work = []
+        work, scheduled = [], {}
         for dp in range(self.dp_size):
             self._admit(dp)
-            budget, items = self.cfg.max_num_batched_tokens, []
+            budget, items, row = self.cfg.max_num_batched_tokens, [], 0
             decodes = [r for r in self.running[dp] if r.num_computed >= len(r.prompt)]
             prefills = [r for r in self.running[dp] if r.num_computed < len(r.prompt)]
             for req in decodes + prefills:
-                n = min(len(req.tokens) - req.num_computed, budget)
-                if n <= 0:
+                total = len(req.tokens) + req.pending
+                n = min(total - req.num_computed, budget)
+                if n <= 0 or self._ends_in_flight(req):
                     continue
                 budget -= n
-                done = req.num_computed + n == len(req.tokens)
+                done = req.num_computed + n == total
                 decode = req.num_computed >= len(req.prompt)
-                items.append(SeqWork(request_id=req.request_id,
-                                     token_ids=req.tokens[req.num_computed:req.num_computed + n],
-                                     start=req.num_computed, block_table=req.blocks, sample=done, params=req.params,
-                                     seed=req.seed, num_generated=len(req.output), decode=decode,
-                                     spec=decode and self.spec_scratch > 0))
+                spec = decode and self.spec_scratch > 0
+                tokens = req.tokens[req.num_computed:req.num_computed + n]
+                prev_row = -1
+                if len(tokens) < n:  # the last one is in flight: the device takes it from the previous step
+                    tokens, prev_row = tokens + [0], req.pending_row
+                items.append(SeqWork(request_id=req.request_id, token_ids=tokens, start=req.num_computed,
+                                     block_table=req.blocks, sample=done, params=req.params, seed=req.seed,
+                                     num_generated=len(req.output) + req.pending, decode=decode, spec=spec,
+                                     prev_row=prev_row))
+                scheduled[req.request_id] = req
+                if self.overlap:
+                    req.num_computed += n
+                    if done:
+                        req.pending, req.pending_row = req.pending + 1, row
+                if done and not spec:  # the runner samples plain rows in item order
+                    row += 1
             work.append(items)
-        return StepPlan(next(self._steps), work)
+        plan = StepPlan(next(self._steps), work, overlap=self.overlap)
+        if scheduled:
+            self._scheduled[plan.step_id] = scheduled
+        return plan
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether a token already sampled for ``req`` (overlap: not read back yet) reaches its length limit."""
+        p = req.params
+        return req.pending > 0 and (len(req.output) + req.pending >= p.max_tokens
+                                    or len(req.tokens) + req.pending >= self.cfg.max_model_len)
 
     def update(self, plan: StepPlan, results: dict[str, StepResult]) -> list[RequestOutput]:
         """Applies a finished step: advances computed tokens, appends tokens (stopping at the first stop
         or length limit), finishes requests. A speculative step commits its accepted drafts too: their KV
         is already compacted in place, so ``num_computed`` covers the bonus-rooted path."""
-        outputs = []
+        outputs, scheduled = [], self._scheduled.pop(plan.step_id, {})
         for w in (w for per_rank in plan.work for w in per_rank):
-            req = self.requests.get(w.request_id)
-            if req is None:  # aborted while the step ran
+            req = scheduled.get(w.request_id)
+            if req is None or req.finish_reason is not None:  # ended (stop, abort) while the step ran
                 continue
             if not w.sample:
-                req.num_computed = w.start + len(w.token_ids)
+                req.num_computed = max(req.num_computed, w.start + len(w.token_ids))
                 continue
             r = results[w.request_id]
-            # spec: the root + accepted drafts are in the KV (len(tokens) - 1 drafts + bonus came back)
-            req.num_computed = w.start + (len(r.tokens) if w.spec else len(w.token_ids))
+            if self.overlap:  # its KV counted when it was scheduled
+                req.pending -= 1
+            else:  # spec: the root + accepted drafts are in the KV (len(tokens) - 1 drafts + bonus came back)
+                req.num_computed = w.start + (len(r.tokens) if w.spec else len(w.token_ids))
             new, reason = 0, None
             for token in r.tokens:
                 req.output.append(token)

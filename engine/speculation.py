@@ -16,7 +16,7 @@ class Speculation:
     """``build(model, cache)`` → the rank's speculator (``spec_decode.speculator.Speculator``: ``capture``,
     ``propose``, ``verify_slots``, ``accept_rows``, ``add_context``, ``verify_inputs``, ``node_sampling``,
     ``walk_and_commit``); ``static_graphs(speculator, max_blocks, scratch_blocks, batch_sizes)`` → its static
-    draft and commit holders (``CapturedGraphs`` with ``load``/``launch`` and ``prepare``/``run``).
+    draft and commit holders (``CapturedGraphs`` with ``load``/``launch`` and ``prepare``/``run``/``warm_up``).
     ``num_nodes``: tree size, root included (the verify shape); ``scratch_slots``: KV slots per request that one
     speculative step writes; ``config``: what it was built from, for reports only."""
 

@@ -23,6 +23,9 @@ class SeqWork:
     num_generated: int
     decode: bool  # feeds a generated token (not part of the prompt)
     spec: bool = False  # draft + verify a tree rooted at token_ids[0] instead of a plain decode
+    # >= 0 (engine.overlap=on): token_ids[-1] is a placeholder for a token still on the device, sampled by the
+    # previous step in row prev_row of this DP group's plainly sampled items; every rank of the group takes it there
+    prev_row: int = -1
 
 
 def step_kind(items: Iterable[SeqWork]) -> str:
@@ -35,6 +38,8 @@ def step_kind(items: Iterable[SeqWork]) -> str:
 class StepPlan:
     step_id: int
     work: list[list[SeqWork]]  # per attention-DP rank
+    # every rank reads back (and rank 0 gathers) this step's results after launching the next one (engine.overlap)
+    overlap: bool = False
 
     @property
     def num_tokens(self) -> int:

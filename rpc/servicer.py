@@ -94,8 +94,10 @@ def engine_info(engine: Engine) -> dict:
         "steps": {"total": s.steps, "kinds": dict(s.step_kinds), "prefill_tokens": s.prefill_tokens,
                   "decode_tokens": s.decode_tokens,
                   "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
-                  "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0},
+                  "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
+                  "host_ms_per_step": {k: 1e3 * v / max(s.steps, 1) for k, v in s.host_s.items()}},
         "cuda_graphs": _graph_info(engine),
+        "warmup": {"seconds": s.warmup_s, "shapes": s.warmup_shapes},
         "spec_decode": _spec_info(engine),
         "scheduler": asdict(engine.scheduler.cfg),
     }

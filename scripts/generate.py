@@ -69,6 +69,8 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         worker_loop(make_runner(model, sched_cfg, speculation))
         return
     engine = Engine(model, sched_cfg, seed, speculation=speculation)
+    if sched_cfg.warm_up:  # JIT and capture before the decode clock starts
+        engine.warm_up()
     model.groups.counter.reset()
     outputs = generate_all(engine, prompts, params)
     engine.shutdown()
@@ -85,6 +87,8 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         "layout": layout.describe(),
         "spec_decode": spec.method,
         "acceptance_length": s.acceptance_length,
+        "warmup_s": s.warmup_s,
+        "host_s_per_step": {phase: t / max(s.steps, 1) for phase, t in s.host_s.items()},
         "draft_s_per_step": engine.runner.timing["draft_s"] / max(s.steps, 1),
         "verify_s_per_step": engine.runner.timing["verify_s"] / max(s.steps, 1),
     }

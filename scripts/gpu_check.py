@@ -26,7 +26,9 @@ overrides one, 0 skips it) inside the whole run's ``--budget-s``; each is record
   on the trained tiny_kimi pair — none / dflash / ddtree arms, tok/s, τ, coverage, tokens vs plain decoding, HF
   ``generate`` as the outside reference, DDTree projected onto the Kimi-shaped slice;
 - ``roofline`` (GPU; on CPU only when named, a tiny dry run): ``bench.gpu.roofline.run``, decode steps of a
-  Kimi-K2-shaped rank against the HBM floor.
+  Kimi-K2-shaped rank against the HBM floor;
+- ``quant`` (GPU; on CPU only when named, the kernel choice alone): ``bench.gpu.quant_check.run``, the INT4 and FP8
+  kernels in bf16 against their references, W4A16 MoE decode bytes/s vs the copy rate, FP8 vs bf16 GEMM.
 
 Writes ``gpu_report.json`` and ``gpu_report.md`` to ``--out``, else ``$OUT``, else a new directory under the
 system temp dir (its path is printed; never the checkout unless ``--out`` says so). The last console lines say

@@ -72,7 +72,10 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         return
     from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
 
-    serve(Engine(model, sched_cfg, seed, speculation=speculation), ckpt, server_cfg, ranks)
+    engine = Engine(model, sched_cfg, seed, speculation=speculation)
+    if sched_cfg.warm_up:  # every static shape before the first request (on CUDA: captured)
+        engine.warm_up()
+    serve(engine, ckpt, server_cfg, ranks)
 
 
 def forward_stop(rank0_pid) -> None:

@@ -21,11 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from model.triton.launch_tables import UNTUNED, moe_config_path  # noqa: E402
+from model.triton.launch_tables import UNTUNED, moe_config_path
 
 log = logging.getLogger("tune_moe")
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)

@@ -84,6 +84,14 @@ class CommitGraphs(CapturedGraphs):
         commit = self.commit(batch, nodes)
         return self._capture((batch, nodes), commit.slots.device, commit.load_padding, commit.run)
 
+    def warm_up(self, batch: int, nodes: int) -> None:
+        """Captures the ``(batch, nodes)`` commit (CUDA), or runs it once eagerly, on a padding-only state;
+        records no coverage (``ModelRunner.warm_up``)."""
+        if self.prepare(batch, nodes):
+            commit = self.commit(batch, nodes)
+            commit.load_padding()
+            commit.run()
+
     def run(self, tree: DraftTree, picks: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
             start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`StaticCommit.load` then the replay (or the eager run) → ``path [B, L]``, ``count [B]``."""

@@ -18,7 +18,8 @@ import pytest
 from bench.gpu import engine_check, report
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_ONLY = ("moe_timing", "bandwidth", "power", "cuda_graphs", "draft_graphs", "spec_steps", "engine", "roofline")
+GPU_ONLY = ("moe_timing", "bandwidth", "power", "cuda_graphs", "draft_graphs", "spec_steps", "engine", "roofline",
+            "quant")
 
 
 def gpu_check(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:

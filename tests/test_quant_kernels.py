@@ -242,10 +242,10 @@ def test_half_precision_paths(index):
 
 
 def test_gpu_check_quant_on_cpu_says_what_it_skipped(tmp_path):
-    """The device check (scripts/gpu_check_quant.py) runs here and records why its GPU sections were skipped."""
-    done = subprocess.run([sys.executable, "scripts/gpu_check_quant.py", "--out", str(tmp_path)], text=True,
-                          capture_output=True, cwd=Path(__file__).parents[1], timeout=120)
+    """gpu_check's ``quant`` section runs here and records why its GPU parts were skipped."""
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--sections", "quant", "--out", str(tmp_path)],
+                          text=True, capture_output=True, cwd=Path(__file__).parents[1], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check_quant.json").read_text())
+    report = json.loads((tmp_path / "gpu_report.json").read_text())["quant"]
     assert report["correctness"] == report["timing"] == "skipped: no CUDA device"
     assert "W8A16" in report["kernel_select"]["fp8_linear"]

@@ -173,6 +173,7 @@ def test_health_reflection_and_info(server, tiny_ckpts):
     assert eng["cuda_graphs"]["summary"] == "cuda graphs: off (no CUDA device)"
     assert eng["cuda_graphs"]["replays"] == 0 and eng["cuda_graphs"]["steps"] == eng["steps"]["total"]
     assert eng["spec_decode"]["summary"].startswith("spec-decode acceptance: none yet")
+    assert eng["warmup"]["shapes"] == []  # static steps are off on CPU (engine.static_steps=auto)
     assert [r["rank"] for r in eng["ranks"]] == [0, 1] and eng["server"]["capacity"] == 4
 
     load = client.loads()
@@ -184,18 +185,54 @@ def test_health_reflection_and_info(server, tiny_ckpts):
 
 
 def test_spec_decode_server_streams_hf_greedy_and_reports_acceptance(tiny_ckpts, random_drafter, tmp_path):
-    """DDTree behind the server: several tokens per step arrive as one delta, still HF's greedy tokens."""
+    """DDTree behind the server: several tokens per step arrive as one delta, still HF's greedy tokens. Static
+    steps on: the server warmed up every verify shape (batch 1 and 2) before it said SERVING."""
     ckpt = tiny_ckpts["tiny_deepseek"]
     srv = ServerProcess(ckpt, [*layout_args(2), "spec_decode=ddtree", f"spec_decode.drafter_path={random_drafter}",
-                               "spec_decode.block_size=5", "spec_decode.budget=12"], tmp_path / "server.log")
+                               "spec_decode.block_size=5", "spec_decode.budget=12", "engine.static_steps=on",
+                               "server.max_num_seqs=2"], tmp_path / "server.log")
     try:
         client = srv.wait_ready()
         ref = hf_greedy(ckpt, PROMPTS[:2], N_TOKENS)
         for prompt, want in zip(PROMPTS[:2], ref, strict=True):
             s = client.stream(prompt, max_tokens=N_TOKENS, min_tokens=N_TOKENS, temperature=0.0)
             assert [t for d in s for t in d] == want and s.result.completion_tokens == N_TOKENS
+        warm = client.engine_info()["warmup"]
+        assert [(w["kind"], w["batch"], w["nodes"]) for w in warm["shapes"]] == [("verify", 1, 13), ("verify", 2, 13),
+                                                                                 ("prefill", 1, 511)]
+        assert warm["seconds"] > 0
         spec = client.engine_info()["spec_decode"]
         assert spec["enabled"] and spec["method"] == "ddtree" and spec["acceptance_length"] >= 1.0
         wait_idle(client)
+    finally:
+        srv.close()
+
+
+def test_overlapped_server_streams_hf_greedy_and_frees_kv(tiny_ckpts, tmp_path):
+    """``engine.overlap=on`` with static steps (warmed up) behind the server: concurrent streams still carry HF's
+    greedy tokens, and a cancel or an Abort while the next step is already in flight frees the KV."""
+    ckpt = tiny_ckpts[CKPT]
+    srv = ServerProcess(ckpt, [*layout_args(2), "engine.overlap=on", "engine.static_steps=on", "server.max_num_seqs=4"],
+                        tmp_path / "server.log")
+    try:
+        client = srv.wait_ready()
+        ref = hf_greedy(ckpt, PROMPTS, N_TOKENS)
+        greedy = dict(max_tokens=N_TOKENS, min_tokens=N_TOKENS, temperature=0.0)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: client.generate(p, **greedy).token_ids, PROMPTS))
+        assert results == ref
+        s = client.stream(PROMPTS[0], **LONG)
+        it = iter(s)
+        next(it), next(it)
+        s.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(it)
+        s = client.stream(PROMPTS[2], **LONG)
+        it = iter(s)
+        next(it)
+        client.abort(s.request_id)
+        assert len(list(it)) < LONG["max_tokens"] and s.result.finish_reason == "abort"
+        wait_idle(client)
+        assert [w["kind"] for w in client.engine_info()["warmup"]["shapes"]] == ["decode"] * 3 + ["prefill"]
     finally:
         srv.close()

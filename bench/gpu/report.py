@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import draft_check, engine_check, graph_check, roofline, step_check
+from bench.gpu import draft_check, engine_check, graph_check, quant_check, roofline, step_check
 from bench.gpu.kernels import (
     CUDA,
     NO_GPU,
@@ -43,8 +43,8 @@ log = logging.getLogger("gpu_check")
 # sections that run on a GPU sum to 415 s, under the whole run's default --budget-s of 420 s; aot_compile runs only
 # without a GPU. A section past its budget + min(30 s, 10 s + budget / 4) is stopped (SIGALRM).
 BUDGETS_S = {"environment": 5, "kernel_select": 5, "aot_compile": 120, "correctness": 50, "moe_timing": 25,
-             "bandwidth": 25, "power": 5, "cuda_graphs": 30, "draft_graphs": 25, "spec_steps": 25, "engine": 150,
-             "roofline": 70}
+             "bandwidth": 25, "power": 5, "cuda_graphs": 30, "draft_graphs": 25, "spec_steps": 25, "engine": 125,
+             "roofline": 70, "quant": 25}
 TOTAL_BUDGET_S = 420.0
 NOT_SELECTED = "not in --sections"
 
@@ -112,6 +112,7 @@ SECTIONS: dict[str, Callable[[Context, float], object]] = {
     "spec_steps": _graphs(step_check.gpu_check),
     "engine": _engine,
     "roofline": _roofline,
+    "quant": lambda ctx, b: NO_GPU if ctx.device("quant") is None else quant_check.run(b),
 }
 assert SECTIONS.keys() == BUDGETS_S.keys()
 

@@ -1,52 +1,24 @@
-"""The quantized kernels on one GPU (≤ 3 minutes): right, and how fast against the machine.
+"""The quantized kernels on the GPU (gpu_check section ``quant``, issue 22): right, and how fast against the machine.
 
-    python scripts/gpu_check_quant.py [--out DIR]
-
-- ``kernel_select``: which implementation each quantized op gets on this device, and why (W8A8 on sm ≥ 89);
-- ``correctness``: every quantized Triton op against its torch reference in bf16 at model-like sizes
+- which implementation each quantized op gets on this device, and why (W8A8 on sm ≥ 89);
+- every quantized Triton op against its torch reference in bf16 at model-like sizes
   (:func:`model.triton.cases.compare`; the interpreter cannot check bf16);
-- ``timing``: Kimi K2.6 routed experts per EP8 rank (48 of 384 local, H 7168, I 2048, INT4 group 32, top-8) at
-  decode, sorted and DeepEP-packed: weight bytes of the hit experts per second as a fraction of the device
-  copy rate measured in the same run; the FP8 dense GEMM (DeepSeek-V3 ``o_proj`` at TP8, 4096 tokens) against
-  a bf16 ``F.linear`` of the same shape.
-
-Writes ``gpu_check_quant.json`` to ``--out`` (else ``$OUT``, else ``.``). Without CUDA every GPU section says it
-was skipped.
+- Kimi K2.6 routed experts per EP8 rank (48 of 384 local, H 7168, I 2048, INT4 group 32, top-8) at decode, sorted
+  and DeepEP-packed: weight bytes of the hit experts per second as a fraction of the device copy rate measured in
+  the same run; the FP8 dense GEMM (DeepSeek-V3 ``o_proj`` at TP8, 4096 tokens) against a bf16 ``F.linear`` of the
+  same shape.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.gpu.harness import cuda_time_s
+from model.kernel_select import QUANT_OPS, select_kernels
+from model.quant import reference as R
 
-from model.kernel_select import QUANT_OPS, select_kernels  # noqa: E402
-from model.quant import reference as R  # noqa: E402
-
-CUDA = torch.cuda.is_available()
 NO_GPU = "skipped: no CUDA device"
-
-
-def cuda_time_s(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds per call, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _int4(shape, g):
@@ -133,23 +105,14 @@ def timing(ks) -> list[dict]:
     return [dict(copy_gb_s=copy_rate / 1e9)] + rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
-    ks = select_kernels("cuda" if CUDA else "cpu")
-    report = dict(device=torch.cuda.get_device_name() if CUDA else "cpu",
-                  kernel_select={op: ks.reasons[op] for op in QUANT_OPS})
+def run(budget_s: float) -> dict:
+    """The section: kernel choice everywhere; correctness and timing on CUDA only (each recorded on failure)."""
+    cuda = torch.cuda.is_available()
+    ks = select_kernels("cuda" if cuda else "cpu")
+    report: dict = dict(kernel_select={op: ks.reasons[op] for op in QUANT_OPS})
     for name, section in (("correctness", correctness), ("timing", timing)):
         try:
-            report[name] = section(ks) if CUDA else NO_GPU
-        except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
+            report[name] = section(ks) if cuda else NO_GPU
+        except Exception as exc:  # noqa: BLE001 - recorded; the other part still runs
             report[name] = f"failed: {type(exc).__name__}: {exc}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check_quant.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return report
