@@ -232,11 +232,19 @@ class Committed:
     top_logprobs: torch.Tensor
 
     def results(self, work: list[SeqWork]) -> list[StepResult]:
-        """The readback (the step's one host synchronisation) → one StepResult per request of ``work``."""
-        fields = (self.count, self.tokens, self.logprobs, self.top_ids, self.top_logprobs)
+        """The readback — one device→host copy of every field, the step's one host synchronisation — → one
+        StepResult per request of ``work``."""
+        if not work:
+            return []
+        j, length, m = self.top_ids.shape
+        flat = [t.reshape(j, -1) for t in (self.count, self.tokens, self.logprobs, self.top_ids, self.top_logprobs)]
+        host = torch.cat([t.double() for t in flat], dim=1).cpu()  # token ids < 2**53: exact in float64
+        count, tokens, lps, ids, vals = host.split([t.shape[1] for t in flat], dim=1)
         results = []
-        for w, k, tokens, lps, ids, vals in zip(work, *(t.tolist() for t in fields), strict=True):
-            top = w.params.logprobs
-            tops = [list(zip(a[:top], b[:top], strict=True)) for a, b in zip(ids[:k], vals[:k], strict=True)]
-            results.append(StepResult(tokens[:k], lps[:k], tops))
+        for i, w in enumerate(work):
+            k, top = int(count[i, 0]), w.params.logprobs
+            top_ids = ids[i].reshape(length, m)[:k, :top].long().tolist()
+            top_lps = vals[i].reshape(length, m)[:k, :top].tolist()
+            results.append(StepResult(tokens[i, :k].long().tolist(), lps[i, :k].tolist(),
+                                      [list(zip(a, b, strict=True)) for a, b in zip(top_ids, top_lps, strict=True)]))
         return results
