@@ -96,8 +96,12 @@ def memory_blocker(need: int, free: int | None, reserve: float = MEMORY_RESERVE)
 
 
 def free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on ``device`` (``torch.cuda.mem_get_info``); None off CUDA, where no limit applies."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    """Bytes a new buffer on ``device`` can take: free on the device (``torch.cuda.mem_get_info``) plus what
+    PyTorch's caching allocator holds unused (earlier captures' leftovers); None off CUDA, where no limit applies."""
+    if device.type != "cuda":
+        return None
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached_unused
 
 
 def eager_reason(model, static_steps: str) -> str:

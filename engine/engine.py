@@ -103,7 +103,7 @@ class Engine:
         if self.has_work():
             raise RuntimeError("warm_up runs before the first request")
         shapes = self.runner.static_shapes()
-        if not shapes:
+        if not shapes and self.model.device.type != "cuda":  # nothing to capture, no Triton JIT to pay
             log.info("warm-up: no static shapes to run (%s)", self.runner.eager_reason)
             return 0.0
         t_all = time.perf_counter()

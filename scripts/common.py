@@ -56,11 +56,16 @@ def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[Device
     """What a script settles before it starts any rank: the ``device`` group (:func:`device_config`), the
     process-group backend it implies (``parallelism.launch.backend_for``) and ``topology=auto|nvlink|pcie``
     applied for that backend (``parallelism.topology.prepare``: NCCL's switches written into ``environ``, default
-    ``os.environ``). Returns ``(device, backend, topology summary)``; the summary is also logged."""
+    ``os.environ``). Returns ``(device, backend, topology summary)``; the summary is also logged. Refuses a KV
+    block size the device's kernels cannot page (the Triton kernels: powers of two only)."""
     from parallelism.launch import backend_for
     from parallelism.topology import prepare
 
     device = device_config(cfg)
+    block_size = cfg.engine.get("block_size") if "engine" in cfg else None
+    if device.type == "cuda" and device.kernels != "torch" and block_size and block_size & (block_size - 1):
+        raise ValueError(f"engine.block_size={block_size}: the Triton paged-attention kernels (device=cuda) need a "
+                         "power of two (16, 32, 64, ...)")
     backend = backend_for(device.type)
     mode = cfg.topology.mode if "topology" in cfg else "auto"
     summary = prepare(mode, layout, environ=environ, backend=backend)

@@ -193,6 +193,9 @@ CASES = {  # name: (script, args given tmp, what the one line must say)
         "serve.py", lambda t: ["parallel.world_size=3", "parallel.attn_tp=3", "parallel.moe_ep=3"],
         [r"target/config\.json does not fit", r"num_attention_heads=8 is not divisible by parallel\.attn_tp=3",
          r"n_routed_experts=16 is not divisible by parallel\.moe_ep=3"]),
+    "KV block size the GPU kernels cannot page": (
+        "serve.py", lambda t: ["device=cuda", "engine.block_size=24"],
+        [r"engine\.block_size=24: the Triton paged-attention kernels \(device=cuda\) need a power of two"]),
     "unwritable output": ("generate.py", lambda t: [f"generate.input={ROOT}/model/zoo/tiny_kimi/sample_prompts.json",
                                                     f"generate.output={t}/no/such/dir/out.json", *TWO_RANKS],
                           [r"generate\.output=.*/no/such/dir/out\.json: directory .* does not exist"]),
