@@ -38,6 +38,9 @@ class SchedulerConfig:
     # decode / tree-verify steps over fixed-shape buffers (engine/cuda_graphs.py): "auto" = on a CUDA device,
     # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
     static_steps: str = "auto"
+    # every row's arithmetic independent of what shares its launch (model.kernel_select.batch_invariant_kernels):
+    # speculation and batching give plain decoding's tokens bit for bit, in bf16 too; docs/batch_invariance.md
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):

@@ -15,20 +15,30 @@ Ops and their references (signatures in :mod:`model.kernels`):
 ``paged_decode_mla``          ``(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale)``
 ``tree_verify_gqa``           ``paged_decode_gqa``'s arguments with ``q [B, N, H, D]``, + ``tree_mask=`` or ``parents=``
 ``tree_verify_mla``           ``paged_decode_mla``'s arguments with a node dim, + ``tree_mask=`` or ``parents=``
+``linear``                    ``(x, weight, bias=None)`` → ``F.linear`` (every parallel linear, router, LM head)
+``head_matmul``               ``(x [T, h, K], w [h, K, N])`` → :func:`model.kernels.head_matmul` (MLA absorption)
+``silu_and_mul``              ``(gate_up)`` → :func:`model.kernels.silu_and_mul`
+``masked_attention``          ``(q, k, v, mask, scale)`` → :func:`model.kernels.masked_attention` (invariant mode's
+                              dynamic path: every attention row goes through it)
 ============================  ===============================================================
+
+:func:`batch_invariant_kernels` turns a set into its batch-invariant variant (``engine.batch_invariant``): each row's
+result independent of what shares its launch (:mod:`model.invariant`, docs/batch_invariance.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from model import kernels
+from model import invariant, kernels
 
 OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
-       "tree_verify_mla")
+       "tree_verify_mla", "linear", "head_matmul", "silu_and_mul", "masked_attention")
 BACKENDS = ("auto", "triton", "torch")
 MIN_CAPABILITY = (8, 0)  # bf16 tl.dot
 
@@ -44,8 +54,13 @@ class KernelSet:
     paged_decode_mla: Callable
     tree_verify_gqa: Callable
     tree_verify_mla: Callable
+    linear: Callable = F.linear
+    head_matmul: Callable = kernels.head_matmul
+    silu_and_mul: Callable = kernels.silu_and_mul
+    masked_attention: Callable = kernels.masked_attention
     reasons: dict[str, str] = field(default_factory=dict)
     graph_safe: bool = False  # no host synchronisation in any op: the Triton set (the references read lengths/counts)
+    batch_invariant: bool = False  # every op row-invariant; attention layers send every row through the same path
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -100,6 +115,19 @@ def _triton_set(device: torch.device) -> KernelSet:
     return KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
                      attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
                      reasons=dict.fromkeys(OPS, reason), graph_safe=True)
+
+
+def batch_invariant_kernels(base: KernelSet) -> KernelSet:
+    """``base`` with every op replaced by its batch-invariant version (:mod:`model.invariant`); RMSNorm keeps
+    ``base``'s (row-local by construction, measured: tests/test_batch_invariance.py). Idempotent."""
+    if base.batch_invariant:
+        return base
+    ops = dict(moe_experts=invariant.moe_experts, paged_decode_gqa=invariant.paged_decode_gqa,
+               paged_decode_mla=invariant.paged_decode_mla, tree_verify_gqa=invariant.tree_verify_gqa,
+               tree_verify_mla=invariant.tree_verify_mla, linear=invariant.linear, head_matmul=invariant.head_matmul,
+               silu_and_mul=invariant.silu_and_mul, masked_attention=invariant.masked_attention)
+    reasons = {**base.reasons, **dict.fromkeys(ops, "batch-invariant torch (model.invariant)")}
+    return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=False, batch_invariant=True)
 
 
 def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:
