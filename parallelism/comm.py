@@ -88,9 +88,9 @@ class Comm:
             return x
         self.counter.record(self.kind, "all_reduce", _nbytes(x))
         if self.mode.ordered:
-            parts = x.new_empty((self.size, *x.shape))
-            dist.all_gather_into_tensor(parts, x.contiguous(), group=self.group)
-            return x.copy_(_rank_order_sum(parts))
+            parts = x.new_empty(self.size * x.numel())
+            dist.all_gather_into_tensor(parts, x.reshape(-1).contiguous(), group=self.group)
+            return x.copy_(_rank_order_sum(parts.view(self.size, *x.shape)))
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -110,9 +110,9 @@ class Comm:
         self.counter.record(self.kind, "reduce_scatter", _nbytes(x))
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
         if self.mode.ordered:  # rank r's chunk c goes to rank c: parts[r] = rank r's copy of this rank's chunk
-            parts = x.new_empty((self.size, *out.shape))
+            parts = x.new_empty(x.shape)
             dist.all_to_all_single(parts, x.contiguous(), group=self.group)
-            return out.copy_(_rank_order_sum(parts))
+            return out.copy_(_rank_order_sum(parts.view(self.size, *out.shape)))
         dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
         return out
 
