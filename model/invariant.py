@@ -83,17 +83,21 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch
     if pad:
         k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
         length += pad
-    chunks = length // SPLIT_KEYS
     valid = torch.arange(length, device=q.device)[None, :] < counts[:, None]  # [R, L]
-    v = v.float().masked_fill(~valid[:, :, None, None], 0.0)
-    qf = q.float().view(r, g, h // g, 1, dk)
-    kf = k.float().permute(0, 2, 1, 3)[:, :, None]  # [R, G, 1, L, Dk]
-    scores = (qf * kf).sum(-1) * scale  # [R, G, hg, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True)).view(r, g, h // g, chunks, SPLIT_KEYS)
-    denom = _ordered_sum(p.sum(-1), dim=-1)  # [R, G, hg]
-    vc = v.view(r, chunks, SPLIT_KEYS, g, dv).permute(0, 3, 1, 4, 2)[:, :, None]  # [R, G, 1, C, Dv, S]
-    acc = _ordered_sum((p[:, :, :, :, None, :] * vc).sum(-1), dim=3)  # [R, G, hg, Dv]
+    # one (row, key group) per bmm batch entry; every bmm below has a fixed per-entry shape
+    qf = q.float().view(r * g, h // g, dk)
+    kf = k.float().permute(0, 2, 3, 1).reshape(r * g, dk, length)  # [RG, Dk, L]
+    vf = v.float().masked_fill(~valid[:, :, None, None], 0.0).permute(0, 2, 1, 3).reshape(r * g, length, dv)
+    keep = valid.repeat_interleave(g, dim=0)[:, None, :]  # [RG, 1, L]
+    chunks = range(0, length, SPLIT_KEYS)
+    scores = torch.cat([torch.bmm(qf, kf[:, :, c:c + SPLIT_KEYS].contiguous()) for c in chunks], dim=-1) * scale
+    scores = scores.masked_fill(~keep, float("-inf"))  # [RG, hg, L]
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    denom = acc = None
+    for c in chunks:  # chunk by chunk, in key order
+        pc = p[:, :, c:c + SPLIT_KEYS].contiguous()
+        part_d, part_o = pc.sum(-1), torch.bmm(pc, vf[:, c:c + SPLIT_KEYS].contiguous())
+        denom, acc = (part_d, part_o) if acc is None else (denom + part_d, acc + part_o)
     return (acc / denom[..., None]).reshape(r, h, dv).to(q.dtype)
 
 
