@@ -61,6 +61,7 @@ class KernelSet:
     reasons: dict[str, str] = field(default_factory=dict)
     graph_safe: bool = False  # no host synchronisation in any op: the Triton set (the references read lengths/counts)
     batch_invariant: bool = False  # every op row-invariant; attention layers send every row through the same path
+    backend: str = "torch"  # "triton" for the Triton set
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -114,7 +115,7 @@ def _triton_set(device: torch.device) -> KernelSet:
     reason = f"triton {triton.__version__}: {name} (sm_{major}{minor})"
     return KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
                      attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
-                     reasons=dict.fromkeys(OPS, reason), graph_safe=True)
+                     reasons=dict.fromkeys(OPS, reason), graph_safe=True, backend="triton")
 
 
 def batch_invariant_kernels(base: KernelSet) -> KernelSet:
@@ -127,6 +128,12 @@ def batch_invariant_kernels(base: KernelSet) -> KernelSet:
                tree_verify_mla=invariant.tree_verify_mla, linear=invariant.linear, head_matmul=invariant.head_matmul,
                silu_and_mul=invariant.silu_and_mul, masked_attention=invariant.masked_attention)
     reasons = {**base.reasons, **dict.fromkeys(ops, "batch-invariant torch (model.invariant)")}
+    if base.backend == "triton":  # fixed-tile GEMMs and the ordered MoE combine; attention stays torch (see docs)
+        from model.triton import invariant_matmul as tim
+
+        gemms = dict(linear=tim.linear, head_matmul=tim.head_matmul, moe_experts=tim.moe_experts)
+        ops.update(gemms)
+        reasons.update(dict.fromkeys(gemms, "batch-invariant triton (model.triton.invariant_matmul)"))
     return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=False, batch_invariant=True)
 
 

@@ -279,11 +279,12 @@ def arms_and_runs(max_tokens: int, batch_one: bool = True):
 
     drafter = str(ZOO / "drafter")
     arms = [SpecConfig(), SpecConfig("dflash", drafter_path=drafter),
-            SpecConfig("ddtree", budget=16, drafter_path=drafter), SpecConfig("ddtree", budget=64, drafter_path=drafter)]
+            *(SpecConfig("ddtree", budget=b, drafter_path=drafter) for b in (16, 64))]
     prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=max_tokens, ignore_eos=True)
-    batch = [(f"g{i}", p, greedy) for i, p in enumerate(prompts)] + [(f"s{i}", p, seeded) for i, p in enumerate(prompts)]
+    batch = [(f"{name}{i}", p, params) for name, params in (("g", greedy), ("s", seeded))
+             for i, p in enumerate(prompts)]
     runs = [batch] + ([[batch[0]], [batch[4]]] if batch_one else [])
     return arms, runs
 
