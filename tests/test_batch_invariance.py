@@ -246,8 +246,10 @@ ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 
 
 def _arms_job(ctx, lay, runs, arms, cfg):
-    """The trained target in bf16, each arm (a SpecConfig) on fresh engines over each run (a request list) with
-    ``cfg``; rank 0 returns ``[[{rid: (tokens, reason)} per run] per arm]``."""
+    """The trained target in bf16, each arm (a SpecConfig and ``engine.static_steps``) on fresh engines over each run
+    (a request list) with ``cfg``; rank 0 returns ``[[{rid: (tokens, reason)} per run] per arm]``."""
+    import dataclasses
+
     from engine.engine import Engine, make_runner, worker_loop
     from model.loader import load_model
     from parallelism.comm import build_groups
@@ -258,13 +260,14 @@ def _arms_job(ctx, lay, runs, arms, cfg):
     groups = ctx.groups(lay) if lay.world_size > 1 else build_groups(lay)
     model = load_model(ZOO / "target", groups, torch.bfloat16)
     out = []
-    for spec in arms:
+    for spec, static in arms:
         speculation, per_arm = load_speculation(spec, model), []
+        arm_cfg = dataclasses.replace(cfg, static_steps=static)
         for requests in runs:
             if ctx.rank != 0:
-                worker_loop(make_runner(model, cfg, speculation))
+                worker_loop(make_runner(model, arm_cfg, speculation))
                 continue
-            engine = Engine(model, cfg, speculation=speculation)
+            engine = Engine(model, arm_cfg, speculation=speculation)
             per_arm.append(run_requests(engine, requests))
             engine.shutdown()
         out.append(per_arm)
@@ -272,14 +275,16 @@ def _arms_job(ctx, lay, runs, arms, cfg):
 
 
 def arms_and_runs(max_tokens: int, batch_one: bool = True):
-    """Plain, DFlash, DDTree 16 and 64; a batch of 8 (4 prompts greedy and the same 4 seeded at T=1, top-p),
-    then (``batch_one``) prompt 0 greedy alone and seeded alone."""
+    """Plain, DFlash, DDTree 16 and 64 on static steps, then plain and DDTree 16 on the dynamic path (graphs off);
+    a batch of 8 (4 prompts greedy and the same 4 seeded at T=1, top-p), then (``batch_one``) prompt 0 greedy alone
+    and seeded alone."""
     from engine.sampler import SamplingParams
     from spec_decode.config import SpecConfig
 
     drafter = str(ZOO / "drafter")
-    arms = [SpecConfig(), SpecConfig("dflash", drafter_path=drafter),
-            *(SpecConfig("ddtree", budget=b, drafter_path=drafter) for b in (16, 64))]
+    ddtree = [SpecConfig("ddtree", budget=b, drafter_path=drafter) for b in (16, 64)]
+    arms = [(SpecConfig(), "on"), (SpecConfig("dflash", drafter_path=drafter), "on"), (ddtree[0], "on"),
+            (ddtree[1], "on"), (SpecConfig(), "off"), (ddtree[0], "off")]
     prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=max_tokens, ignore_eos=True)
@@ -299,14 +304,14 @@ def invariant_cfg():
 @pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
 @pytest.mark.parametrize(("preset", "max_tokens", "batch_one"), [("single", 24, True), ("tp8", 10, False)])
 def test_trained_pair_tokens_identical_in_bf16(pool, preset, max_tokens, batch_one):
-    """With the flag on, every arm gives every request plain decoding's tokens at batch 8 (prefill chunked over
-    mixed steps by the 128-token budget), and prompt 0 alone gets the tokens it got inside the batch."""
+    """With the flag on, every arm gives every request plain (static) decoding's tokens at batch 8 (prefill chunked
+    over mixed steps by the 128-token budget), and prompt 0 alone gets the tokens it got inside the batch."""
     arms, runs = arms_and_runs(max_tokens, batch_one)
     out = pool.run(_arms_job, layout(preset), runs, arms, invariant_cfg())[0]
     plain = out[0]
     for arm, per_arm in zip(arms, out, strict=True):
         for run, got in zip(plain, per_arm, strict=True):
-            assert got == run, (arm.method, arm.budget)
+            assert got == run, (arm[0].method, arm[0].budget, arm[1])
     batch = plain[0]
     assert all(len(toks) == max_tokens for toks, _ in batch.values())
     for run in plain[1:]:
