@@ -39,7 +39,7 @@ def _tiles(x: torch.Tensor):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` row-invariantly: ``x [..., K]``, ``weight [N, K]`` → ``[..., N]``."""
     lead, t = x.shape[:-1], x[..., 0].numel()
-    flat = x.reshape(t, x.shape[-1])
+    flat = x.reshape(t, x.shape[-1]).contiguous()  # one operand layout whatever view x is
     out = torch.cat([F.linear(tile, weight, bias) for tile in _tiles(flat)])[:t] if t else F.linear(flat, weight, bias)
     return out.view(*lead, weight.shape[0])
 
@@ -76,28 +76,28 @@ def _ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
     """The row-local core. ``q [R, H, Dk]``; ``k [R, L, G, Dk]``, ``v [R, L, G, Dv]``: row r's visible keys in
-    logical order, the first ``counts[r]`` valid (H = G × heads per group). Returns ``[R, H, Dv]`` in q's dtype."""
+    logical order, the first ``counts[r]`` valid, the rest finite (H = G × heads per group). Returns ``[R, H, Dv]``
+    in q's dtype."""
     r, h, dk = q.shape
     length, g, dv = k.shape[1], k.shape[2], v.shape[-1]
     pad = -length % SPLIT_KEYS
     if pad:
         k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
         length += pad
-    valid = torch.arange(length, device=q.device)[None, :] < counts[:, None]  # [R, L]
-    # one (row, key group) per bmm batch entry; every bmm below has a fixed per-entry shape
-    qf = q.float().view(r * g, h // g, dk)
-    kf = k.float().permute(0, 2, 3, 1).reshape(r * g, dk, length)  # [RG, Dk, L]
-    vf = v.float().masked_fill(~valid[:, :, None, None], 0.0).permute(0, 2, 1, 3).reshape(r * g, length, dv)
-    keep = valid.repeat_interleave(g, dim=0)[:, None, :]  # [RG, 1, L]
-    chunks = range(0, length, SPLIT_KEYS)
-    scores = torch.cat([torch.bmm(qf, kf[:, :, c:c + SPLIT_KEYS].contiguous()) for c in chunks], dim=-1) * scale
-    scores = scores.masked_fill(~keep, float("-inf"))  # [RG, hg, L]
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    denom = acc = None
-    for c in chunks:  # chunk by chunk, in key order
-        pc = p[:, :, c:c + SPLIT_KEYS].contiguous()
-        part_d, part_o = pc.sum(-1), torch.bmm(pc, vf[:, c:c + SPLIT_KEYS].contiguous())
-        denom, acc = (part_d, part_o) if acc is None else (denom + part_d, acc + part_o)
+    c, hg = length // SPLIT_KEYS, h // g
+    # one (row, key group) per bmm batch entry, one bmm per chunk: every GEMM has one shape ([hg, Dk] x [Dk, S] or
+    # [hg, S] x [S, Dv]) and contiguous operands: ``reshape`` may return a transposed view (one row, one chunk),
+    # and fp32 bmm on a transposed operand gives other bits (measured)
+    qf = q.float().reshape(r * g, hg, dk).contiguous()
+    kc = k.float().view(r, c, SPLIT_KEYS, g, dk).permute(1, 0, 3, 4, 2).contiguous().view(c, r * g, dk, SPLIT_KEYS)
+    vc = v.float().view(r, c, SPLIT_KEYS, g, dv).permute(1, 0, 3, 2, 4).contiguous().view(c, r * g, SPLIT_KEYS, dv)
+    scores = torch.stack([torch.bmm(qf, kc[i]) for i in range(c)]).view(c, r, g, hg, SPLIT_KEYS)
+    valid = (torch.arange(length, device=q.device)[None, :] < counts[:, None]).view(r, c, SPLIT_KEYS)
+    scores = (scores * scale).masked_fill(~valid.transpose(0, 1)[:, :, None, None, :], float("-inf"))
+    p = torch.exp(scores - scores.amax(dim=(0, 4), keepdim=True)).view(c, r * g, hg, SPLIT_KEYS)
+    denom, acc = p[0].sum(-1), torch.bmm(p[0], vc[0])
+    for i in range(1, c):  # chunk by chunk, in key order; a chunk past the row's keys adds exact zeros
+        denom, acc = denom + p[i].sum(-1), acc + torch.bmm(p[i], vc[i])
     return (acc / denom[..., None]).reshape(r, h, dv).to(q.dtype)
 
 
@@ -107,13 +107,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     Each query row attends over its visible keys, compacted in index order. Returns ``[B, N, H, Dv]``."""
     b, n, m = mask.shape
     counts = mask.sum(-1).reshape(-1)  # [R]
-    longest = max(int(counts.max()), 1) if counts.numel() else 1
-    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :longest]  # visible keys first
+    longest = -(-max(int(counts.max()) if counts.numel() else 1, 1) // SPLIT_KEYS) * SPLIT_KEYS
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)  # visible keys first, in order
+    order = order[..., :longest] if longest <= m else F.pad(order, (0, longest - m))  # tail: masked, finite
     seq = torch.arange(b, device=q.device)[:, None, None].expand(b, n, longest)
+    k, v = k.float(), v.float()  # once per sequence, before the per-row copies
     rows_k = k[seq, order].reshape(b * n, longest, *k.shape[2:])
     rows_v = v[seq, order].reshape(b * n, longest, *v.shape[2:])
     out = attend_rows(q.reshape(b * n, *q.shape[2:]), rows_k, rows_v, counts, scale)
-    return out.view(b, n, *out.shape[1:])
+    return out.view(b, n, *out.shape[1:]).to(q.dtype)
 
 
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
