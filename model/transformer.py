@@ -62,7 +62,6 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg, groups, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
         self.kernels: KernelSet = reference_kernels()  # the set every module calls (use_kernels), for callers
-        self.use_kernels(self.kernels)
 
     @property
     def device(self) -> torch.device:
