@@ -295,20 +295,26 @@ def arms_and_runs(max_tokens: int, full: bool = True):
     return arms, runs
 
 
-def invariant_cfg():
+def invariant_cfg(on: bool = True):
     from engine.scheduler import SchedulerConfig
 
     return SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
-                           num_blocks=256, static_steps="on", batch_invariant=True)
+                           num_blocks=256, static_steps="on", batch_invariant=on)
+
+
+FLAG_OFF = pytest.mark.xfail(strict=False, reason="flag off, measured on this CPU: prompt 0 leaves plain decoding "
+                                                  "under dflash and ddtree, and batch 1 != batch 8")
 
 
 @pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
-@pytest.mark.parametrize(("preset", "max_tokens", "full"), [("single", 24, True), ("tp8", 10, False)])
-def test_trained_pair_tokens_identical_in_bf16(pool, preset, max_tokens, full):
+@pytest.mark.parametrize(("preset", "max_tokens", "full", "on"), [
+    ("single", 24, True, True), ("tp8", 10, False, True), pytest.param("single", 24, True, False, marks=FLAG_OFF)])
+def test_trained_pair_tokens_identical_in_bf16(pool, preset, max_tokens, full, on):
     """With the flag on, every arm gives every request plain (static) decoding's tokens at batch 8 (prefill chunked
-    over mixed steps by the 128-token budget), and prompt 0 alone gets the tokens it got inside the batch."""
+    over mixed steps by the 128-token budget), and prompt 0 alone gets the tokens it got inside the batch. With the
+    flag off the same test shows where that fails today (xfail; XPASS would mean this box stopped flipping bits)."""
     arms, runs = arms_and_runs(max_tokens, full)
-    out = pool.run(_arms_job, layout(preset), runs, arms, invariant_cfg())[0]
+    out = pool.run(_arms_job, layout(preset), runs, arms, invariant_cfg(on))[0]
     plain = out[0]
     for arm, per_arm in zip(arms, out, strict=True):
         for run, got in zip(plain, per_arm, strict=True):
