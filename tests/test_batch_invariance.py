@@ -246,7 +246,7 @@ def test_rank_order_reductions_rows(pool, dtype):
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 
 
-def _arms_job(ctx, lay, runs, arms, cfg):
+def _arms_job(ctx, lay, runs, arms, cfg, path=ZOO / "target"):
     """The trained target in bf16, each arm (a SpecConfig and ``engine.static_steps``) on fresh engines over each run
     (a request list) with ``cfg``; rank 0 returns ``[[{rid: (tokens, reason)} per run] per arm]``."""
     import dataclasses
@@ -259,7 +259,7 @@ def _arms_job(ctx, lay, runs, arms, cfg):
     if lay.world_size == 1 and ctx.rank != 0:
         return None
     groups = ctx.groups(lay) if lay.world_size > 1 else build_groups(lay)
-    model = load_model(ZOO / "target", groups, torch.bfloat16)
+    model = load_model(path, groups, torch.bfloat16)
     out = []
     for spec, static in arms:
         speculation, per_arm = load_speculation(spec, model), []
@@ -324,3 +324,18 @@ def test_trained_pair_tokens_identical_in_bf16(pool, preset, max_tokens, full, o
     for run in plain[1:]:
         for rid, got in run.items():
             assert got == batch[rid], rid
+
+
+def test_gqa_model_tokens_identical_in_bf16(pool, tiny_ckpts, random_drafter):
+    """The GQA path (tiny Qwen3-MoE, untrained drafter): plain, DDTree and graphs-off plain agree with the flag on."""
+    from engine.sampler import SamplingParams
+    from spec_decode.config import SpecConfig
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
+    runs = [[(str(i), p, params) for i, p in enumerate(prompts)], [("0", prompts[0], params)]]
+    tree = SpecConfig("ddtree", budget=12, block_size=5, drafter_path=random_drafter, tree_temperature=0.5)
+    arms = [(SpecConfig(), "on"), (tree, "on"), (SpecConfig(), "off")]
+    plain, *others = pool.run(_arms_job, layout("single"), runs, arms, invariant_cfg(), tiny_ckpts["tiny_qwen3_moe"])[0]
+    assert all(other == plain for other in others)
+    assert plain[1]["0"] == plain[0]["0"]
