@@ -44,6 +44,9 @@ def kernel_blocker(model) -> str:
     kernels = model.kernels
     if kernels.graph_safe:
         return ""
+    if kernels.batch_invariant:
+        return ("engine.batch_invariant: the invariant attention reads context lengths on the host "
+                "(docs/batch_invariance.md)")
     why = kernels.reasons.get("moe_experts", "torch reference kernels")
     return f"{why}: the torch references wait on the host, capture needs the Triton kernels"
 

@@ -48,6 +48,9 @@ class SchedulerConfig:
     gpu_memory_utilization: float | None = 0.9
     warm_up: bool = True  # the scripts run Engine.warm_up (every static shape, captured on CUDA) before serving
     overlap: str = "off"  # "on": the host schedules and stages step n+1 while step n runs (Engine.step)
+    # every row's arithmetic independent of what shares its launch (model.kernel_select.batch_invariant_kernels):
+    # speculation and batching give plain decoding's tokens bit for bit, in bf16 too; docs/batch_invariance.md
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):

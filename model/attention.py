@@ -20,6 +20,35 @@ from parallelism.layout import divide
 from parallelism.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 
+def _mla_keys(latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached MLA entries ``[B, M, L]``, ``[B, M, dr]`` → absorbed keys ``[B, M, 1, L+dr]``, values ``[B, M, 1, L]``."""
+    return torch.cat([latent, k_pe], dim=-1)[:, :, None], latent[:, :, None]
+
+
+def _gqa_keys(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
+
+
+def every_row(kernels: KernelSet, batch: ForwardBatch, layer: int, q: torch.Tensor, entries: tuple[torch.Tensor, ...],
+              keys, scale: float, dv: int) -> torch.Tensor:
+    """Stores this step's ``entries`` and attends every query row ``q [T, H, Dk]`` over its sequence's visible
+    entries through ``kernels.masked_attention`` (``keys``: entries ``[B, M, ...]`` → keys, values ``[B, M, G, D]``).
+    The batch-invariant path for every KV context without paged tables. Returns ``[T, H, dv]``."""
+    if batch.kv.padded:
+        ctx = batch.kv.store_and_gather_padded(layer, entries)
+        return ctx.unpad(kernels.masked_attention(ctx.pad_queries(q), *keys(*ctx.entries), ctx.mask, scale))
+    outs, start = [], 0
+    for i, seq in enumerate(batch.kv.store_and_gather(layer, entries)):
+        n, m = batch.query_lens[i], seq[0].shape[0]
+        mask = batch.kv.mask(i)
+        if mask is None:  # causal, the queries last
+            mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(diagonal=m - n)
+        k, v = keys(*(e[None] for e in seq))
+        outs.append(kernels.masked_attention(q[None, start:start + n], k, v, mask[None], scale)[0])
+        start += n
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], dv)
+
+
 class MLAAttention(nn.Module):
     """Multi-head latent attention. The KV context stores the normed latent ``[T, kv_lora]`` and the
     roped key ``[T, rope_dim]`` once per token; per-head K/V are expanded from them with ``kv_b_proj``."""
@@ -56,6 +85,8 @@ class MLAAttention(nn.Module):
         if batch.kv.tables is not None:
             o = self._paged_kernel(q, batch.kv.store(self.layer, (latent, k_pe)), batch.kv)
             return self.o_proj(o.reshape(t, self.heads * m.v_head_dim))
+        if self.kernels.batch_invariant:
+            return self.o_proj(self._every_row_absorbed(q, (latent, k_pe), batch).reshape(t, self.heads * m.v_head_dim))
         if batch.kv.padded:
             ctx = batch.kv.store_and_gather_padded(self.layer, (latent, k_pe))
             o = ctx.unpad(self._absorbed(ctx.pad_queries(q), ctx))
@@ -85,14 +116,26 @@ class MLAAttention(nn.Module):
         b, n = tb.context_lens.shape[0], tb.num_queries
         w_uk, w_uv = self._absorb_weights()
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+        q_lat = self.kernels.head_matmul(q_nope, w_uk)  # [T, h, L]
         args = (*caches, tb.block_tables, tb.context_lens, tb.block_size, self.scale)
         if tb.tree_mask is None:
             out = self.kernels.paged_decode_mla(q_lat, q_pe, *args)
         else:
             out = self.kernels.tree_verify_mla(q_lat.view(b, n, self.heads, -1), q_pe.reshape(b, n, self.heads, -1),
                                                *args, tree_mask=tb.tree_mask).reshape(b * n, self.heads, -1)
-        return torch.einsum("thl,hvl->thv", out.to(q.dtype), w_uv)
+        return self.kernels.head_matmul(out.to(q.dtype), w_uv.transpose(1, 2))
+
+    def _every_row_absorbed(self, q: torch.Tensor, entries: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
+                            ) -> torch.Tensor:
+        """Batch-invariant kernels off the paged path (prefill, mixed and graphs-off steps): every row in the
+        absorbed form the paged kernels use, so a token's arithmetic does not depend on the kind of step it is
+        in. ``q [T, h, dn+dr]`` → ``[T, h, dv]``."""
+        m = self.mla
+        w_uk, w_uv = self._absorb_weights()
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q = torch.cat([self.kernels.head_matmul(q_nope, w_uk), q_pe], dim=-1)  # [T, h, L+dr]
+        out = every_row(self.kernels, batch, self.layer, q, entries, _mla_keys, self.scale, m.kv_lora_rank)
+        return self.kernels.head_matmul(out, w_uv.transpose(1, 2))
 
     def _absorbed(self, q: torch.Tensor, ctx: PaddedContext) -> torch.Tensor:
         """A few queries per sequence (decode, tree verify) against the cached latents, without expanding
@@ -145,6 +188,9 @@ class GQAAttention(nn.Module):
         groups = self.heads // self.kv_heads
         if batch.kv.tables is not None:
             return self.o_proj(self._paged_kernel(q, batch.kv.store(self.layer, (k, v)), batch.kv).reshape(t, -1))
+        if self.kernels.batch_invariant:
+            o = every_row(self.kernels, batch, self.layer, q, (k, v), _gqa_keys, self.scale, d)
+            return self.o_proj(o.reshape(t, self.heads * d))
         if batch.kv.padded:
             ctx = batch.kv.store_and_gather_padded(self.layer, (k, v))
             (ks, vs), mask = ctx.entries, ctx.mask  # [B, M, kvh, d], [B, N, M]

@@ -19,21 +19,31 @@ Ops and their references (signatures in :mod:`model.kernels`):
 ``fp8_linear``                ``(x, weight, scale_inv, block)`` → ``w8a8_linear`` (FP8 device) or ``w8a16_linear``
 ``w4a16_moe``                 ``(inp, w13, w13_scale, w2, w2_scale, group_size)`` → ``quant.reference.w4a16_moe``
 ``fp8_moe``                   ``(inp, w13, w13_scale, w2, w2_scale, block)`` → ``w8a8_moe`` or ``w8a16_moe``
+``linear``                    ``(x, weight, bias=None)`` → ``F.linear`` (every parallel linear, router, LM head)
+``head_matmul``               ``(x [T, h, K], w [h, K, N])`` → :func:`model.kernels.head_matmul` (MLA absorption)
+``silu_and_mul``              ``(gate_up)`` → :func:`model.kernels.silu_and_mul`
+``masked_attention``          ``(q, k, v, mask, scale)`` → :func:`model.kernels.masked_attention` (invariant mode's
+                              dynamic path: every attention row goes through it)
 ============================  ===============================================================
+
+:func:`batch_invariant_kernels` turns a set into its batch-invariant variant (``engine.batch_invariant``): each row's
+result independent of what shares its launch (:mod:`model.invariant`, docs/batch_invariance.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from model import kernels
+from model import invariant, kernels
 from model.quant import reference as qref
 
 OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
-       "tree_verify_mla")
+       "tree_verify_mla", "linear", "head_matmul", "silu_and_mul", "masked_attention")
 BACKENDS = ("auto", "triton", "torch")
 QUANT_OPS = ("w4a16_linear", "fp8_linear", "w4a16_moe", "fp8_moe")
 MIN_CAPABILITY = (8, 0)  # bf16 tl.dot
@@ -51,12 +61,18 @@ class KernelSet:
     paged_decode_mla: Callable
     tree_verify_gqa: Callable
     tree_verify_mla: Callable
+    linear: Callable = F.linear
+    head_matmul: Callable = kernels.head_matmul
+    silu_and_mul: Callable = kernels.silu_and_mul
+    masked_attention: Callable = kernels.masked_attention
     reasons: dict[str, str] = field(default_factory=dict)
     graph_safe: bool = False  # no host synchronisation in any op: the Triton set (the references read lengths/counts)
     w4a16_linear: Callable = qref.w4a16_linear
     fp8_linear: Callable = qref.w8a16_linear
     w4a16_moe: Callable = qref.w4a16_moe
     fp8_moe: Callable = qref.w8a16_moe
+    batch_invariant: bool = False  # every op row-invariant; attention layers send every row through the same path
+    backend: str = "torch"  # "triton" for the Triton set
 
 
 def native_bf16_matmul(device: torch.device | str) -> bool:
@@ -131,7 +147,27 @@ def _triton_set(device: torch.device) -> KernelSet:
                      attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
                      reasons=reasons, graph_safe=True, w4a16_linear=quant_gemm.w4a16_linear,
                      fp8_linear=quant_gemm.w8a8_linear if w8a8 else quant_gemm.w8a16_linear,
-                     w4a16_moe=quant_moe.w4a16_moe, fp8_moe=quant_moe.w8a8_moe if w8a8 else quant_moe.w8a16_moe)
+                     w4a16_moe=quant_moe.w4a16_moe, fp8_moe=quant_moe.w8a8_moe if w8a8 else quant_moe.w8a16_moe,
+                     backend="triton")
+
+
+def batch_invariant_kernels(base: KernelSet) -> KernelSet:
+    """``base`` with every op replaced by its batch-invariant version (:mod:`model.invariant`); RMSNorm keeps
+    ``base``'s (row-local by construction, measured: tests/test_batch_invariance.py). Idempotent."""
+    if base.batch_invariant:
+        return base
+    ops = dict(moe_experts=invariant.moe_experts, paged_decode_gqa=invariant.paged_decode_gqa,
+               paged_decode_mla=invariant.paged_decode_mla, tree_verify_gqa=invariant.tree_verify_gqa,
+               tree_verify_mla=invariant.tree_verify_mla, linear=invariant.linear, head_matmul=invariant.head_matmul,
+               silu_and_mul=invariant.silu_and_mul, masked_attention=invariant.masked_attention)
+    reasons = {**base.reasons, **dict.fromkeys(ops, "batch-invariant torch (model.invariant)")}
+    if base.backend == "triton":  # fixed-tile GEMMs and the ordered MoE combine; attention stays torch (see docs)
+        from model.triton import invariant_matmul as tim
+
+        gemms = dict(linear=tim.linear, head_matmul=tim.head_matmul, moe_experts=tim.moe_experts)
+        ops.update(gemms)
+        reasons.update(dict.fromkeys(gemms, "batch-invariant triton (model.triton.invariant_matmul)"))
+    return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=False, batch_invariant=True)
 
 
 def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:

@@ -57,6 +57,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return torch.einsum("hnm,mhd->nhd", probs, v)
 
 
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head matmul (MLA's ``W_uk``/``W_uv`` absorption): ``x [T, h, K]``, ``w [h, K, N]`` → ``[T, h, N]``."""
+    return torch.einsum("thk,hkn->thn", x, w)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """``q [B, N, H, Dk]``, ``k [B, M, G, Dk]``, ``v [B, M, G, Dv]`` (query head h reads key group
+    ``h // (H / G)``), ``mask [B, N, M]`` bool (True = attend). Returns ``[B, N, H, Dv]``."""
+    groups = q.shape[2] // k.shape[2]
+    return torch.stack([attention(q[b], k[b].repeat_interleave(groups, dim=1), v[b].repeat_interleave(groups, dim=1),
+                                  scale, mask[b]) for b in range(q.shape[0])])
+
+
 # ----------------------------------------------------------------------------------------------- experts
 
 

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from model.kernel_select import KernelSet, reference_kernels
-from model.kernels import silu_and_mul
 from parallelism.comm import Comm
 from parallelism.linear import (
     CheckpointTensor,
@@ -51,6 +50,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
                                                        ["gate_proj", "up_proj"], comm, dtype=dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, comm, reduce=reduce, dtype=dtype)
+        self.kernels: KernelSet = reference_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))

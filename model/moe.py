@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig, MoEConfig
@@ -33,7 +32,7 @@ class Router(ShardedModule):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` → ``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` fp32."""
         c = self.cfg
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = self.matmul(x.float(), self.weight)  # [T, E]
         if c.scoring == "softmax":
             probs = logits.softmax(dim=-1)
             weights, ids = probs.topk(c.top_k, dim=-1)

@@ -102,10 +102,16 @@ class CausalLM(nn.Module):
         return self
 
     def use_kernels(self, kernels: KernelSet) -> CausalLM:
-        """Every attention, expert and norm module calls ``kernels`` from now on (see ``model.kernel_select``)."""
+        """Every attention, expert, MLP and norm module calls ``kernels`` from now on, every projection
+        ``kernels.linear`` (see ``model.kernel_select``); a batch-invariant set also makes this rank's reductions
+        over ranks sum in rank order (``parallelism.comm.CommMode``)."""
         for module in self.modules():
             if hasattr(module, "kernels"):
                 module.kernels = kernels
+            if isinstance(module, ShardedModule):
+                module.matmul = kernels.linear
+        self.kernels = kernels
+        self.groups.mode.ordered = kernels.batch_invariant
         return self
 
     @torch.no_grad()

@@ -5,6 +5,11 @@ shared :class:`CommCounter` by (group kind, op): calls and bytes. ``bytes`` is t
 this rank contributes (all-reduce: the tensor; all-gather: the local part; all-to-all: the send
 buffer; reduce-scatter: the full input), so per-token figures compare layouts on equal terms.
 A group of size 1 does nothing and counts nothing.
+
+Summation order: ``all_reduce`` and ``reduce_scatter`` leave it to the backend (NCCL picks ring or tree per call;
+gloo's ring chunks the buffer by its total size, so an element's order depends on how many rows share the call).
+With :attr:`CommMode.ordered` (``engine.batch_invariant``) both gather every rank's part and sum them in group-rank
+order on every rank, so each element's sum depends on nothing but its own values: more bytes, one order.
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ class CommCounter:
         return sum(self.bytes.values())
 
 
+@dataclass
+class CommMode:
+    """Shared by every :class:`Comm` of one rank (``build_groups``): ``ordered`` = reductions in rank order."""
+
+    ordered: bool = False
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -56,8 +68,10 @@ def _nbytes(t: torch.Tensor) -> int:
 class Comm:
     """Collectives over one process group, counted. ``size == 1`` is a no-op path."""
 
-    def __init__(self, kind: str, group: dist.ProcessGroup | None, ranks: list[int], counter: CommCounter):
+    def __init__(self, kind: str, group: dist.ProcessGroup | None, ranks: list[int], counter: CommCounter,
+                 mode: CommMode | None = None):
         self.kind = kind
+        self.mode = mode or CommMode()
         self.group = group
         self.ranks = ranks
         self.size = len(ranks)
@@ -66,13 +80,17 @@ class Comm:
 
     def with_kind(self, kind: str) -> Comm:
         """This group's collectives counted under another ``kind`` (a second purpose of the same ranks)."""
-        return Comm(kind, self.group, self.ranks, self.counter)
+        return Comm(kind, self.group, self.ranks, self.counter, self.mode)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group in place; returns ``x``."""
         if self.size == 1:
             return x
         self.counter.record(self.kind, "all_reduce", _nbytes(x))
+        if self.mode.ordered:
+            parts = x.new_empty(self.size * x.numel())
+            dist.all_gather_into_tensor(parts, x.reshape(-1).contiguous(), group=self.group)
+            return x.copy_(_rank_order_sum(parts.view(self.size, *x.shape)))
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -91,6 +109,10 @@ class Comm:
             return x
         self.counter.record(self.kind, "reduce_scatter", _nbytes(x))
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        if self.mode.ordered:  # rank r's chunk c goes to rank c: parts[r] = rank r's copy of this rank's chunk
+            parts = x.new_empty(x.shape)
+            dist.all_to_all_single(parts, x.contiguous(), group=self.group)
+            return out.copy_(_rank_order_sum(parts.view(self.size, *out.shape)))
         dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
@@ -159,6 +181,14 @@ class Comm:
             dist.barrier(group=self.group)
 
 
+def _rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
+    """``parts [W, ...]`` → ``((parts[0] + parts[1]) + parts[2]) + ...``, elementwise: one order for every element."""
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    return acc
+
+
 @dataclass
 class ParallelGroups:
     """The process groups of one rank, built once from a Layout and passed down to every layer."""
@@ -177,13 +207,18 @@ class ParallelGroups:
     def coords(self):
         return self.layout.coords(self.rank)
 
+    @property
+    def mode(self) -> CommMode:
+        """How this rank's collectives reduce (shared by all its groups)."""
+        return self.world.mode
+
 
 def build_groups(layout: Layout, counter: CommCounter | None = None) -> ParallelGroups:
     """Creates every process group of ``layout`` (collective: all ranks must call it)."""
-    counter = counter or CommCounter()
+    counter, mode = counter or CommCounter(), CommMode()
     if layout.world_size == 1:
         rank = 0
-        comms = {kind: Comm(kind, None, [0], counter)
+        comms = {kind: Comm(kind, None, [0], counter, mode)
                  for kind in ("world", "attn_tp", "attn_dp", "moe_tp", "moe_ep", "control")}
         return ParallelGroups(layout=layout, rank=rank, counter=counter, **comms)
     rank = dist.get_rank()
@@ -194,11 +229,11 @@ def build_groups(layout: Layout, counter: CommCounter | None = None) -> Parallel
         for ranks in rank_lists:
             group = dist.group.WORLD if kind == "world" else dist.new_group(ranks)
             if rank in ranks:
-                comms[kind] = Comm(kind, group, ranks, counter)
+                comms[kind] = Comm(kind, group, ranks, counter, mode)
     world = list(range(layout.world_size))
     gloo = dist.get_backend() == "gloo"
     comms["control"] = Comm("control", dist.group.WORLD if gloo else dist.new_group(world, backend="gloo"), world,
-                            counter)
+                            counter, mode)
     return ParallelGroups(layout=layout, rank=rank, counter=counter, **comms)
 
 

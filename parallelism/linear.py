@@ -61,7 +61,10 @@ def narrow_rows(src: TensorSource, dim: int, shard: int, size: int, total: int) 
 
 
 class ShardedModule(nn.Module):
-    """Base: a module whose parameters are filled from the checkpoint via ``checkpoint_tensors``."""
+    """Base: a module whose parameters are filled from the checkpoint via ``checkpoint_tensors``. ``matmul`` is the
+    ``F.linear``-compatible function its projections call (the model's kernel set sets it: ``CausalLM.use_kernels``)."""
+
+    matmul: Callable = staticmethod(F.linear)
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:
         raise NotImplementedError
@@ -76,7 +79,7 @@ class ReplicatedLinear(ShardedModule):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:
         yield CheckpointTensor("weight", tuple(self.weight.shape), lambda s: copy_into(self.weight, s.read()))
@@ -103,7 +106,7 @@ class ColumnParallelLinear(ShardedModule):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out/num_shards]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
     def _rows(self, src: TensorSource) -> torch.Tensor:
         return src.narrow(0, self.shard * self.out_per_shard, self.out_per_shard)
@@ -133,7 +136,7 @@ class MergedColumnParallelLinear(ShardedModule):
         self.weight = nn.Parameter(torch.empty(sum(self.local_outs), in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(outs)/size]
-        return F.linear(x, self.weight)
+        return self.matmul(x, self.weight)
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:
         offset = 0
@@ -158,7 +161,7 @@ class RowParallelLinear(ShardedModule):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_shard, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/size] -> [T, out]
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight)
         return self.comm.all_reduce(y) if self.reduce else y
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:
@@ -201,7 +204,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel output projection. Logits are gathered to group rank 0 only (where sampling runs)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # [T, hidden] -> [T, vocab] on rank 0, else None
-        local = F.linear(x, self.weight)  # [T, V/size]
+        local = self.matmul(x, self.weight)  # [T, V/size]
         if self.comm.size == 1:
             return local[:, : self.vocab_size]
         gathered = self.comm.gather(local.t().contiguous())  # [V_padded, T] on rank 0
@@ -212,7 +215,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward_all(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, hidden]`` → ``[T, vocab]`` on every rank; ``weight``: a copy of this shard to use instead
         (e.g. in another dtype, matching ``x``)."""
-        local = F.linear(x, self.weight if weight is None else weight)
+        local = self.matmul(x, self.weight if weight is None else weight)
         if self.comm.size == 1:
             return local[:, : self.vocab_size]
         return self.comm.all_gather(local.t().contiguous())[: self.vocab_size].t()

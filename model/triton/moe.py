@@ -7,7 +7,9 @@ expert. Two kernels then walk those blocks, in grouped order (GROUP_M row blocks
 so an expert's weight tile is read from HBM once and reused from L2 by its neighbouring row blocks):
 
 1. gate_up GEMM with SiLU·mul in the epilogue → intermediate ``[P, I]`` in the sorted order;
-2. down GEMM with the routing weight applied in the epilogue, atomically added (fp32) into the output row.
+2. down GEMM with the routing weight applied in the epilogue, atomically added (fp32) into the output row — or,
+   with ``ordered_combine`` (``engine.batch_invariant``), stored to the pair's own row and summed per token in
+   top-k order afterwards: atomics add in whatever order the blocks land.
 
 The intermediate stays in sorted order, so no gather or scatter happens between the GEMMs. The number of
 blocks is bounded from shapes alone (padding blocks exit at once), which keeps the launch graph-safe. Tiles
@@ -179,9 +181,10 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, n
 def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, top_k,
                  hidden, inter, num_blocks, stride_h, stride_we, stride_wn, stride_out,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT: tl.constexpr):
+                 DOT: tl.constexpr, PER_PAIR: tl.constexpr = False):
     """Grid ``(P // BLOCK_M * cdiv(H, BLOCK_N),)`` in grouped order: ``out[tok] += weight[pair] * (h[row] @
-    Wd[e].T)``; ``w [E, H, I]`` (last dim contiguous), ``out [N, H]`` fp32, ``weight [N*k]`` fp32."""
+    Wd[e].T)``; ``w [E, H, I]`` (last dim contiguous), ``out [N, H]`` fp32, ``weight [N*k]`` fp32. ``PER_PAIR``:
+    ``out [N*k, H]`` fp32 and ``out[pair] = ...`` (stored, no atomics)."""
     pid_m, pid_n = _grouped_pid(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -198,8 +201,11 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_
                     other=0.0)
         acc += tl.dot(a, w, input_precision=DOT)
     acc *= tl.load(weight_ptr + pair, mask=ok, other=0.0)[:, None]
-    tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc,
-                  mask=ok[:, None] & n_ok[None, :])
+    if PER_PAIR:
+        tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_out + n[None, :], acc, mask=ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc,
+                      mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -302,14 +308,15 @@ def table_tiles(experts: int, inter: int, hidden: int, tokens: int, device: torc
 
 
 def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              tiles: MoETiles | None = None) -> torch.Tensor:
+              tiles: MoETiles | None = None, ordered_combine: bool = False) -> torch.Tensor:
     """Weighted sum over each row's local experts, like ``LocalExperts.forward``.
 
     ``inp.hidden [N, H]``, ``inp.slots [N, k]`` int (−1 = not local), ``inp.weights [N, k]`` fp32;
     ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]`` in hidden's dtype. Returns ``[N, H]`` in hidden's dtype
     (accumulated in fp32). ``tiles`` None: :func:`table_tiles`, else :func:`default_tiles`. Reference:
     :func:`model.kernels.local_experts`. Rows in DeepEP's packed layout (``inp.packed_counts`` set)
-    go to :func:`masked_moe`.
+    go to :func:`masked_moe`. ``ordered_combine``: each pair's output in its own fp32 row, summed per token in
+    top-k order (no atomics: the sum order is fixed).
     """
     if inp.packed_counts is not None:
         e = inp.packed_counts.shape[0]
@@ -324,8 +331,8 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     sorted_ids, expert_ids, num_post = moe_align_block_size(inp.slots, experts, t.block_m)
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
     blocks, top_k = expert_ids.numel(), inp.slots.shape[1]
+    out = torch.zeros(n * top_k if ordered_combine else n, hidden, dtype=torch.float32, device=x.device)
     tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                 DOT=dot_precision(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
     _gate_up_kernel[(blocks * triton.cdiv(inter, t.block_n),)](
@@ -334,7 +341,11 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     weights = inp.weights.reshape(-1).float().contiguous()
     _down_kernel[(blocks * triton.cdiv(hidden, t.block_n),)](
         h, w_down, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, blocks,
-        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), **tile)
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), PER_PAIR=ordered_combine, **tile)
+    if ordered_combine:
+        per_pair, out = out.view(n, top_k, hidden), out.view(n, top_k, hidden)[:, 0].clone()
+        for j in range(1, top_k):
+            out += per_pair[:, j]
     return out.to(x.dtype)
 
 

@@ -1,0 +1,117 @@
+# ruff: noqa: E402  (the interpreter switch must precede the imports)
+"""The batch-invariant Triton kernels (``model.triton.invariant_matmul``, the ordered MoE combine) on CPU under
+``TRITON_INTERPRET=1``, at tiny widths: one row computed alone and inside launches of 2, 9, 17, 64 and 257 rows is
+bit-identical, fp16 and fp32 (fp16 standing in for bf16, which the interpreter computes wrongly:
+triton-lang/triton#11584); and each kernel is close to its torch reference. (The interpreter runs ``tl.dot`` as
+a numpy matmul of each fixed-shape tile: what is proven here is that no row's arithmetic depends on M through
+the tiling, the K walk or the combine — the GPU's own MMA order is gpu_check's.)"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
+
+import importlib
+
+import pytest
+import torch
+import triton
+from test_batch_invariance import assert_rows_invariant, gen, randn
+
+from model import kernels
+from parallelism.dispatch_base import ExpertInput
+
+if not triton.knobs.runtime.interpret:
+    pytest.skip("TRITON_INTERPRET is set to a false value: these kernels need the interpreter on a CPU box",
+                allow_module_level=True)
+
+
+def _interpreted(module_name: str):
+    """The kernel module with interpreted kernels (reloaded if something imported it before the env var)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = importlib.import_module(module_name)
+    jitted = [v for v in vars(module).values() if hasattr(v, "arg_names")]
+    return module if all(isinstance(v, InterpretedFunction) for v in jitted) else importlib.reload(module)
+
+
+DTYPES = (torch.float16, torch.float32)
+moe = _interpreted("model.triton.moe")
+tim = _interpreted("model.triton.invariant_matmul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_linear_rows(dtype):
+    """K = 150: three K steps of 64, the last partial; N = 80: two column tiles; with and without bias."""
+    x, w, b = randn(257, 150, dtype=dtype), randn(80, 150, dtype=dtype, seed=1, scale=0.1), randn(80, dtype=dtype)
+    assert_rows_invariant(lambda lo, hi: tim.linear(x[lo:hi], w))
+    assert_rows_invariant(lambda lo, hi: tim.linear(x[lo:hi], w, b))
+    torch.testing.assert_close(tim.linear(x, w, b).float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_head_matmul_rows(dtype):
+    x, w = randn(257, 3, 40, dtype=dtype, seed=2), randn(3, 40, 24, dtype=dtype, seed=3, scale=0.2)
+    assert_rows_invariant(lambda lo, hi: tim.head_matmul(x[lo:hi], w))
+    torch.testing.assert_close(tim.head_matmul(x, w).float(), kernels.head_matmul(x.float(), w.float()),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_ordered_combine_rows(dtype):
+    """Fixed tiles and per-pair rows summed in top-k order; slots −1 (other ranks) and one expert hit by all."""
+    e, h, i, k = 6, 32, 16, 3
+    x = randn(257, h, dtype=dtype)
+    slots = torch.stack([torch.randperm(e, generator=gen(j))[:k] for j in range(257)])
+    slots[::5, 1] = -1
+    slots[:, 0] = 2
+    weights = torch.rand(257, k, generator=gen(1))
+    wgu, wd = randn(e, 2 * i, h, dtype=dtype, seed=2, scale=0.2), randn(e, h, i, dtype=dtype, seed=3, scale=0.2)
+
+    def run(lo, hi):
+        return tim.moe_experts(ExpertInput(x[lo:hi], slots[lo:hi], weights[lo:hi]), wgu, wd)
+    assert_rows_invariant(run)
+    want = kernels.local_experts(ExpertInput(x.float(), slots, weights), wgu.float(), wd.float())
+    torch.testing.assert_close(run(0, 257).float(), want, rtol=3e-2, atol=3e-2)
+    atomic = moe.fused_moe(ExpertInput(x, slots, weights), wgu, wd)  # the default combine: close, not bit-exact
+    torch.testing.assert_close(run(0, 257).float(), atomic.float(), rtol=2e-2, atol=2e-2)
+
+
+AOT = """
+import json, torch
+from model.triton import invariant_matmul as tim, moe
+from model.triton.aot import Spec, compile_spec
+from model.triton.precision import dot_precision
+tiles = dict(BLOCK_M=tim.BLOCK_M, BLOCK_N=tim.BLOCK_N, BLOCK_K=tim.BLOCK_K)
+t = tim.MOE_TILES
+bf16, fp32 = dot_precision(torch.bfloat16), dot_precision(torch.float32)
+specs = [Spec(f"invariant linear bias={b}", tim._linear_kernel, dict(tiles, HAS_BIAS=b, DOT=bf16))
+         for b in (False, True)]
+specs.append(Spec("invariant linear fp32", tim._linear_kernel, dict(tiles, HAS_BIAS=False, DOT=fp32),
+                  dict(x_ptr="fp32", w_ptr="fp32", b_ptr="fp32", y_ptr="fp32")))
+specs.append(Spec("moe down per pair", moe._down_kernel,
+                  dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(torch.bfloat16),
+                       PER_PAIR=True),
+                  dict(sorted_ptr="i32", expert_ptr="i32", num_post_ptr="i32", out_ptr="fp32", weight_ptr="fp32"),
+                  t.num_warps))
+for s in specs:
+    print(json.dumps(compile_spec(s, 90)))
+"""
+
+
+def test_invariant_kernels_compile_for_sm90():
+    """The real compiler and ptxas (as ``tests/test_triton_kernels.py`` does for the rest): the fixed-tile GEMM in
+    bf16 (with and without bias) and fp32, and the MoE down kernel's per-pair store."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend, so there is no compiler to run")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", AOT], env=env, text=True, capture_output=True,
+                          cwd=Path(__file__).parents[1], timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(rows) == 4 and [r for r in rows if not r["ok"]] == [], rows
