@@ -206,7 +206,6 @@ def test_dataclass_defaults_keep_the_reference_quant_ops():
 
     ks = KernelSet(*[None] * 7)
     assert ks.w4a16_linear is R.w4a16_linear and ks.fp8_moe is R.w8a16_moe
-    assert dataclasses.fields(ks)[-1].name == "fp8_moe"
 
 
 def _half_cases(g):
