@@ -214,8 +214,10 @@ class Scheduler:
             req.top_logprobs += r.top[:new]
             if reason:
                 self._finish(req, reason)
-            outputs.append(RequestOutput(req.request_id, r.tokens[:new], reason is not None, reason,
-                                         len(req.prompt), len(req.output), r.logprobs[:new], r.top[:new]))
+            outputs.append(RequestOutput(
+                request_id=req.request_id, new_tokens=r.tokens[:new], finished=reason is not None,
+                finish_reason=reason, num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
+                new_logprobs=r.logprobs[:new], new_top_logprobs=r.top[:new]))
         return outputs
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -243,7 +245,8 @@ class Scheduler:
         if req is None:
             raise RequestError(f"unknown request_id {request_id!r}")
         self._finish(req, reason)
-        return RequestOutput(request_id, [], True, reason, len(req.prompt), len(req.output))
+        return RequestOutput(request_id=request_id, new_tokens=[], finished=True, finish_reason=reason,
+                             num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output))
 
     # ---- accounting ------------------------------------------------------------------------------
     def blocks_in_use(self) -> int:

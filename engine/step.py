@@ -70,8 +70,10 @@ class RunnerOutput:
     coverage: dict[str, tuple[bool, str]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestOutput:
+    """What one step (or an abort) gives one request: its new tokens and log-probs, and whether it ended."""
+
     request_id: str
     new_tokens: list[int]
     finished: bool

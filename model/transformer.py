@@ -12,8 +12,9 @@ from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.kernel_select import KernelSet, reference_kernels
 from model.layers import GatedMLP, RMSNorm
+from model.layout_fit import check_layout_fits
 from model.moe import MoE
-from model.quant.layout import check_layout, quantize_modules
+from model.quant.layout import quantize_modules
 from model.rope import Rotary
 from parallelism.comm import ParallelGroups
 from parallelism.dispatch import make_dispatcher
@@ -58,12 +59,11 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype=torch.float32):
         super().__init__()
-        groups.layout.validate_model(cfg.num_heads, cfg.num_kv_heads, cfg.moe.num_experts, cfg.vocab_size)
+        check_layout_fits(cfg, groups.layout)  # what preflight checks before ranks start, for direct callers
         self.cfg, self.groups = cfg, groups
         self.model = Backbone(cfg, groups, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
         if cfg.quant is not None:
-            check_layout(cfg, groups.layout)
             quantize_modules(self, cfg)
         self.kernels: KernelSet = reference_kernels()  # the set every module calls (use_kernels), for callers
 

@@ -103,18 +103,6 @@ class Layout:
             "moe_ep": [list(range(t, w, self.moe_tp)) for t in range(self.moe_tp)],
         }
 
-    def validate_model(self, num_heads: int, num_kv_heads: int, num_experts: int, vocab_size: int) -> None:
-        """Checks the layout against a model's dimensions; raises LayoutError naming what does not divide."""
-        divide(num_heads, self.attn_tp, f"attention heads ({num_heads}) over attn_tp={self.attn_tp}")
-        if num_kv_heads < self.attn_tp:
-            divide(self.attn_tp, num_kv_heads, f"attn_tp={self.attn_tp} over KV heads ({num_kv_heads}) for replication")
-        else:
-            divide(num_kv_heads, self.attn_tp, f"KV heads ({num_kv_heads}) over attn_tp={self.attn_tp}")
-        if num_experts:
-            divide(num_experts, self.moe_ep, f"routed experts ({num_experts}) over moe_ep={self.moe_ep}")
-        if vocab_size < 1:
-            raise LayoutError(f"vocab_size must be >= 1, got {vocab_size}")
-
     def describe(self) -> str:
         """Short human name, e.g. ``attn tp8 | moe ep8 (allreduce)``."""
         attn = f"tp{self.attn_tp}" if self.attn_dp == 1 else f"dp{self.attn_dp}"

@@ -104,8 +104,7 @@ def engine_info(engine: Engine) -> dict:
 
 
 def _graph_info(engine: Engine) -> dict:
-    coverage = getattr(engine, "coverage", None)
-    per_kind = coverage.summary() if coverage is not None else {}
+    per_kind = engine.coverage.summary()
     steps = sum(k["steps"] for k in per_kind.values())
     replays = sum(k["replays"] for k in per_kind.values())
     reasons = sorted({k["eager_reason"] for k in per_kind.values() if k["eager_reason"]})
@@ -117,7 +116,7 @@ def _graph_info(engine: Engine) -> dict:
 
 
 def _spec_info(engine: Engine) -> dict:
-    spec, s = getattr(getattr(engine, "speculation", None), "config", None), engine.stats
+    spec, s = engine.speculation.config if engine.speculation is not None else None, engine.stats
     enabled = bool(getattr(spec, "enabled", False))
     tau = getattr(s, "acceptance_length", 0.0) or None
     doc = {"enabled": enabled, "method": getattr(spec, "method", "none"), "acceptance_length": tau,

@@ -15,6 +15,9 @@ from smg_grpc_proto.generated import common_pb2
 log = logging.getLogger("rpc.requests")
 
 
+NO_PROFILER = "no profiler hook; use scripts/bench_layouts.py or torch.profiler"
+
+
 async def _unimplemented(context: grpc.aio.ServicerContext, rpc: str, why: str) -> None:
     log.info("%s: UNIMPLEMENTED (%s)", rpc, why)
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is not supported by switchyard: {why}")
@@ -27,10 +30,10 @@ class UnsupportedRPCs:
         await _unimplemented(context, "Embed", "generation models only")
 
     async def StartProfile(self, request, context):
-        await _unimplemented(context, "StartProfile", "no profiler hook; use scripts/bench.py or torch.profiler")
+        await _unimplemented(context, "StartProfile", NO_PROFILER)
 
     async def StopProfile(self, request, context):
-        await _unimplemented(context, "StopProfile", "no profiler hook; use scripts/bench.py or torch.profiler")
+        await _unimplemented(context, "StopProfile", NO_PROFILER)
 
     async def SubscribeKvEvents(self, request, context):
         await _unimplemented(context, "SubscribeKvEvents", "no prefix cache, so no KV events")

@@ -51,17 +51,6 @@ def test_hydra_override_rejected_at_config_time():
         layout("tp8", "moe_ep=2")
 
 
-def test_validate_model_names_what_does_not_divide():
-    lay = Layout(world_size=8, attn_tp=8, moe_ep=8)
-    with pytest.raises(LayoutError, match="attention heads \\(12\\) over attn_tp=8"):
-        lay.validate_model(num_heads=12, num_kv_heads=12, num_experts=16, vocab_size=100)
-    with pytest.raises(LayoutError, match="routed experts \\(12\\) over moe_ep=8"):
-        lay.validate_model(num_heads=8, num_kv_heads=8, num_experts=12, vocab_size=100)
-    with pytest.raises(LayoutError, match="over KV heads \\(3\\)"):
-        lay.validate_model(num_heads=24, num_kv_heads=3, num_experts=8, vocab_size=100)
-    lay.validate_model(num_heads=8, num_kv_heads=2, num_experts=16, vocab_size=101)  # KV replication is fine
-
-
 def test_coords_hand_worked():
     lay = Layout(world_size=8, attn_tp=8, moe_tp=2, moe_ep=4)
     c = lay.coords(5)
