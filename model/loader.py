@@ -8,13 +8,12 @@ slices through ``safe_open(...).get_slice``. A missing or misshapen tensor, or a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from model.checkpoint_errors import CheckpointError, open_shard
+from model.checkpoint_errors import CheckpointError, check_checkpoint_files, open_shard
 from model.config import load_config
 from model.kernel_select import BACKENDS, select_kernels
 from model.transformer import CausalLM
@@ -39,25 +38,10 @@ class SliceSource:
         return self._slice[:]
 
 
-def weight_map(ckpt_dir: Path) -> dict[str, str]:
-    """Tensor name → file name inside ``ckpt_dir``."""
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {ckpt_dir}")
-    names: dict[str, str] = {}
-    for file in files:
-        with open_shard(file) as f:
-            names.update(dict.fromkeys(f.keys(), file.name))
-    return names
-
-
 def load_weights(model: CausalLM, ckpt_dir: str | Path) -> int:
     """Fills ``model`` from ``ckpt_dir``; returns the number of tensors read (this rank's plan)."""
     ckpt_dir = Path(ckpt_dir)
-    names = weight_map(ckpt_dir)
+    names = check_checkpoint_files(ckpt_dir)  # tensor → shard, every header and the index checked
     plan = list(model.checkpoint_plan())
     by_file: dict[str, list] = {}
     for name, ct in plan:
@@ -67,8 +51,6 @@ def load_weights(model: CausalLM, ckpt_dir: str | Path) -> int:
         by_file.setdefault(names[name], []).append((name, ct))
     for file, entries in by_file.items():
         path = ckpt_dir / file
-        if not path.exists():
-            raise CheckpointError(f"index names {file!r}, which is missing from {ckpt_dir}")
         with open_shard(path) as f:
             for name, ct in entries:
                 sl = f.get_slice(name)
