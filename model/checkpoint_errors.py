@@ -1,6 +1,6 @@
 """Checkpoint files checked before any weight is read, each failure one line naming the file (and tensor).
 
-``check_checkpoint_files(dir)`` reads only ``config.json``, ``model.safetensors.index.json`` and each shard's
+``check_checkpoint_files(dir)`` reads only ``model.safetensors.index.json`` and each shard's
 header (8-byte length + JSON; the format is in safetensors' README), so it runs in the launching process in
 milliseconds, before a rank starts. ``open_shard`` is ``safe_open`` with the library's bare errors
 (``SafetensorError: incomplete metadata``, ``header too large``) turned into a :class:`CheckpointError` naming
@@ -21,6 +21,10 @@ from safetensors import SafetensorError, safe_open
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+
+
+class ConfigError(ValueError):
+    """A model config we cannot serve; the message names the field and the file."""
 
 
 class CheckpointError(ValueError):

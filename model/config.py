@@ -10,15 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from model.checkpoint_errors import read_json
+from model.checkpoint_errors import ConfigError, read_json
 from model.quant.config import QuantConfig, QuantConfigError, parse_quant
 
 DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
 SUPPORTED_TYPES = (*DEEPSEEK_TYPES, "kimi_k25", "qwen3_moe")
-
-
-class ConfigError(ValueError):
-    """A model config we cannot serve; the message names the field and the file."""
 
 
 @dataclass(frozen=True)

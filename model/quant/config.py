@@ -16,11 +16,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from model.checkpoint_errors import ConfigError
+
 INT4 = "int4"  # W4A16, compressed-tensors pack-quantized
 FP8 = "fp8"  # e4m3 weights, block scales
 
 
-class QuantConfigError(ValueError):
+class QuantConfigError(ConfigError):
     """An unsupported ``quantization_config``; the message names the field and the value."""
 
 
