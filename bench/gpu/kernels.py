@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import REPO
-from bench.gpu.harness import cuda_time_s
+from bench.gpu.harness import copy_bandwidth, cuda_time_s
 from bench.gpu.power import PowerMeter
 from model import kernels
 from model.kernel_select import select_kernels
@@ -163,15 +163,6 @@ def moe_timing(power: PowerMeter) -> list[dict] | str:
     return rows
 
 
-def copy_bandwidth(power: PowerMeter) -> float:
-    """Bytes moved (read + write) per second by a 4 GiB device-to-device copy."""
-    src = torch.empty(2**32, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = cuda_time_s(lambda: dst.copy_(src), iters=10)
-    power.measure("copy 4 GiB", lambda: dst.copy_(src))
-    return 2 * src.numel() / seconds
-
-
 def _decode_inputs(kind: str, batch: int, ctx: int) -> tuple[dict, int]:
     """Memory-bound decode inputs on the GPU and the bytes the kernel must read (caches + q)."""
     block_size, gen = 16, torch.Generator().manual_seed(0)
@@ -191,7 +182,7 @@ def _decode_inputs(kind: str, batch: int, ctx: int) -> tuple[dict, int]:
 def bandwidth(power: PowerMeter) -> dict | str:
     if not CUDA:
         return NO_GPU
-    copy_bw = copy_bandwidth(power)
+    copy_bw = copy_bandwidth("cuda", power)
     rows = []
     # every cache is well above the 50-60 MiB L2 of H100/H200, so reads come from HBM
     for kind, batch, ctx in (("gqa", 64, 4096), ("mla", 64, 4096), ("gqa", 1, 32768), ("mla", 1, 131072)):

@@ -11,7 +11,6 @@ a random 2-layer DFlash drafter at the slice's hidden size in fp32, as the engin
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -65,17 +64,6 @@ def slice_drafter(model: CausalLM) -> DFlashDrafter:
     return drafter.eval().requires_grad_(False)
 
 
-def step_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds per call: the median of CUDA-event timings on a GPU; off CUDA the mean of 2 calls after 1."""
-    if device.type == "cuda":
-        return 1e3 * cuda_time_s(fn)
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(2):
-        fn()
-    return 1e3 * (time.perf_counter() - t0) / 2
-
-
 def _draft_work(spec: Speculator, context: int, first_block: int, gen: torch.Generator) -> SeqWork:
     """One request of ``context`` tokens (random drafter context) about to draft its next tree."""
     per_seq = -(-(context + spec.cfg.scratch_slots) // spec.cache.block_size)
@@ -106,11 +94,12 @@ def measure(device: torch.device | str, budgets: tuple[int, ...], budget_s: floa
     spec_runner = GraphRunner(model, cache, per_seq, scratch, (1,), capture=layers)
     seqs = random_seqs(StepShape(1, 1), context, cache, gen, model.cfg.vocab_size, len(scratch))
     decode_reason = plain.capture(StepShape(1, 1))
+    decode_ms = 1e3 * cuda_time_s(lambda: plain.run(seqs, 1), device=device)
     out = dict(slice=f"KIMI_SLICE (hidden {shape.hidden}, {shape.dense_layers} dense + {shape.moe_layers} MoE layers, "
                f"EP{shape.ep} routing: {shape.experts // shape.ep} local experts)" if shape == KIMI_SLICE else
                "TINY_SLICE (CPU dry run)", dtype=str(dtype).removeprefix("torch."), batch=1, context=context,
                drafter="random 2-layer DFlash, fp32, block 16",
-               decode_ms=step_ms(lambda: plain.run(seqs, 1), device), decode_eager_reason=decode_reason, rows=[])
+               decode_ms=decode_ms, decode_eager_reason=decode_reason, rows=[])
     for budget in budgets:
         if time.time() - t0 > budget_s:
             out["rows"].append(dict(budget=budget, skipped="time budget"))
@@ -125,10 +114,10 @@ def measure(device: torch.device | str, budgets: tuple[int, ...], budget_s: floa
             tree = StepShape(1, budget + 1)
             tree_seqs = random_seqs(tree, context, cache, gen, model.cfg.vocab_size, len(scratch))
             verify_reason = spec_runner.capture(tree)
-            out["rows"].append(dict(budget=budget, draft_ms=step_ms(lambda g=graphs, w=work: g.run([w]), device),
-                                    draft_eager_reason=draft_reason,
-                                    verify_ms=step_ms(lambda s=tree_seqs, n=budget + 1: spec_runner.run(s, n), device),
-                                    verify_eager_reason=verify_reason))
+            draft_s = cuda_time_s(lambda g=graphs, w=work: g.run([w]), device=device)
+            verify_s = cuda_time_s(lambda s=tree_seqs, n=budget + 1: spec_runner.run(s, n), device=device)
+            out["rows"].append(dict(budget=budget, draft_ms=1e3 * draft_s, draft_eager_reason=draft_reason,
+                                    verify_ms=1e3 * verify_s, verify_eager_reason=verify_reason))
             del spec, graphs
         except Exception as exc:  # noqa: BLE001 - recorded in the report, the next budget still runs
             out["rows"].append(dict(budget=budget, error=f"{type(exc).__name__}: {exc}"[:500]))

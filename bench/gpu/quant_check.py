@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.gpu.harness import cuda_time_s
+from bench.gpu.harness import copy_bandwidth, cuda_time_s
 from model.kernel_select import QUANT_OPS, select_kernels
 from model.quant import reference as R
 
@@ -72,16 +72,9 @@ def correctness(ks) -> list[dict]:
     return out
 
 
-def _copy_rate() -> float:
-    """Bytes moved (read + write) per second by a 4 GiB device-to-device copy."""
-    src = torch.empty(2**32, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / cuda_time_s(lambda: dst.copy_(src), iters=10)
-
-
 def timing(ks) -> list[dict]:
     g = torch.Generator().manual_seed(1)
-    copy_rate = _copy_rate()
+    copy_rate = copy_bandwidth("cuda")
     experts, hidden, inter = 48, 7168, 2048
     w13, s13 = _int4((experts, 2 * inter, hidden), g)
     w2, s2 = _int4((experts, hidden, inter), g)

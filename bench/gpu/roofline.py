@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.gpu.fixtures import random_model, random_seqs
+from bench.gpu.harness import copy_bandwidth, cuda_time_s
+from bench.gpu.power import PowerMeter
 from engine.cuda_graphs import GraphRunner, StepShape
 from engine.kv_cache import KVSpec, PagedKVCache
 from model.kernel_select import select_kernels
@@ -129,55 +131,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    """Mean wall seconds of ``fn()`` (one warm-up call; synchronised around the loop)."""
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - start) / iters
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes moved (read + write) per second by a device-to-device copy (4 GiB on CUDA, 64 MiB on CPU)."""
-    src = torch.empty(2**32 if device.type == "cuda" else 2**26, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = _seconds(lambda: dst.copy_(src), device, 10 if device.type == "cuda" else 3)
-    return 2 * src.numel() / seconds
-
-
-class _Power:
-    """Mean NVML power (energy counter) while a function repeats for ``seconds``; None without NVML. The GPU is
-    found by UUID (NVML numbers GPUs by PCI bus whatever ``CUDA_VISIBLE_DEVICES`` says)."""
-
-    def __init__(self, device: torch.device, seconds: float = 1.0):
-        self.seconds, self.handle, self.nvml, self.why_not = seconds, None, None, "not a CUDA device"
-        if device.type != "cuda":
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            uuid = "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
-            self.handle, self.nvml, self.why_not = pynvml.nvmlDeviceGetHandleByUUID(uuid), pynvml, None
-        except Exception as exc:  # noqa: BLE001 - no NVML or no UUID match: power is reported as None
-            self.why_not = f"{type(exc).__name__}: {exc}"
-
-    def watts(self, fn: Callable[[], object], device: torch.device) -> float | None:
-        if self.handle is None:
-            return None
-        _sync(device)
-        e0, t0 = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle), time.perf_counter()
-        while time.perf_counter() - t0 < self.seconds:
-            for _ in range(10):
-                fn()
-            _sync(device)
-        e1, t1 = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle), time.perf_counter()
-        return (e1 - e0) / 1e3 / (t1 - t0)  # mJ → J, over seconds
-
-
 def _moe_layers(model) -> list:
     from model.moe import MoE
 
@@ -267,7 +220,13 @@ def _profile(run: Callable[[], object], device: torch.device) -> dict[str, float
     return times
 
 
-def _row(model, cache, runner, routing: str, batch: int, context: int, seqs, bw: float, power: _Power,
+def _watts(power: PowerMeter | None, name: str, fn: Callable[[], object]) -> float | None:
+    """Mean watts (NVML energy counter) while ``fn`` repeats for ``power.seconds``; None without NVML."""
+    row = None if power is None else power.measure(name, fn)
+    return None if row is None else row.get("mean_w")
+
+
+def _row(model, cache, runner, routing: str, batch: int, context: int, seqs, bw: float, power: PowerMeter | None,
          kv_per_token: int, device: torch.device) -> dict:
     from engine.cuda_graphs import StepShape
 
@@ -277,15 +236,15 @@ def _row(model, cache, runner, routing: str, batch: int, context: int, seqs, bw:
     touched = _touched(model, step.run)
     breakdown_us = _profile(lambda: (step.load(seqs), step.run()), device)
     reason = runner.capture(shape)
-    iters = 20 if device.type == "cuda" else 2
-    seconds = _seconds(lambda: runner.run(seqs, 1), device, iters)
+    seconds = cuda_time_s(lambda: runner.run(seqs, 1), device=device)
     dense, per_expert = weight_bytes(model)
     need = floor_bytes(dense, per_expert, touched, kv_per_token, [context] * batch)
     floor_s = need["total"] / bw
     return dict(routing=routing, batch=batch, context=context, captured=not reason, eager_reason=reason,
                 step_ms=1e3 * seconds, floor_ms=1e3 * floor_s, fraction=floor_s / seconds,
                 bytes=need, experts_touched=touched,
-                tok_s=batch / seconds, power_w=power.watts(lambda: runner.run(seqs, 1), device),
+                tok_s=batch / seconds, power_w=_watts(power, f"roofline {routing} b{batch} ctx{context}",
+                                                      lambda: runner.run(seqs, 1)),
                 op_classes={k: round(v, 4) for k, v in breakdown(breakdown_us).items()})
 
 
@@ -302,32 +261,38 @@ def run(device: torch.device | str, budget_s: float, shape: SliceShape | None = 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(device, dtype, **shape.overrides())
     model.use_kernels(select_kernels(device))
-    bw, power, gen = copy_bandwidth(device), _Power(device), torch.Generator().manual_seed(0)
+    bw, gen = copy_bandwidth(device), torch.Generator().manual_seed(0)
+    power = PowerMeter(seconds=1.0, device=device.index) if device.type == "cuda" else None
+    power_note = "not a CUDA device" if power is None else power.why_not or "NVML energy counter"
     spec = KVSpec.for_model(model)
     rows: list[dict] = []
-    for routing in routings:
-        install_routing(model, shape, routing, device, dtype)
-        for context in contexts:
-            per_seq = -(-(context + 1) // shape.block_size)
-            scratch = (0,)
-            cache = PagedKVCache(spec, len(scratch) + max(batches) * per_seq, shape.block_size, device=device)
-            runner = GraphRunner(model, cache, max_blocks=per_seq, scratch_blocks=scratch,
-                                 batch_sizes=tuple(sorted(batches)))
-            for batch in batches:
-                case = dict(routing=routing, batch=batch, context=context)
-                if time.time() - t0 > budget_s:
-                    rows.append({**case, "skipped": "time budget"})
-                    continue
-                try:
-                    seqs = random_seqs(StepShape(batch, 1), context, cache, gen, model.cfg.vocab_size, len(scratch))
-                    rows.append(_row(model, cache, runner, routing, batch, context, seqs, bw, power,
-                                     spec.bytes_per_token(), device))
-                except Exception as exc:  # noqa: BLE001 - recorded in the report, the next row still runs
-                    rows.append({**case, "error": f"{type(exc).__name__}: {exc}"[:500]})
-            del runner, cache
+    try:
+        for routing in routings:
+            install_routing(model, shape, routing, device, dtype)
+            for context in contexts:
+                per_seq = -(-(context + 1) // shape.block_size)
+                scratch = (0,)
+                cache = PagedKVCache(spec, len(scratch) + max(batches) * per_seq, shape.block_size, device=device)
+                runner = GraphRunner(model, cache, max_blocks=per_seq, scratch_blocks=scratch,
+                                     batch_sizes=tuple(sorted(batches)))
+                for batch in batches:
+                    case = dict(routing=routing, batch=batch, context=context)
+                    if time.time() - t0 > budget_s:
+                        rows.append({**case, "skipped": "time budget"})
+                        continue
+                    try:
+                        seqs = random_seqs(StepShape(batch, 1), context, cache, gen, model.cfg.vocab_size, len(scratch))
+                        rows.append(_row(model, cache, runner, routing, batch, context, seqs, bw, power,
+                                         spec.bytes_per_token(), device))
+                    except Exception as exc:  # noqa: BLE001 - recorded in the report, the next row still runs
+                        rows.append({**case, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                del runner, cache
+    finally:
+        if power is not None:
+            power.summary()  # closes the backend (nvmlShutdown)
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     return dict(model=dataclasses.asdict(shape), dtype=str(dtype), weights_gib=round(weights_gib, 2),
-                kernels=model.kernels.reasons, copy_gb_s=bw / 1e9, power=power.why_not or "NVML energy counter",
+                kernels=model.kernels.reasons, copy_gb_s=bw / 1e9, power=power_note,
                 floor_rule="bytes to read (weights but the embedding table; routed experts = distinct experts the "
                            "batch touched; KV of every sequence) / copy bandwidth (read + write) of this run",
                 rows=rows, table=markdown(rows))
