@@ -75,6 +75,14 @@ def test_activation_and_norms_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_experts_rows(dtype):
     """Per-pair outputs summed in top-k order; some choices on other ranks (slot −1), one expert hit by every row."""
+    run = moe_rows_case(invariant.moe_experts, dtype)
+    assert_rows_invariant(run)
+    torch.testing.assert_close(run(0, 257).float(), run.reference, rtol=3e-2, atol=3e-2)
+
+
+def moe_rows_case(experts, dtype):
+    """``run(lo, hi)``: ``experts`` over rows lo..hi of 257 routed rows (6 experts, top-3; every 5th row's 2nd
+    choice on another rank, slot −1; expert 2 hit by every row); ``run.reference``: the torch reference, fp32."""
     e, h, i, k = 6, 32, 16, 3
     x = randn(257, h, dtype=dtype)
     slots = torch.stack([torch.randperm(e, generator=gen(j))[:k] for j in range(257)])
@@ -84,10 +92,10 @@ def test_moe_experts_rows(dtype):
     wgu, wd = randn(e, 2 * i, h, dtype=dtype, seed=2, scale=0.2), randn(e, h, i, dtype=dtype, seed=3, scale=0.2)
 
     def run(lo, hi):
-        return invariant.moe_experts(ExpertInput(x[lo:hi], slots[lo:hi], weights[lo:hi]), wgu, wd)
-    assert_rows_invariant(run)
-    want = kernels.local_experts(ExpertInput(x.float(), slots, weights), wgu.float(), wd.float())
-    torch.testing.assert_close(run(0, 257).float(), want, rtol=3e-2, atol=3e-2)
+        return experts(ExpertInput(x[lo:hi], slots[lo:hi], weights[lo:hi]), wgu, wd)
+    run.reference = kernels.local_experts(ExpertInput(x.float(), slots, weights), wgu.float(), wd.float())
+    run.full = (ExpertInput(x, slots, weights), wgu, wd)
+    return run
 
 
 # ----------------------------------------------------------------------------------------------- attention

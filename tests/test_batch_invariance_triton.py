@@ -1,4 +1,3 @@
-# ruff: noqa: E402  (the interpreter switch must precede the imports)
 """The batch-invariant Triton kernels (``model.triton.invariant_matmul``, the ordered MoE combine) on CPU under
 ``TRITON_INTERPRET=1``, at tiny widths: one row computed alone and inside launches of 2, 9, 17, 64 and 257 rows is
 bit-identical, fp16 and fp32 (fp16 standing in for bf16, which the interpreter computes wrongly:
@@ -8,35 +7,19 @@ the tiling, the K walk or the combine — the GPU's own MMA order is gpu_check's
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
-
-import importlib
-
+import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
 import triton
-from test_batch_invariance import assert_rows_invariant, gen, randn
+from test_batch_invariance import assert_rows_invariant, moe_rows_case, randn
 
 from model import kernels
-from parallelism.dispatch_base import ExpertInput
 
-if not triton.knobs.runtime.interpret:
-    pytest.skip("TRITON_INTERPRET is set to a false value: these kernels need the interpreter on a CPU box",
-                allow_module_level=True)
-
-
-def _interpreted(module_name: str):
-    """The kernel module with interpreted kernels (reloaded if something imported it before the env var)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = importlib.import_module(module_name)
-    jitted = [v for v in vars(module).values() if hasattr(v, "arg_names")]
-    return module if all(isinstance(v, InterpretedFunction) for v in jitted) else importlib.reload(module)
-
+interpret_triton.require()
 
 DTYPES = (torch.float16, torch.float32)
-moe = _interpreted("model.triton.moe")
-tim = _interpreted("model.triton.invariant_matmul")
+moe = interpret_triton.module("model.triton.moe")
+tim = interpret_triton.module("model.triton.invariant_matmul")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -60,20 +43,10 @@ def test_invariant_head_matmul_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_moe_ordered_combine_rows(dtype):
     """Fixed tiles and per-pair rows summed in top-k order; slots −1 (other ranks) and one expert hit by all."""
-    e, h, i, k = 6, 32, 16, 3
-    x = randn(257, h, dtype=dtype)
-    slots = torch.stack([torch.randperm(e, generator=gen(j))[:k] for j in range(257)])
-    slots[::5, 1] = -1
-    slots[:, 0] = 2
-    weights = torch.rand(257, k, generator=gen(1))
-    wgu, wd = randn(e, 2 * i, h, dtype=dtype, seed=2, scale=0.2), randn(e, h, i, dtype=dtype, seed=3, scale=0.2)
-
-    def run(lo, hi):
-        return tim.moe_experts(ExpertInput(x[lo:hi], slots[lo:hi], weights[lo:hi]), wgu, wd)
+    run = moe_rows_case(tim.moe_experts, dtype)
     assert_rows_invariant(run)
-    want = kernels.local_experts(ExpertInput(x.float(), slots, weights), wgu.float(), wd.float())
-    torch.testing.assert_close(run(0, 257).float(), want, rtol=3e-2, atol=3e-2)
-    atomic = moe.fused_moe(ExpertInput(x, slots, weights), wgu, wd)  # the default combine: close, not bit-exact
+    torch.testing.assert_close(run(0, 257).float(), run.reference, rtol=3e-2, atol=3e-2)
+    atomic = moe.fused_moe(*run.full)  # the default combine: close, not bit-exact
     torch.testing.assert_close(run(0, 257).float(), atomic.float(), rtol=2e-2, atol=2e-2)
 
 
