@@ -310,15 +310,16 @@ class _NoLaunch:
 
 @contextmanager
 def stub_triton_launches() -> Iterator[None]:
-    """Every ``@triton.jit`` kernel of ``model.triton.{attention, moe, norm}`` replaced by :class:`_NoLaunch`: the
-    wrappers' torch glue (output allocation, ``moe_align_block_size``, masks, split merging) still runs — it is
-    what a capture has to hold — and the outputs are the wrappers' own ``torch.empty`` (shape only)."""
+    """Every ``@triton.jit`` kernel of ``model.triton.{attention, moe, norm, invariant_matmul, row_attention}``
+    replaced by :class:`_NoLaunch`: the wrappers' torch glue (output allocation, ``moe_align_block_size``, masks,
+    per-row key lists, split merging) still runs — it is what a capture has to hold — and the outputs are the
+    wrappers' own ``torch.empty`` (shape only)."""
     from triton.runtime.jit import KernelInterface
 
-    from model.triton import attention, moe, norm
+    from model.triton import attention, invariant_matmul, moe, norm, row_attention
 
     with ExitStack() as stack:
-        for module in (attention, moe, norm):
+        for module in (attention, moe, norm, invariant_matmul, row_attention):
             for name, obj in list(vars(module).items()):
                 if isinstance(obj, KernelInterface):
                     setattr(module, name, _NoLaunch())
@@ -334,5 +335,6 @@ def triton_kernel_set():
 
     return KernelSet(norm.rms_norm, norm.add_rms_norm, moe.fused_moe, attention.paged_decode_gqa,
                      attention.paged_decode_mla, attention.tree_verify_gqa, attention.tree_verify_mla,
-                     reasons=dict.fromkeys(OPS, "triton, launches stubbed (capture audit)"), graph_safe=True)
+                     reasons=dict.fromkeys(OPS, "triton, launches stubbed (capture audit)"), graph_safe=True,
+                     backend="triton")
 
