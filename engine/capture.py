@@ -39,8 +39,9 @@ def capture_blocker(model) -> str:
 
 
 def kernel_blocker(model) -> str:
-    """Why ``model``'s kernel set cannot be captured: "" for the Triton set; the torch references read sequence
-    lengths and expert row counts on the host (``.tolist()``, boolean indexing)."""
+    """Why ``model``'s kernel set cannot be captured: "" for a graph-safe set (the Triton set, batch-invariant or
+    not); the torch references, and the torch batch-invariant set, read sequence lengths and expert row counts on
+    the host (``.tolist()``, boolean indexing)."""
     kernels = model.kernels
     if kernels.graph_safe:
         return ""

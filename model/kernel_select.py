@@ -151,23 +151,33 @@ def _triton_set(device: torch.device) -> KernelSet:
                      backend="triton")
 
 
+INVARIANT_ATTENTION_OPS = ("paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa", "tree_verify_mla",
+                           "masked_attention")
+
+
 def batch_invariant_kernels(base: KernelSet) -> KernelSet:
     """``base`` with every op replaced by its batch-invariant version (:mod:`model.invariant`); RMSNorm keeps
-    ``base``'s (row-local by construction, measured: tests/test_batch_invariance.py). Idempotent."""
+    ``base``'s (row-local by construction, measured: tests/test_batch_invariance.py). Idempotent. On a Triton
+    ``base`` the GEMMs, MoE and attention are Triton kernels and the set stays graph-safe (no op reads a length on
+    the host); the torch set is not."""
     if base.batch_invariant:
         return base
-    ops = dict(moe_experts=invariant.moe_experts, paged_decode_gqa=invariant.paged_decode_gqa,
-               paged_decode_mla=invariant.paged_decode_mla, tree_verify_gqa=invariant.tree_verify_gqa,
-               tree_verify_mla=invariant.tree_verify_mla, linear=invariant.linear, head_matmul=invariant.head_matmul,
-               silu_and_mul=invariant.silu_and_mul, masked_attention=invariant.masked_attention)
+    ops = dict(moe_experts=invariant.moe_experts, linear=invariant.linear, head_matmul=invariant.head_matmul,
+               silu_and_mul=invariant.silu_and_mul,
+               **{op: getattr(invariant, op) for op in INVARIANT_ATTENTION_OPS})
     reasons = {**base.reasons, **dict.fromkeys(ops, "batch-invariant torch (model.invariant)")}
-    if base.backend == "triton":  # fixed-tile GEMMs and the ordered MoE combine; attention stays torch (see docs)
+    on_triton = base.backend == "triton"
+    if on_triton:  # fixed-tile GEMMs, the ordered MoE combine, the row-invariant attention; SiLU·mul stays torch
         from model.triton import invariant_matmul as tim
+        from model.triton import row_attention
 
         gemms = dict(linear=tim.linear, head_matmul=tim.head_matmul, moe_experts=tim.moe_experts)
-        ops.update(gemms)
+        attention = {op: getattr(row_attention, op) for op in INVARIANT_ATTENTION_OPS}
+        ops.update(gemms, **attention)
         reasons.update(dict.fromkeys(gemms, "batch-invariant triton (model.triton.invariant_matmul)"))
-    return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=False, batch_invariant=True)
+        reasons.update(dict.fromkeys(attention, "batch-invariant triton (model.triton.row_attention)"))
+    return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=on_triton and base.graph_safe,
+                               batch_invariant=True)
 
 
 def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:

@@ -12,6 +12,7 @@ from bench.gpu.fixtures import random_model, random_speculator
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.step import SeqWork
+from model.kernel_select import batch_invariant_kernels
 from spec_decode.config import SpecConfig
 from spec_decode.speculation import speculation_from
 from spec_decode.tree import build_tree
@@ -108,11 +109,12 @@ def test_the_unfixed_root_assignment_is_flagged_and_the_builder_is_clean():
 # ------------------------------------------------------------------------------------- every static step kind
 
 
-def spec_runner(method: str, budget: int, batch: int) -> ModelRunner:
-    """A tiny random target (Triton wrappers, launches stubbed) + random drafter, static steps at ``batch``."""
+def spec_runner(method: str, budget: int, batch: int, invariant: bool = False) -> ModelRunner:
+    """A tiny random target (Triton wrappers, launches stubbed; ``invariant``: their batch-invariant set) + random
+    drafter, static steps at ``batch``."""
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
                          intermediate_size=32, vocab_size=64, num_hidden_layers=2)
-    model.use_kernels(triton_kernel_set())
+    model.use_kernels(batch_invariant_kernels(triton_kernel_set()) if invariant else triton_kernel_set())
 
     cfg = SpecConfig(method, budget=budget, block_size=BLOCK, drafter_path="random", tree_temperature=0.33)
 
@@ -148,7 +150,19 @@ CASES = [("ddtree", b, n) for b in BUDGETS for n in (1, 8)] + [("dflash", 16, n)
 
 @pytest.mark.parametrize(("method", "budget", "batch"), CASES)
 def test_every_static_step_kind_is_capture_safe(method, budget, batch):
-    runner = spec_runner(method, budget, batch)
+    assert_every_kind_capture_safe(spec_runner(method, budget, batch), batch)
+
+
+@pytest.mark.parametrize(("method", "budget", "batch"), [("ddtree", 16, 8), ("dflash", 16, 1)])
+def test_every_static_step_kind_is_capture_safe_batch_invariant(method, budget, batch):
+    """``engine.batch_invariant`` on the Triton set (what a GPU runs: graph-safe, so captured): the row-invariant
+    attention's per-row key lists, the fixed-tile GEMMs and the ordered MoE combine, in every static step kind."""
+    runner = spec_runner(method, budget, batch, invariant=True)
+    assert runner.model.kernels.batch_invariant and runner.model.kernels.graph_safe
+    assert_every_kind_capture_safe(runner, batch)
+
+
+def assert_every_kind_capture_safe(runner: ModelRunner, batch: int) -> None:
     nodes = runner.speculator.cfg.num_nodes
     with stub_triton_launches(), audited_capture() as log:
         results = run_every_kind(runner, batch)

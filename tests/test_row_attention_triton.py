@@ -7,29 +7,35 @@ same row inside launches of 2, 9 and 17 rows, with another block-table width (gr
 depth d equals the decode of its token once its ancestors' KV is compacted before it, and equals its row in the
 graphs-off padded path (``masked_attention``); a prefill row equals the decode of its token; GQA and MLA (absorbed,
 and ``[latent | rope]`` keys through ``masked_attention``). Close (fp32): each op against its ``model.kernels``
-reference, at split boundaries. The per-row key lists pass the capture audit. (The interpreter runs each ``tl.dot``
-tile as a numpy matmul: what is proven is that no row's tiles, key order or splits depend on its launch or step kind;
-the GPU's MMA order within a tile is gpu_check's.)"""
+reference, at split boundaries. The per-row key lists pass the capture audit. End to end, the tiny MLA and GQA models
+on the Triton invariant set (which selects these ops and is graph-safe) give a token the same logits in prefill,
+decode and tree verify. (The interpreter runs each ``tl.dot`` tile as a numpy matmul: what is proven is that no
+row's tiles, key order or splits depend on its launch or step kind; the GPU's MMA order within a tile is
+gpu_check's.)"""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
 import triton
-from capture_audit import check, stub_triton_launches
+from capture_audit import check, stub_triton_launches, triton_kernel_set
 
+from engine.capture import kernel_blocker
 from model import kernels
+from model.kernel_select import INVARIANT_ATTENTION_OPS, batch_invariant_kernels, reference_kernels
 from model.tree_mask import ancestor_mask
 from model.triton import cases
 
 interpret_triton.require()
 
-interpret_triton.module("model.triton.attention")  # the helpers row_attention imports, interpreted first
+for name in ("attention", "moe", "norm", "invariant_matmul"):  # what row_attention and the invariant set import
+    interpret_triton.module(f"model.triton.{name}")
 ra = interpret_triton.module("model.triton.row_attention")
 
 SK = 64  # keys per split in these tests
@@ -168,6 +174,41 @@ def test_prefill_rows_equal_decodes(kind, dtype):
         assert torch.equal(decode(kind, dec)[0], chunk[i]), i
 
 
+@pytest.mark.parametrize("preset", ["tiny_deepseek", "tiny_qwen3_moe"])
+def test_a_token_is_the_same_in_prefill_decode_and_tree_verify(preset, tiny_ckpts):
+    """The tiny models (MLA, GQA) on the Triton batch-invariant set, fp32: tokens t6, t7, t8's logits are
+    bit-identical as rows of a 9-token prefill (``masked_attention``), t8's as a static decode step, and all three
+    as nodes 0, 1 and 3 of a static tree verify after 6 tokens (node 2: a sibling of node 1 at position 7)."""
+    from engine.cuda_graphs import StaticSeq, StaticStep, StepShape
+    from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+    from model.batch import ForwardBatch
+    from model.loader import load_model
+    from parallelism.comm import build_groups
+    from parallelism.layout import Layout
+
+    model = load_model(tiny_ckpts[preset], build_groups(Layout()))
+    model.use_kernels(batch_invariant_kernels(triton_kernel_set()))
+    cache = PagedKVCache(KVSpec.for_model(model), 8, 4)
+    prefilled, tree_table = [1, 2, 3], [4, 5, 6]
+    ids = torch.randint(3, model.cfg.vocab_size, (10,), generator=gen(11))  # t0..t8, then the sibling
+    hidden = model(ForwardBatch(ids[:9], torch.arange(9), [9], PagedKV(cache, [SeqSlots(prefilled, 0, 9)])))
+    want = model.logits_everywhere(hidden)[6:9]
+    model(ForwardBatch(ids[:6], torch.arange(6), [6], PagedKV(cache, [SeqSlots(tree_table, 0, 6)])))
+
+    def static(shape: StepShape, seq: StaticSeq) -> torch.Tensor:
+        step = StaticStep(model, cache, shape, max_blocks=3, scratch_blocks=(0,))
+        step.load([seq])
+        return step.run()[0]
+
+    decode = static(StepShape(1, 1), StaticSeq(cache.slots(prefilled, 8, 9), prefilled, 9, [int(ids[8])], [8]))
+    assert torch.equal(decode[0], want[2])
+    nodes = [int(ids[i]) for i in (6, 7, 9, 8)]
+    tree = ancestor_mask(torch.tensor([[-1, 0, 0, 1]]))[0]
+    verify = static(StepShape(1, 4), StaticSeq(cache.slots(tree_table, 6, 10), tree_table, 10, nodes, [6, 7, 7, 8],
+                                               tree))
+    assert torch.equal(verify[[0, 1, 3]], want)
+
+
 # ------------------------------------------------------------------------------------------ close to the references
 
 
@@ -232,6 +273,18 @@ def test_key_lists_hand_worked():
     keys = ra.mask_rows(padded)  # row 0 sees 0..4 (all prefix); rows 1, 2 a prefix of 5, then 5 / 6
     assert keys.prefix.tolist() == [5, 6, 5] and keys.length.tolist() == [5, 6, 6]
     assert keys.extras[2, :1].tolist() == [6]
+
+
+def test_the_triton_invariant_set_uses_the_row_kernel_and_is_captured():
+    inv = batch_invariant_kernels(triton_kernel_set())
+    assert inv.batch_invariant and inv.graph_safe and inv.backend == "triton"
+    for op in INVARIANT_ATTENTION_OPS:
+        assert getattr(inv, op) is getattr(ra, op), op
+        assert inv.reasons[op] == "batch-invariant triton (model.triton.row_attention)"
+    assert kernel_blocker(SimpleNamespace(kernels=inv)) == ""
+    torch_set = batch_invariant_kernels(reference_kernels())
+    assert not torch_set.graph_safe
+    assert kernel_blocker(SimpleNamespace(kernels=torch_set)).startswith("engine.batch_invariant: the invariant")
 
 
 AOT = """
