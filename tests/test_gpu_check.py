@@ -166,6 +166,16 @@ def test_invariance_section_logic_on_cpu_at_tiny_sizes():
     assert all(r["decode_tok_s"] > 0 for r in out["cost"]) and all("on_vs_off" in r for r in out["cost"][1::2])
 
 
+def test_invariance_token_diffs_name_the_first_differing_token():
+    plain = [{"g0": [1, 2, 3], "s0": [4, 5]}, {"g0": [1, 2, 3]}]
+    got = [{"g0": [1, 2, 3], "s0": [4, 6]}, {"g0": [1, 2, 7]}]
+    d = invariance.token_diffs(got, plain)
+    assert d["vs_plain"] == {"0/s0": 1, "1/g0": 2} and d["same_as_plain"] is False
+    assert d["alone_vs_batch"] == {"g0": 2} and d["same_alone_as_in_batch"] is False
+    assert invariance.token_diffs(plain, None) == dict(same_as_plain=None, vs_plain=None, same_alone_as_in_batch=True,
+                                                       alone_vs_batch={})
+
+
 def test_invariance_section_past_its_budget_records_what_it_skipped():
     out = invariance.run("cpu", 0.0, invariance.cpu_plan())
     assert out["flag_on_identical"] is None

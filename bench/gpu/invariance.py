@@ -10,8 +10,9 @@
   2, 9, 17, 64 and 257-row launches, bit for bit.
 - ``cost``: plain decode tok/s at batch 1 and 32, flag off and on (:func:`bench.gpu.engine_check.run_arm`).
 
-Parts run in the order flag-on tokens, ops, cost, flag-off tokens, each arm / op / row started only while
-``budget_s`` lasts; the rest are recorded as ``skipped: time budget``. Without a GPU gpu_check records "no CUDA
+Parts run in the order flag-on tokens, ops, cost, flag-off tokens; an arm starts only while more of ``budget_s`` is
+left than the longest arm of its part so far took, an op while any is left (the hard stop past the budget loses
+the whole section); the rest are recorded as ``skipped: time budget``. Without a GPU gpu_check records "no CUDA
 device"; :func:`cpu_plan` is the same logic at tiny sizes for the CPU test.
 """
 
@@ -122,10 +123,10 @@ def token_rows(model, plan: Plan, runs: list[list[Request]], flag: bool, left: C
     """Every method of ``plan`` with ``engine.batch_invariant=flag``, compared with the first (plain) arm."""
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
                           num_blocks=256, static_steps="on", gpu_memory_utilization=None, batch_invariant=flag)
-    rows, plain = [], None
+    rows, plain, longest = [], None, 0.0
     for method, budget in plan.methods:
         head = dict(flag="on" if flag else "off", method=method, budget=budget)
-        if left() <= 0:
+        if left() <= longest:  # an arm as long as the longest so far would end past the budget
             rows.append({**head, "skipped": "time budget"})
             continue
         t0 = time.time()
@@ -136,7 +137,7 @@ def token_rows(model, plan: Plan, runs: list[list[Request]], flag: bool, left: C
         except Exception as exc:  # noqa: BLE001 - recorded, the next arm still runs
             rows.append({**head, "error": f"{type(exc).__name__}: {exc}"[:800]})
             continue
-        plain = got if method == "none" else plain
+        plain, longest = got if method == "none" else plain, max(longest, time.time() - t0)
         rows.append({**head, **token_diffs(got, None if method == "none" else plain),
                      "seconds": round(time.time() - t0, 1)})
     return rows
@@ -162,17 +163,22 @@ def op_rows(kernels: KernelSet, plan: Plan, device: torch.device, budget_s: floa
 def cost_rows(model, plan: Plan, left: Callable[[], float]) -> list[dict]:
     """Plain decoding at each batch of ``plan``, flag off then on: decode tok/s after a warm-up, and on / off."""
     prompts = [p["ids"] for p in load_prompts()]
-    rows = []
+    rows, longest = [], 0.0
     for batch in plan.cost_batches:
         group = (prompts * -(-batch // len(prompts)))[:batch]
         speed = {}
         for flag in (False, True):
             head = dict(batch=batch, flag="on" if flag else "off")
-            if left() <= 0:
+            if left() <= longest:
                 rows.append({**head, "skipped": "time budget"})
                 continue
-            with kernels_kept(model):
-                row, _ = run_arm(model, Arm(batch=batch, batch_invariant=flag), [group], plan.cost_tokens)
+            try:
+                with kernels_kept(model):
+                    row, _ = run_arm(model, Arm(batch=batch, batch_invariant=flag), [group], plan.cost_tokens)
+            except Exception as exc:  # noqa: BLE001 - recorded, the next row still runs
+                rows.append({**head, "error": f"{type(exc).__name__}: {exc}"[:800]})
+                continue
+            longest = max(longest, row["seconds"])
             speed[flag] = row["decode_tok_s"]
             rows.append({**head, **{k: row[k] for k in ("decode_tok_s", "decode_steps", "host_ms_per_step",
                                                          "gpu_ms_per_step", "eager_reasons", "seconds")}})
