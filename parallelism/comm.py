@@ -90,7 +90,7 @@ class Comm:
         if self.mode.ordered:
             parts = x.new_empty(self.size * x.numel())
             dist.all_gather_into_tensor(parts, x.reshape(-1).contiguous(), group=self.group)
-            return x.copy_(rank_order_sum(parts.view(self.size, *x.shape)))
+            return x.copy_(_rank_order_sum(parts.view(self.size, *x.shape)))
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -112,7 +112,7 @@ class Comm:
         if self.mode.ordered:  # rank r's chunk c goes to rank c: parts[r] = rank r's copy of this rank's chunk
             parts = x.new_empty(x.shape)
             dist.all_to_all_single(parts, x.contiguous(), group=self.group)
-            return out.copy_(rank_order_sum(parts.view(self.size, *out.shape)))
+            return out.copy_(_rank_order_sum(parts.view(self.size, *out.shape)))
         dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
@@ -181,7 +181,7 @@ class Comm:
             dist.barrier(group=self.group)
 
 
-def rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
+def _rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
     """``parts [W, ...]`` → ``((parts[0] + parts[1]) + parts[2]) + ...``, elementwise: one order for every element."""
     acc = parts[0].clone()
     for part in parts[1:]:

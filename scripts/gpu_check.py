@@ -26,9 +26,9 @@ overrides one, 0 skips it) inside the whole run's ``--budget-s``; each is record
   on the trained tiny_kimi pair — none / dflash / ddtree arms, tok/s, τ, coverage, tokens vs plain decoding, HF
   ``generate`` as the outside reference, DDTree projected onto the Kimi-shaped slice;
 - ``invariance`` (GPU): ``bench.gpu.invariance.run``, ``engine.batch_invariant`` on the trained pair in bf16 —
-  none / dflash / ddtree 16, 64 tokens at batch 8 and alone with the flag on (must not move) and off; every op of
-  the batch-invariant kernel set, one row alone vs inside 2…257-row launches, bf16 and fp32; plain decode tok/s at
-  batch 1 and 32, flag off vs on;
+  plain, DFlash and DDTree (budgets 16, 64) tokens at batch 8 and alone, with the flag on (they must not move) and
+  off; every op of the batch-invariant kernel set, one row alone vs inside 2…257-row launches, bf16 and fp32;
+  plain decode tok/s at batch 1 and 32, flag off vs on;
 - ``roofline`` (GPU; on CPU only when named, a tiny dry run): ``bench.gpu.roofline.run``, decode steps of a
   Kimi-K2-shaped rank against the HBM floor;
 - ``quant`` (GPU; on CPU only when named, the kernel choice alone): ``bench.gpu.quant_check.run``, the INT4 and FP8
