@@ -8,7 +8,9 @@ One interface (:class:`parallelism.dispatch_base.Dispatcher`), backends chosen i
   Per MoE layer: 1 all_reduce.
 - ``alltoall``: tokens partitioned (DP attention). Each token goes once to every rank holding at least
   one of its experts (expert-TP shards are "virtual experts": every shard's rank gets the token);
-  uneven counts. Per MoE layer: 3 all_to_all in dispatch (counts, rows, routing) + 1 in combine.
+  uneven counts. Per MoE layer: 3 all_to_all in dispatch (counts, rows, routing) + 1 in combine. Combine
+  sums a token's returned rows with ``index_add_`` (atomics on a GPU), or with :attr:`CommMode.ordered`
+  (``engine.batch_invariant``) in the order of the ranks they come back from (:func:`add_in_rank_order`).
 - ``allgather``: tokens partitioned; all-gather (padded to the largest rank), local compute,
   reduce-scatter. Fixed shapes. Per MoE layer: 1 all_gather of counts + 2 all_gather (rows, routing)
   + 1 reduce_scatter.
@@ -81,8 +83,24 @@ class AllToAllDispatcher(Dispatcher):
     def combine(self, y, meta, shared):
         back = self.world.all_to_all(y, meta.recv_counts, meta.send_counts)  # [S, H]
         out = torch.zeros(meta.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        out.index_add_(0, meta.token_index, back)
+        if self.world.mode.ordered:
+            add_in_rank_order(out, back, meta)
+        else:
+            out.index_add_(0, meta.token_index, back)
         return out if shared is None else out + shared
+
+
+def add_in_rank_order(out: torch.Tensor, back: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
+    """``out [T, H] += back [S, H]`` at rows ``meta.token_index``, one source rank at a time in rank order: a token
+    appears at most once among one rank's rows, so each step is a plain gather-add-scatter (no atomics) and a
+    token's sum is ``((0 + rank a's row) + rank b's row) + ...`` for the ranks a < b < ... that hold its experts,
+    whatever else shares the batch. Returns ``out``."""
+    start = 0
+    for count in meta.send_counts:  # rows come back grouped by the rank they went to, in rank order
+        rows = meta.token_index[start:start + count]
+        out[rows] += back[start:start + count]
+        start += count
+    return out
 
 
 class AllGatherDispatcher(Dispatcher):

@@ -1,6 +1,6 @@
 """One call on one GPU (≤ 8 minutes): are the kernels right, fast, and where is the floor?
 
-    python scripts/gpu_check.py [--sections a,b,c] [--budget NAME=SECONDS ...] [--budget-s 420] [--out DIR]
+    python scripts/gpu_check.py [--sections a,b,c] [--budget NAME=SECONDS ...] [--budget-s 450] [--out DIR]
                                 [--aot core|full|none]
 
 Sections, in this order, each under its own time budget (``bench.gpu.report.BUDGETS_S``; ``--budget NAME=S``
@@ -25,6 +25,10 @@ overrides one, 0 skips it) inside the whole run's ``--budget-s``; each is record
 - ``engine`` (GPU; on CPU only when named, a smoke version): ``bench.gpu.engine_check.run``, the engine end to end
   on the trained tiny_kimi pair — none / dflash / ddtree arms, tok/s, τ, coverage, tokens vs plain decoding, HF
   ``generate`` as the outside reference, DDTree projected onto the Kimi-shaped slice;
+- ``invariance`` (GPU): ``bench.gpu.invariance.run``, ``engine.batch_invariant`` on the trained pair in bf16 —
+  plain, DFlash and DDTree (budgets 16, 64) tokens at batch 8 and alone, with the flag on (they must not move) and
+  off; every op of the batch-invariant kernel set, one row alone vs inside 2…257-row launches, bf16 and fp32;
+  plain decode tok/s at batch 1 and 32, flag off vs on;
 - ``roofline`` (GPU; on CPU only when named, a tiny dry run): ``bench.gpu.roofline.run``, decode steps of a
   Kimi-K2-shaped rank against the HBM floor;
 - ``quant`` (GPU; on CPU only when named, the kernel choice alone): ``bench.gpu.quant_check.run``, the INT4 and FP8

@@ -9,6 +9,10 @@ One draft round for a request whose committed tokens end at position ``p - 1`` a
 to itself and to the context — the target's hidden states at ``target_layer_ids`` of positions ``< p``,
 concatenated → ``fc`` → ``hidden_norm``, then each layer's k/v projections. Block rows ``1..B-1`` give the
 draft distributions of positions ``p+1 .. p+B-1``.
+
+Every projection and the MLP activation go through a kernel set (``kernels=``, :class:`model.kernel_select.KernelSet`):
+the speculator passes the target's, so with ``engine.batch_invariant`` a request's draft does not depend on what
+shares its launch; without one (training) they are plain ``F.linear`` and ``F.silu``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from model.config import RopeConfig
+from model.kernel_select import KernelSet, reference_kernels
 from model.rope import Rotary
+
+PLAIN = reference_kernels("the drafter's own forward (training): F.linear, F.silu, SDPA")
 
 
 @dataclass(frozen=True)
@@ -95,23 +102,24 @@ class DraftLayer(nn.Module):
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary, kernels: KernelSet = PLAIN):
         """``x [N, H]`` → roped K ``[N, kvh, d]`` and V ``[N, kvh, d]``."""
-        c = self.c
-        k = rms(self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_norm_eps)
-        return rotary.apply(k, cos, sin), self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        c, linear = self.c, kernels.linear
+        k = rms(linear(x, self.k_proj.weight).view(-1, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_norm_eps)
+        return rotary.apply(k, cos, sin), linear(x, self.v_proj.weight).view(-1, c.num_kv_heads, c.head_dim)
 
-    def forward(self, x, cos, sin, rotary, attend: Attend):
+    def forward(self, x, cos, sin, rotary, attend: Attend, kernels: KernelSet = PLAIN):
         """Block rows ``x [N, H]`` → ``[N, H]``; ``attend`` is the block's attention over its context and itself
-        (:data:`Attend`)."""
-        c = self.c
+        (:data:`Attend`); projections and activation through ``kernels``."""
+        c, linear = self.c, kernels.linear
         hx = rms(x, self.input_layernorm, c.rms_norm_eps)
-        q = rotary.apply(rms(self.q_proj(hx).view(-1, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps),
-                         cos, sin)
-        o = attend(q, *self.kv(hx, cos, sin, rotary))
-        x = x + self.o_proj(o.reshape(x.shape[0], -1))
+        q = linear(hx, self.q_proj.weight).view(-1, c.num_heads, c.head_dim)
+        q = rotary.apply(rms(q, self.q_norm, c.rms_norm_eps), cos, sin)
+        o = attend(q, *self.kv(hx, cos, sin, rotary, kernels))
+        x = x + linear(o.reshape(x.shape[0], -1), self.o_proj.weight)
         hx = rms(x, self.post_attention_layernorm, c.rms_norm_eps)
-        return x + self.down_proj(F.silu(self.gate_proj(hx)) * self.up_proj(hx))
+        gate_up = torch.cat([linear(hx, self.gate_proj.weight), linear(hx, self.up_proj.weight)], dim=-1)  # [N, 2I]
+        return x + linear(kernels.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 def dense_attend(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None) -> Attend:
@@ -122,6 +130,16 @@ def dense_attend(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | 
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
                                               attn_mask=None if mask is None else mask[None, None],
                                               enable_gqa=True)[0].transpose(0, 1)  # [N, h, d]
+    return attend
+
+
+def row_attend(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None, kernels: KernelSet) -> Attend:
+    """:func:`dense_attend` through ``kernels.masked_attention`` (the batch-invariant set's: each row over its
+    visible keys in order, so a block's rows do not depend on the other blocks beside it)."""
+    def attend(q, bk, bv):
+        k, v = torch.cat([ctx_k, bk]), torch.cat([ctx_v, bv])  # [S+N, kvh, d]
+        seen = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device) if mask is None else mask
+        return kernels.masked_attention(q[None], k[None], v[None], seen[None], q.shape[-1] ** -0.5)[0]
     return attend
 
 
@@ -144,19 +162,21 @@ class DFlashDrafter(nn.Module):
         self.rotary.inv_freq = self.rotary.inv_freq.to(device)
         return self
 
-    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor,
+                   kernels: KernelSet = PLAIN) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target features ``[S, k*H]`` at ``positions [S]`` → per layer (K, V) ``[S, kvh, d]`` (cacheable)."""
-        ctx = rms(self.fc(feats), self.hidden_norm, self.c.rms_norm_eps)
+        ctx = rms(kernels.linear(feats, self.fc.weight), self.hidden_norm, self.c.rms_norm_eps)
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        return [layer.kv(ctx, cos, sin, self.rotary) for layer in self.layers]
+        return [layer.kv(ctx, cos, sin, self.rotary, kernels) for layer in self.layers]
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_kv,
-                ctx_visible: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_visible: torch.Tensor | None = None, kernels: KernelSet = PLAIN) -> torch.Tensor:
         """J blocks at once: ``block_emb [J, B, H]`` (the target's embeddings of ``[bonus, MASK...]``),
         ``block_pos [J, B]``, shared context K/V (``context_kv``) of S rows, ``ctx_visible [J, S]`` bool
         (which context rows block j sees; None: one block that sees all of them, attention runs unmasked).
         Returns normed hidden states ``[J, B, H]``; rows 1..B-1 feed the target's LM head. Attention is
-        non-causal inside a block; blocks do not see each other."""
+        non-causal inside a block; blocks do not see each other. A batch-invariant ``kernels`` set attends
+        row by row (:func:`row_attend`), else SDPA (:func:`dense_attend`)."""
         j, b, h = block_emb.shape
         if ctx_visible is None:
             if j != 1:
@@ -165,16 +185,20 @@ class DFlashDrafter(nn.Module):
         else:
             own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)
             mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)  # [J*B, S + J*B]
-        attends = [dense_attend(ck, cv, mask) for ck, cv in ctx_kv]
-        return self.run_blocks(block_emb.reshape(j * b, h), block_pos.reshape(-1), attends).view(j, b, h)
+        if kernels.batch_invariant:
+            attends = [row_attend(ck, cv, mask, kernels) for ck, cv in ctx_kv]
+        else:
+            attends = [dense_attend(ck, cv, mask) for ck, cv in ctx_kv]
+        return self.run_blocks(block_emb.reshape(j * b, h), block_pos.reshape(-1), attends, kernels).view(j, b, h)
 
-    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, attends: list[Attend]) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, attends: list[Attend],
+                   kernels: KernelSet = PLAIN) -> torch.Tensor:
         """Block rows ``x [N, H]`` at ``positions [N]`` through every layer, layer i attending by ``attends[i]``
         (how the context is held is the caller's: tensors, :func:`dense_attend`; a paged store,
         ``spec_decode.static_draft``). Returns the normed hidden states ``[N, H]``."""
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, attend in zip(self.layers, attends, strict=True):
-            x = layer(x, cos, sin, self.rotary, attend)
+            x = layer(x, cos, sin, self.rotary, attend, kernels)
         return rms(x, self.norm, self.c.rms_norm_eps)
 
     # ---- z-lab checkpoint layout -----------------------------------------------------------------

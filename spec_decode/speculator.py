@@ -87,7 +87,7 @@ class Speculator:
     def write_context(self, slots: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor) -> None:
         """Stores the drafter K/V of target features ``feats [R, k*H]`` at token ``positions [R]``, in drafter
         context ``slots [R]`` (any requests' rows at once)."""
-        for layer, kv in enumerate(self.drafter.context_kv(feats.float(), positions)):
+        for layer, kv in enumerate(self.drafter.context_kv(feats.float(), positions, self.model.kernels)):
             self.context.write(layer, slots, kv)
 
     # ---- draft -----------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class Speculator:
             owner = torch.repeat_interleave(torch.arange(len(work), device=dev), lens)  # [S] request of each row
             visible = owner[None, :] == torch.arange(len(work), device=dev)[:, None]  # [J, S]
         used = self.cfg.draft_rows  # a B-node tree is at most B deep: deeper rows never reach the LM head
-        hidden = self.drafter(emb, pos, kv, visible)[:, 1:1 + used]  # [J, D', H]
+        hidden = self.drafter(emb, pos, kv, visible, self.model.kernels)[:, 1:1 + used]  # [J, D', H]
         return self.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(len(work), used, -1)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

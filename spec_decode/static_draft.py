@@ -98,7 +98,7 @@ class StaticDraft:
         emb = spec.model.embed(ids.reshape(-1)).float()  # [B*N, H]
         pos = (self.start[:, None] + self.offsets[None, :]).reshape(-1)
         attends = [self._paged_attend(i) for i in range(c.num_layers)]
-        hidden = spec.drafter.run_blocks(emb, pos, attends).view(b, n, -1)[:, 1:1 + cfg.draft_rows]
+        hidden = spec.drafter.run_blocks(emb, pos, attends, spec.model.kernels).view(b, n, -1)[:, 1:1 + cfg.draft_rows]
         logits = spec.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(b, cfg.draft_rows, -1)  # [B, D', V]
         if cfg.method == "dflash":
             trees = build_chain(logits, self.bonus)

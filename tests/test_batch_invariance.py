@@ -291,7 +291,7 @@ def arms_and_runs(max_tokens: int, full: bool = True):
     """Plain, DFlash, DDTree 16 and 64 on static steps, then plain and (``full``) DDTree 16 on the dynamic path
     (graphs off); a batch of 8 (4 prompts greedy and the same 4 seeded at T=1, top-p), then (``full``) prompt 0
     greedy alone and seeded alone."""
-    from engine.sampler import SamplingParams
+    from bench.gpu.invariance import workload
     from spec_decode.config import SpecConfig
 
     drafter = str(ZOO / "drafter")
@@ -299,12 +299,8 @@ def arms_and_runs(max_tokens: int, full: bool = True):
     arms = [(SpecConfig(), "on"), (SpecConfig("dflash", drafter_path=drafter), "on"), (ddtree[0], "on"),
             (ddtree[1], "on"), (SpecConfig(), "off"), (ddtree[0], "off")][:6 if full else 5]
     prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=max_tokens, ignore_eos=True)
-    batch = [(f"{name}{i}", p, params) for name, params in (("g", greedy), ("s", seeded))
-             for i, p in enumerate(prompts)]
-    runs = [batch] + ([[batch[0]], [batch[4]]] if full else [])
-    return arms, runs
+    runs = workload(prompts, max_tokens)
+    return arms, runs if full else runs[:1]
 
 
 def invariant_cfg(on: bool = True):

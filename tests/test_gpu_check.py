@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import engine_check, report
+from bench.gpu import engine_check, invariance, report
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_ONLY = ("moe_timing", "bandwidth", "power", "cuda_graphs", "draft_graphs", "spec_steps", "engine", "roofline",
-            "quant")
+GPU_ONLY = ("moe_timing", "bandwidth", "power", "cuda_graphs", "draft_graphs", "spec_steps", "engine", "invariance",
+            "roofline", "quant")
 
 
 def gpu_check(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -138,6 +138,50 @@ def test_engine_section_on_cpu_runs_its_smoke_version_with_the_gpu_rows_keys(tmp
     assert row["projected_speedup"] == pytest.approx(row["tau_from_pair"] * proj["decode_ms"] /
                                                       (row["draft_ms"] + row["verify_ms"]))
     assert "| ddtree 16 block 16, b1, greedy, float32 |" in eng["table"]
+
+
+def test_invariance_section_without_a_gpu_records_no_gpu_even_when_named(tmp_path):
+    done = gpu_check("--sections", "invariance", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rep = json.loads((tmp_path / "gpu_report.json").read_text())
+    assert rep["invariance"].startswith("skipped: no CUDA device") and rep["section_seconds"]["invariance"] < 1
+
+
+def test_invariance_section_logic_on_cpu_at_tiny_sizes():
+    """The section's GPU logic on CPU (:func:`bench.gpu.invariance.cpu_plan`): the flag-on arms give plain decoding's
+    tokens and prompt 0 alone its tokens in the batch; every op of the CPU's batch-invariant set has a row per dtype
+    (the quantized ones in bf16 only), all row-invariant; plain decoding's cost at both batches, flag off and on."""
+    from model.kernel_select import batch_invariant_kernels, select_kernels
+
+    out = invariance.run("cpu", 120.0, invariance.cpu_plan())
+    assert out["flag_on_identical"] is True and out["ops_not_invariant"] == []
+    tokens = {(r["flag"], r["method"]): r for r in out["tokens"]}
+    assert set(tokens) == {(f, m) for f in ("on", "off") for m in ("none", "ddtree")}
+    assert tokens["on", "ddtree"]["same_as_plain"] is True and tokens["on", "none"]["same_as_plain"] is None
+    ops = batch_invariant_kernels(select_kernels("cpu"))
+    want = {(op, dt) for op in invariance.kernel_ops(ops) for dt in ("bfloat16", "float32")
+            if dt == "bfloat16" or op not in invariance.BF16_ONLY}
+    assert {(r["op"], r["dtype"]) for r in out["ops"]} == want and all(r["invariant"] for r in out["ops"])
+    assert [(r["batch"], r["flag"]) for r in out["cost"]] == [(1, "off"), (1, "on"), (2, "off"), (2, "on")]
+    assert all(r["decode_tok_s"] > 0 for r in out["cost"]) and all("on_vs_off" in r for r in out["cost"][1::2])
+
+
+def test_invariance_token_diffs_name_the_first_differing_token():
+    plain = [{"g0": [1, 2, 3], "s0": [4, 5]}, {"g0": [1, 2, 3]}]
+    got = [{"g0": [1, 2, 3], "s0": [4, 6]}, {"g0": [1, 2, 7]}]
+    d = invariance.token_diffs(got, plain)
+    assert d["vs_plain"] == {"0/s0": 1, "1/g0": 2} and d["same_as_plain"] is False
+    assert d["alone_vs_batch"] == {"g0": 2} and d["same_alone_as_in_batch"] is False
+    assert invariance.token_diffs(plain, None) == dict(same_as_plain=None, vs_plain=None, same_alone_as_in_batch=True,
+                                                       alone_vs_batch={})
+
+
+def test_invariance_section_past_its_budget_records_what_it_skipped():
+    out = invariance.run("cpu", 0.0, invariance.cpu_plan())
+    assert out["flag_on_identical"] is None
+    assert all(r.get("skipped") == "time budget" for part in ("tokens", "ops", "cost") for r in out[part])
+    failed = report.verdict_of({"invariance": {"flag_on_identical": False}})
+    assert failed[1] and "batch_invariant" in failed[0]
 
 
 def test_the_gpu_plan_compares_every_arm_with_a_plain_arm_run_before_it():

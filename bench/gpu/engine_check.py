@@ -51,7 +51,7 @@ ROW_KEYS = ("arm", "method", "budget", "block_size", "batch", "temperature", "dt
 @dataclass(frozen=True, kw_only=True)
 class Arm:
     """One engine configuration and workload. ``overlap``: ``SchedulerConfig.overlap``'s value (None: the
-    field's default, or no such field)."""
+    field's default, or no such field); ``batch_invariant``: ``SchedulerConfig.batch_invariant``."""
 
     method: str = "none"
     budget: int | None = None
@@ -60,6 +60,7 @@ class Arm:
     dtype: str = "bfloat16"
     static_steps: str = "auto"
     overlap: object = None
+    batch_invariant: bool = False
 
     @property
     def block(self) -> int | None:
@@ -69,7 +70,8 @@ class Arm:
     def label(self) -> str:
         what = self.method + (f" {self.budget}" if self.budget else "") + (f" block {self.block}" if self.block else "")
         extra = ("" if self.static_steps == "auto" else f", static {self.static_steps}") + \
-            ("" if self.overlap is None else f", overlap {self.overlap}")
+            ("" if self.overlap is None else f", overlap {self.overlap}") + \
+            (", batch-invariant" if self.batch_invariant else "")
         return f"{what}, b{self.batch}, {'greedy' if self.temperature == 0 else f'T={self.temperature:g}'}, " \
                f"{self.dtype}{extra}"
 
@@ -199,7 +201,8 @@ def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> 
     """One arm: warm-up, then the timed run on fresh stats → (its row, its tokens per prompt)."""
     t0, device = time.time(), model.device
     kv = dict(max_num_seqs=max(8, arm.batch), max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
-              num_blocks=512, static_steps=arm.static_steps, gpu_memory_utilization=None)
+              num_blocks=512, static_steps=arm.static_steps, gpu_memory_utilization=None,
+              batch_invariant=arm.batch_invariant)
     cfg = SchedulerConfig(**kv, **({} if arm.overlap is None else {"overlap": arm.overlap}))
     spec = arm.spec()
     engine = Engine(model, cfg, seed=0, speculation=load_speculation(spec, model))

@@ -67,7 +67,7 @@ def check_rows(cases: list[dict], check: Callable[..., dict], budget_s: float) -
     does not lose the rows of the others."""
     t0, rows = time.time(), []
     for case in cases:
-        if time.time() - t0 > budget_s:
+        if time.time() - t0 >= budget_s:
             rows.append({**case, "skipped": "time budget"})
             continue
         try:

@@ -15,23 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu.harness import copy_bandwidth, cuda_time_s
+from bench.gpu.row_cases import fp8_weight, int4_weight
 from model.kernel_select import QUANT_OPS, select_kernels
 from model.quant import reference as R
 
 NO_GPU = "skipped: no CUDA device"
-
-
-def _int4(shape, g):
-    q = torch.randint(-8, 8, shape, generator=g, dtype=torch.int32)
-    packed = ((q + 8).view(*shape[:-1], shape[-1] // 8, 8) << (torch.arange(8, dtype=torch.int32) * 4)).sum(-1)
-    scale = torch.rand(*shape[:-1], shape[-1] // 32, generator=g) * shape[-1] ** -0.5 / 4
-    return packed.to(torch.int32).cuda(), scale.to(torch.bfloat16).cuda()
-
-
-def _fp8(shape, g):
-    w = (torch.randn(*shape, generator=g) * 64).to(torch.float8_e4m3fn).cuda()
-    grid = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
-    return w, (torch.rand(*grid, generator=g) * shape[-1] ** -0.5 / 64).cuda()
 
 
 def _expert_input(tokens, experts, packed: bool, g):
@@ -52,13 +40,13 @@ def correctness(ks) -> list[dict]:
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 2048, generator=g).to(torch.bfloat16).cuda()
-    packed, scale = _int4((7168, 2048), g)
-    w, s = _fp8((7168, 2048), g)
+    packed, scale = int4_weight((7168, 2048), g, "cuda")
+    w, s = fp8_weight((7168, 2048), g, "cuda")
     inp = cases.expert_case(64, 8, 2048, 512, 8, "spread", g, torch.bfloat16, "cuda")["inp"]
-    m13, n13 = _int4((8, 1024, 2048), g)
-    m2, n2 = _int4((8, 2048, 512), g)
-    f13, t13 = _fp8((8, 1024, 2048), g)
-    f2, t2 = _fp8((8, 2048, 512), g)
+    m13, n13 = int4_weight((8, 1024, 2048), g, "cuda")
+    m2, n2 = int4_weight((8, 2048, 512), g, "cuda")
+    f13, t13 = fp8_weight((8, 1024, 2048), g, "cuda")
+    f2, t2 = fp8_weight((8, 2048, 512), g, "cuda")
     checks = [("w4a16_linear", (x, packed, scale, 32)), ("fp8_linear", (x, w, s, (128, 128))),
               ("w4a16_moe", (inp, m13, n13, m2, n2, 32)), ("fp8_moe", (inp, f13, t13, f2, t2, (128, 128)))]
     refs = dict(w4a16_linear=R.w4a16_linear, w4a16_moe=R.w4a16_moe,
@@ -76,8 +64,8 @@ def timing(ks) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     copy_rate = copy_bandwidth("cuda")
     experts, hidden, inter = 48, 7168, 2048
-    w13, s13 = _int4((experts, 2 * inter, hidden), g)
-    w2, s2 = _int4((experts, hidden, inter), g)
+    w13, s13 = int4_weight((experts, 2 * inter, hidden), g, "cuda")
+    w2, s2 = int4_weight((experts, hidden, inter), g, "cuda")
     per_expert = (w13[0].numel() + w2[0].numel()) * 4 + (s13[0].numel() + s2[0].numel()) * 2
     rows = []
     for layout, packed in (("sorted", False), ("DeepEP packed", True)):
@@ -88,7 +76,7 @@ def timing(ks) -> list[dict]:
         rows.append(dict(op="w4a16_moe decode", layout=layout, ms=t * 1e3, hit_experts=hit, weight_gb_s=rate / 1e9,
                          of_copy_rate=rate / copy_rate))
     x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
-    w, s = _fp8((7168, 2048), g)
+    w, s = fp8_weight((7168, 2048), g, "cuda")
     dense = torch.randn(7168, 2048, device="cuda", dtype=torch.bfloat16)
     t_fp8 = cuda_time_s(lambda: ks.fp8_linear(x, w, s, (128, 128)))
     t_bf16 = cuda_time_s(lambda: F.linear(x, dense))

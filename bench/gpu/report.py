@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import draft_check, engine_check, graph_check, quant_check, roofline, step_check
+from bench.gpu import draft_check, engine_check, graph_check, invariance, quant_check, roofline, step_check
 from bench.gpu.kernels import (
     CUDA,
     NO_GPU,
@@ -40,12 +40,12 @@ from bench.gpu.power import PowerMeter
 log = logging.getLogger("gpu_check")
 
 # Seconds per section (estimates for one H200; the first GPU run's ``section_seconds`` should reset them). The
-# sections that run on a GPU sum to 415 s, under the whole run's default --budget-s of 420 s; aot_compile runs only
+# sections that run on a GPU sum to 445 s, under the whole run's default --budget-s of 450 s; aot_compile runs only
 # without a GPU. A section past its budget + min(30 s, 10 s + budget / 4) is stopped (SIGALRM).
 BUDGETS_S = {"environment": 5, "kernel_select": 5, "aot_compile": 120, "correctness": 50, "moe_timing": 25,
-             "bandwidth": 25, "power": 5, "cuda_graphs": 30, "draft_graphs": 25, "spec_steps": 25, "engine": 125,
-             "roofline": 70, "quant": 25}
-TOTAL_BUDGET_S = 420.0
+             "bandwidth": 25, "power": 5, "cuda_graphs": 30, "draft_graphs": 25, "spec_steps": 25, "engine": 95,
+             "invariance": 60, "roofline": 70, "quant": 25}
+TOTAL_BUDGET_S = 450.0
 NOT_SELECTED = "not in --sections"
 
 
@@ -111,6 +111,7 @@ SECTIONS: dict[str, Callable[[Context, float], object]] = {
     "draft_graphs": _graphs(draft_check.gpu_check),
     "spec_steps": _graphs(step_check.gpu_check),
     "engine": _engine,
+    "invariance": lambda ctx, b: invariance.run("cuda", b) if CUDA else NO_GPU,
     "roofline": _roofline,
     "quant": lambda ctx, b: NO_GPU if ctx.device("quant") is None else quant_check.run(b),
 }
@@ -285,7 +286,8 @@ def console_lines(s: dict, verdict: str, out: Path) -> list[str]:
 
 
 def verdict_of(sections: dict) -> tuple[str, bool]:
-    """``(line, failed)``: kernels out of tolerance, fp32 engine tokens off plain decoding, a section's error."""
+    """``(line, failed)``: kernels out of tolerance, fp32 engine tokens off plain decoding, batch-invariant tokens
+    that moved, a section's error."""
     problems = []
     rows = sections.get("correctness")
     if isinstance(rows, list):
@@ -295,6 +297,9 @@ def verdict_of(sections: dict) -> tuple[str, bool]:
     eng = sections.get("engine")
     if isinstance(eng, dict) and eng.get("fp32_equal") is False:
         problems.append(f"fp32 engine tokens differ from plain decoding: {eng.get('fp32_unequal')}")
+    inv = sections.get("invariance")
+    if isinstance(inv, dict) and inv.get("flag_on_identical") is False:
+        problems.append("engine.batch_invariant=true: bf16 tokens differ between arms or batch sizes")
     if problems:
         return f"FAILED: {problems}", True
     if not isinstance(rows, list):
@@ -307,7 +312,7 @@ def verdict_of(sections: dict) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> None:
     """``scripts/gpu_check.py``: the chosen sections in order, the report in ``--out``; exit status 1 when a
-    kernel is out of tolerance or the engine's fp32 tokens leave plain decoding."""
+    kernel is out of tolerance, the engine's fp32 tokens leave plain decoding or the batch-invariant ones move."""
     parser = argparse.ArgumentParser(description="One call on one GPU: are the kernels right, fast, and where is the "
                                                  "floor?")
     parser.add_argument("--out", default=None, help="report directory (default: $OUT, else a new temp directory)")
