@@ -126,12 +126,15 @@ def test_moe_path_rule():
     assert moe.moe_path(t, w) == "prefill_tiles"  # a CPU tensor: no capability
     assert moe.moe_path(t, w, tiles=moe.MoETiles(16, 64, 64), capability=sm90) == "sorted"
     assert moe.moe_path(t, w, ordered_combine=True, capability=sm90) == "sorted"
+    assert (moe.prefill_tiles(torch.bfloat16).block_m, moe.prefill_tiles(torch.bfloat16).block_k) == (128, 64)
+    assert moe.prefill_tiles(torch.float32).block_k == 32  # three 4-byte tiles per stage fit sm_80's shared memory
 
 
 def test_fused_moe_takes_the_prefill_paths(monkeypatch):
     """``fused_moe`` applies the rule (threshold lowered to 8 rows, an sm_90 capability faked): bf16 goes through
     ``grouped_moe`` (its only Triton kernel is the integer align step, which the interpreter gets right), fp32
-    through the sorted kernels at PREFILL_TILES; batch-invariant mode (fixed tiles, ordered combine) stays sorted."""
+    through the sorted kernels at the prefill tiles; batch-invariant mode (fixed tiles, ordered combine) stays
+    sorted."""
     tim = interpret_triton.module("model.triton.invariant_matmul")
     taken = []
 

@@ -23,7 +23,7 @@ both projections as ``F.grouped_mm`` over the expert-sorted rows (the align kern
 wgmma, persistent tile scheduling over all experts in one launch), the weights are bf16 and rows 16-byte
 aligned: the sorted kernels gather their A rows by index (no TMA) and, at the 64-row untuned tiles, read each
 weight tile once per 64 rows; on an H200 they were no faster than per-expert cuBLAS at 4096 tokens (47 % of the
-weight floor). Elsewhere (sm_8x, fp16/fp32) the sorted kernels run with the large :data:`PREFILL_TILES`. Given
+weight floor). Elsewhere (sm_8x, fp16/fp32) the sorted kernels run with the large :func:`prefill_tiles`. Given
 ``tiles`` or ``ordered_combine`` (tuning, batch-invariant mode) keep the sorted kernels exactly as asked.
 
 DeepEP's low-latency dispatch already groups rows by expert (``[E_local, R, H]``, expert ``e``'s rows
@@ -319,9 +319,14 @@ def table_tiles(experts: int, inter: int, hidden: int, tokens: int, device: torc
 
 PREFILL_TOKENS = 8192  # rows entering the experts from which fused_moe takes a prefill path (docs/gpu_path.md)
 GROUPED_MM_CAPABILITY = (9, 0)  # CUTLASS grouped GEMM (TMA + wgmma) behind F.grouped_mm: sm_90 and newer
-# the Triton prefill path: 128-row blocks read each weight tile for twice the rows of the 64-row default; untuned
-PREFILL_TILES = MoETiles(128, 128, 64, num_warps=8, group_m=8, num_stages=3)
 PATHS = ("sorted", "grouped_mm", "prefill_tiles")
+
+
+def prefill_tiles(dtype: torch.dtype) -> MoETiles:
+    """The sorted kernels' tiles on the prefill path: 128-row blocks read each weight tile once per 128 rows
+    (the default's 64); BLOCK_K 32 for 4-byte operands keeps three stages of the gate_up kernel's three tiles
+    within 164 KiB of shared memory (sm_80). Untuned: no GPU has timed them."""
+    return MoETiles(128, 128, 64 if dtype.itemsize <= 2 else 32, num_warps=8, group_m=8, num_stages=3)
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -368,7 +373,7 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]`` in hidden's dtype. Returns ``[N, H]`` in hidden's dtype
     (accumulated in fp32; :func:`grouped_moe` sums a row's pairs in hidden's dtype). ``tiles`` None: from
     :data:`PREFILL_TOKENS` rows the prefill path of :func:`moe_path` (:func:`grouped_moe` or
-    :data:`PREFILL_TILES`), below them :func:`table_tiles`, else :func:`default_tiles`. Reference:
+    :func:`prefill_tiles`), below them :func:`table_tiles`, else :func:`default_tiles`. Reference:
     :func:`model.kernels.local_experts`. Rows in DeepEP's packed layout (``inp.packed_counts`` set)
     go to :func:`masked_moe`. ``ordered_combine``: each pair's output in its own fp32 row, summed per token in
     top-k order (no atomics: the sum order is fixed).
@@ -385,7 +390,7 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     path = moe_path(n, w_down, tiles, ordered_combine)
     if path == "grouped_mm":
         return grouped_moe(inp, w_gate_up, w_down)
-    t = PREFILL_TILES if path == "prefill_tiles" else (
+    t = prefill_tiles(x.dtype) if path == "prefill_tiles" else (
         tiles or table_tiles(experts, inter, hidden, n, x.device) or default_tiles(pairs, hidden, inter))
     sorted_ids, expert_ids, num_post = moe_align_block_size(inp.slots, experts, t.block_m)
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
