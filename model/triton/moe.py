@@ -16,8 +16,8 @@ blocks is bounded from shapes alone (padding blocks exit at once), which keeps t
 come from vLLM-style tables (:mod:`model.triton.launch_tables`, token bucket → tiles), else
 :func:`default_tiles`.
 
-Prefill chunks (:data:`PREFILL_TOKENS` rows or more; :func:`moe_path`) are compute-bound: every expert has
-hundreds of rows, and what counts is tensor-core efficiency, not weight reads. There :func:`grouped_moe` runs
+Prefill chunks (:data:`PREFILL_TOKENS` rows or more; :func:`moe_path`) sit at or past the ridge point: an
+expert has hundreds of rows, and tensor-core efficiency counts more than weight reads. :func:`grouped_moe` runs
 both projections as ``F.grouped_mm`` over the expert-sorted rows (the align kernel at block 1 sorts them; an
 ``index_add_`` combines) where the device has CUTLASS's sm_90+ grouped GEMM (TMA loads of contiguous rows,
 wgmma, persistent tile scheduling over all experts in one launch), the weights are bf16 and rows 16-byte
