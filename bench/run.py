@@ -24,6 +24,7 @@ from bench.metrics import RequestRecord, comm_per_output_token, decode_step_time
 from bench.report import write_reports
 from bench.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
 from model.config import load_config
+from model.expert_tally import touched_per_layer
 from parallelism.launch import free_port
 from parallelism.layout import Layout
 from rpc.client import Client
@@ -109,6 +110,13 @@ def cell_tau(before: dict, after: dict) -> float:
     return tokens / steps if steps else 1.0
 
 
+def cell_touched(before: dict, after: dict) -> float | None:
+    """Mean distinct experts per MoE layer per decode/verify step between two ``GetEngineInfo`` documents (rank
+    0's count: ``engine.expert_tally``); None when the server did not count or ran no such step."""
+    b, a = before.get("experts_touched"), after.get("experts_touched")
+    return touched_per_layer(b, a) if a and b else None
+
+
 def cpu_hardware(world_size: int) -> object:
     """A crude profile of this host for the verdict floors (measured here: see docs/NOTES.md)."""
     return cpu_box(num_ranks=world_size, mem_bw_total=5e9, flops_total=50e9, alpha_s=25e-3, bus_bw=1e9)
@@ -122,9 +130,10 @@ def floor_hardware(cfg, world_size: int, gpus: list[str]):
     return profile_for_gpu(gpus[0] if gpus else None)
 
 
-# set per server by bench itself (from bench.spec, the sweep's parallel=/topology= choice, the concurrency)
+# set per server by bench itself (from bench.spec, the sweep's parallel=/topology= choice, the concurrency; the
+# expert tally that gives the verdict's memory floor the experts each step touched)
 _SET_HERE = ("parallel", "spec_decode", "topology", "model.path", "model.drafter_path", "engine.max_num_seqs",
-             "server.max_num_seqs")
+             "server.max_num_seqs", "engine.expert_tally")
 
 
 def server_overrides(task: list[str]) -> list[str]:
@@ -176,7 +185,8 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
     step_s = decode_step_time_s((metrics["mean_tpot_ms"] or 0.0) / 1e3, tau)
     telemetry = sampler.summary()
     hw = floor_hardware(cfg, layout.world_size, topology["gpus"])
-    floors = hw and compute_floors(shape, hw, layout, concurrency, context + b.output_len // 2)
+    touched = cell_touched(before, after)
+    floors = hw and compute_floors(shape, hw, layout, concurrency, context + b.output_len // 2, touched=touched)
     cell = {
         "layout": label, "layout_desc": layout.describe(), "parallel": dataclasses.asdict(layout),
         "topology": topology,
@@ -216,7 +226,8 @@ def sweep(cfg, layout: Layout, ckpt: str, name: str, topology: dict, task: list[
     for spec in specs:
         overrides = [*server_overrides(task), f"model.path={ckpt}",
                      f"parallel={name}", f"spec_decode={spec}", f"topology={topology['mode']}",
-                     f"engine.max_num_seqs={max(max_c, 1)}", f"server.max_num_seqs={max(max_c, 1)}"]
+                     f"engine.max_num_seqs={max(max_c, 1)}", f"server.max_num_seqs={max(max_c, 1)}",
+                     "++engine.expert_tally=true"]
         if cfg.model.get("drafter_path"):
             overrides.append(f"++model.drafter_path={cfg.model.drafter_path}")
         server = Server(overrides, out_dir / f"server_{label}_{spec}.log", b.server_timeout_s)

@@ -381,13 +381,15 @@ def energy_per_token_j(summary: Mapping, output_tokens: int) -> float | None:
 
 # ----------------------------------------------------------------------------------------------- verdict
 def compute_floors(model: ModelShape, hw: Hardware, layout, batch: int, context: int,
-                   comm_per_step: Mapping[str, Mapping[str, float]] | None = None, tokens_per_seq: int = 1) -> Floors:
+                   comm_per_step: Mapping[str, Mapping[str, float]] | None = None, tokens_per_seq: int = 1,
+                   touched: float | None = None) -> Floors:
     """Floors (s) of one decode step: memory = (weights + KV bytes read) / memory bandwidth; compute =
     FLOPs / peak (2 × active params × tokens + attention); interconnect = Σ α·calls + bytes·factor/link
     bandwidth. ``comm_per_step``: measured ``{"group/op": {"calls", "bytes"}}`` for one step (a CommCounter
-    delta / steps); default: the documented per-forward formula with the model's message sizes.
+    delta / steps); default: the documented per-forward formula with the model's message sizes. ``touched``:
+    measured distinct experts per MoE layer per step (else the formula's expectation; ``detail["experts"]``).
     See :func:`bench.cost.formulas.step_floors`; ``layout`` is a Layout or a preset name."""
-    return step_floors(layout, hw, model, batch, context, comm_per_step, tokens_per_seq)
+    return step_floors(layout, hw, model, batch, context, comm_per_step, tokens_per_seq, touched=touched)
 
 
 def verdict(step_time_s: float, floors: Floors | Mapping[str, float], host_factor: float = 2.0,
@@ -404,7 +406,8 @@ def verdict(step_time_s: float, floors: Floors | Mapping[str, float], host_facto
 
     Returns ``{"bound", "step_time_s", "floors_s", "largest_floor", "largest_floor_s", "explained_s",
     "ratio" (step / explained), "ratio_to_largest", "host_factor", "basis", "explanation", "evidence",
-    "telemetry_consistent"}``."""
+    "telemetry_consistent", "experts"}``; ``experts``: the routed-expert count the memory floor used,
+    ``{"per_moe_layer", "source"}`` (``measured`` or ``formula``), None when ``floors`` are plain numbers."""
     if basis not in ("serial", "largest"):
         raise ValueError(f"basis must be 'serial' or 'largest', got {basis!r}")
     f = floors.as_dict() if isinstance(floors, Floors) else dict(floors)
@@ -424,7 +427,8 @@ def verdict(step_time_s: float, floors: Floors | Mapping[str, float], host_facto
             "largest_floor_s": f[largest], "explained_s": explained, "ratio": ratio,
             "ratio_to_largest": step_time_s / f[largest] if f[largest] > 0 else float("inf"),
             "host_factor": host_factor, "basis": basis, "explanation": why, "evidence": evidence,
-            "telemetry_consistent": consistent}
+            "telemetry_consistent": consistent,
+            "experts": floors.detail.get("experts") if isinstance(floors, Floors) else None}
 
 
 def _mean(summary: Mapping, key: str) -> float | None:

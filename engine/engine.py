@@ -253,7 +253,7 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation 
     return ModelRunner(model, cfg.num_blocks, cfg.block_size, speculation, static_batch_sizes=sizes,
                        max_model_len=cfg.max_model_len,
                        eager_reason="" if sizes else eager_reason(model, cfg.static_steps),
-                       overlap=cfg.overlap == "on" and speculation is None)
+                       overlap=cfg.overlap == "on" and speculation is None, expert_tally=cfg.expert_tally)
 
 
 def worker_loop(runner: ModelRunner) -> None:

@@ -29,6 +29,7 @@ from engine.speculation import Speculation
 from engine.staging import Readback, to_device
 from engine.step import RunnerOutput, SeqWork, StepResult, step_kind
 from model.batch import ForwardBatch
+from model.expert_tally import ExpertTally
 from model.transformer import CausalLM
 
 Record = tuple[bool, str]  # a coverage record: (replayed, why not)
@@ -48,13 +49,15 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, speculation: Speculation | None = None,
                  static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0,
-                 eager_reason: str = "static steps off", overlap: bool = False):
+                 eager_reason: str = "static steps off", overlap: bool = False, expert_tally: bool = False):
         """``speculation`` (from spec_decode) builds the rank's speculator when spec decoding is on.
         ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
         the ``num_blocks`` the scheduler hands out, enough for a padding tree of ``speculation.scratch_slots``
         nodes. ``eager_reason``: why no step replays when static steps are off. ``overlap`` (``engine.overlap``):
-        every attention-TP rank samples, so the next step's inputs can take tokens from this one on the device."""
+        every attention-TP rank samples, so the next step's inputs can take tokens from this one on the device.
+        ``expert_tally`` (``engine.expert_tally``): :attr:`tally` counts the experts of decode and verify steps."""
         self.model, self.overlap = model, overlap
+        self.tally = ExpertTally(model) if expert_tally else None  # before any capture: graphs then hold its ops
         self.reports = model.groups.attn_tp.rank == 0  # holds the group's results (the others: None)
         self.last_tokens: torch.Tensor | None = None  # the last step's plainly sampled tokens, on the device
         max_nodes = speculation.scratch_slots if speculation is not None else 1
@@ -138,6 +141,8 @@ class ModelRunner:
         items = [w for per_rank in dp_work for w in per_rank]
         kind = step_kind(items)
         kind = "verify" if kind == "decode" and any(w.spec for w in items) else kind
+        if self.tally is not None:
+            self.tally.armed = kind in ("decode", "verify")
         shape, why = self._static_shape(dp_work)
         if shape is not None and shape[1] > 1:
             results, target, parts = self._verify_static(work, shape[0])
@@ -175,6 +180,8 @@ class ModelRunner:
         if reason:
             self.skipped[batch, nodes] = reason
             return False, reason
+        if self.tally is not None:
+            self.tally.armed = True  # a static shape is a decode or a verify, and its capture holds the count
         holders = [g for g in (self.static, self.drafts, self.commits) if g is not None]
         saved = [g.coverage for g in holders], dict(self.timing)
         for g in holders:

@@ -51,6 +51,9 @@ class SchedulerConfig:
     # every row's arithmetic independent of what shares its launch (model.kernel_select.batch_invariant_kernels):
     # speculation and batching give plain decoding's tokens bit for bit, in bf16 too; docs/batch_invariance.md
     batch_invariant: bool = False
+    # count the distinct experts each MoE layer reads in decode/verify steps (model.expert_tally; GetEngineInfo
+    # reports them): a few device ops per MoE layer, captured with the step. The bench turns it on.
+    expert_tally: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):

@@ -80,33 +80,63 @@ def local_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tenso
     (local slot, −1 = not local), ``inp.weights [N, k]``. Returns the weighted sum over each row's local experts
     ``[N, H]``.
 
-    Rows are sorted by expert and go through two grouped GEMMs (``F.grouped_mm`` over the per-expert
-    offsets): a fixed handful of ops whatever the number of experts hit, and an expert with no rows costs
-    nothing. Where grouped GEMM does not apply (rows not 16-byte aligned, e.g. a tiny model's intermediate
-    split 8 ways; CUDA in a dtype other than bf16) the hit experts run one at a time."""
-    x, k, num_experts = inp.hidden, inp.slots.shape[1], w_gate_up.shape[0]
+    Rows are sorted by expert and go through two grouped GEMMs (:func:`grouped_expert_mlp`): a fixed handful of
+    ops whatever the number of experts hit, and an expert with no rows costs nothing. Where grouped GEMM does
+    not apply (rows not 16-byte aligned, e.g. a tiny model's intermediate split 8 ways; CUDA in a dtype other
+    than bf16) the hit experts run one at a time (:func:`per_expert_mlp`)."""
+    mlp = grouped_expert_mlp if grouped_gemm_supported(w_down) else per_expert_mlp
+    return routed_sum(inp, w_gate_up, w_down, mlp)
+
+
+def routed_sum(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor, mlp) -> torch.Tensor:
+    """:func:`local_experts` with the expert MLP given: the local ``(row, choice)`` pairs sorted by expert (stable),
+    ``mlp(x_sorted [M, H], counts [E], w_gate_up, w_down) → [M, H]``, each output times its routing weight
+    and summed into its row (``index_add_`` in hidden's dtype). Returns ``[N, H]``."""
+    x, k = inp.hidden, inp.slots.shape[1]
     flat = inp.slots.reshape(-1)
     valid = flat >= 0
     rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[valid]
     slots, weights = flat[valid], inp.weights.reshape(-1)[valid]
     order = torch.argsort(slots, stable=True)
-    rows, slots, weights = rows[order], slots[order], weights[order, None].to(x.dtype)
-    counts = torch.bincount(slots, minlength=num_experts)
-    if _grouped_gemm_supported(w_down):
-        offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end row of each expert's group
-        h = silu_and_mul(F.grouped_mm(x[rows], w_gate_up.transpose(1, 2), offs=offs))  # [M, I]
-        y = F.grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
-    else:
-        parts, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                parts.append(F.linear(silu_and_mul(F.linear(x[rows[start:start + n]], w_gate_up[e])), w_down[e]))
-            start += n
-        y = torch.cat(parts) if parts else x.new_zeros(0, x.shape[1])
+    rows, weights = rows[order], weights[order, None].to(x.dtype)
+    y = mlp(x[rows], expert_counts(slots, w_gate_up.shape[0]), w_gate_up, w_down)
     return torch.zeros_like(x).index_add_(0, rows, y * weights)
 
 
-def _grouped_gemm_supported(w_down: torch.Tensor) -> bool:
+def expert_counts(slots: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``slots`` int of any shape (local slot, −1 = not local) → pairs per local expert ``[E]`` int64, with no
+    host synchronisation (``bincount`` reads its maximum back on CUDA)."""
+    key = torch.where(slots >= 0, slots, num_experts).reshape(-1).long()
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=slots.device)
+    return counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
+
+
+def grouped_expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``down(silu(gate) * up)`` of rows sorted by expert: expert ``e`` owns the next ``counts[e]`` rows of
+    ``x [M, H]``; two ``F.grouped_mm`` launches over the offsets, no host synchronisation. Rows past
+    ``counts.sum()`` come back unspecified (never computed). ``scale [M]`` multiplies each row's intermediate
+    (a routing weight applied before the down projection). Returns ``[M, H]`` in x's dtype."""
+    offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
+    h = silu_and_mul(F.grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs))  # [M, I]
+    if scale is not None:
+        h.mul_(scale[:, None])
+    return F.grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [M, H]
+
+
+def per_expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_expert_mlp` (without ``scale``) as a Python loop of ``F.linear`` per hit expert: what
+    per-expert cuBLAS does. Reads ``counts`` back to the host. Returns ``[counts.sum(), H]``."""
+    parts, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            parts.append(F.linear(silu_and_mul(F.linear(x[start:start + n], w_gate_up[e])), w_down[e]))
+        start += n
+    return torch.cat(parts) if parts else x.new_zeros(0, x.shape[1])
+
+
+def grouped_gemm_supported(w_down: torch.Tensor) -> bool:
     """``F.grouped_mm`` wants 16-byte-aligned rows (hidden and intermediate dims) and, on CUDA, bf16."""
     aligned = all(d * w_down.element_size() % 16 == 0 for d in w_down.shape[1:])
     return aligned and (w_down.device.type == "cpu" or w_down.dtype == torch.bfloat16)

@@ -97,6 +97,7 @@ def engine_info(engine: Engine) -> dict:
                   "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
                   "host_ms_per_step": {k: 1e3 * v / max(s.steps, 1) for k, v in s.host_s.items()}},
         "cuda_graphs": _graph_info(engine),
+        "experts_touched": engine.runner.tally.snapshot() if engine.runner.tally is not None else None,
         "warmup": {"seconds": s.warmup_s, "shapes": s.warmup_shapes},
         "spec_decode": _spec_info(engine),
         "scheduler": asdict(engine.scheduler.cfg),

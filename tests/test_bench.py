@@ -42,6 +42,8 @@ def test_bench_tiny_matrix(tiny_ckpts, tmp_path):
         assert c["cuda_graphs"]["summary"].startswith("cuda graphs:")
         assert c["verdict"]["bound"] in ("memory", "compute", "interconnect", "host/launch")
         assert c["floors_hardware"] == "CPU ranks, gloo over loopback" and c["verdict"]["evidence"], name
+        # the memory floor counts the experts the decode steps touched (engine.expert_tally), not the formula's
+        assert c["verdict"]["experts"]["source"] == "measured" and c["verdict"]["experts"]["per_moe_layer"] > 0, name
     assert cells["cell_dp8_ep8_none_ctx16_c1.json"]["matches_reference"] is True
     assert cells["cell_dp8_ep8_none_ctx16_c2.json"]["matches_reference"] is False
     assert all(c["matches_reference"] for n, c in cells.items() if n.startswith("cell_tp8"))

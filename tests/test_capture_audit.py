@@ -109,7 +109,8 @@ def test_the_unfixed_root_assignment_is_flagged_and_the_builder_is_clean():
 # ------------------------------------------------------------------------------------- every static step kind
 
 
-def spec_runner(method: str, budget: int, batch: int, invariant: bool = False) -> ModelRunner:
+def spec_runner(method: str, budget: int, batch: int, invariant: bool = False,
+                expert_tally: bool = False) -> ModelRunner:
     """A tiny random target (Triton wrappers, launches stubbed; ``invariant``: their batch-invariant set) + random
     drafter, static steps at ``batch``."""
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
@@ -125,7 +126,7 @@ def spec_runner(method: str, budget: int, batch: int, invariant: bool = False) -
 
     per_seq = -(-(CTX + 2 + cfg.scratch_slots) // BLOCK)
     runner = ModelRunner(model, batch * per_seq, BLOCK, speculation_from(cfg, factory), static_batch_sizes=(batch,),
-                         max_model_len=CTX + 2)
+                         max_model_len=CTX + 2, expert_tally=expert_tally)
     runner.strict_sync = True  # the region gpu_check's spec_steps runs under CUDA's sync debug mode
     return runner
 
@@ -171,6 +172,32 @@ def assert_every_kind_capture_safe(runner: ModelRunner, batch: int) -> None:
                            f"StaticCommit(batch={batch}, nodes={nodes})", "ModelRunner strict_sync region"]
     log.raise_if_unsafe()
     assert len(results) == batch and all(1 <= len(r.tokens) <= BLOCK for r in results.values())
+
+
+def test_the_expert_tally_is_capture_safe_and_counts_decode_and_verify_steps():
+    """``engine.expert_tally``'s hooks add only device ops to the captured decode and verify steps, and count
+    their forwards but not the prefill's: the tiny target's one MoE layer runs the static decode and the static
+    verify twice each here (the stand-in capture runs a step, its replay re-runs it) → 4 forwards, each routing
+    2 sequences' rows (× 9 tree nodes for the verify) to at most its 16 experts."""
+    runner = spec_runner("ddtree", 8, 2, expert_tally=True)
+    with stub_triton_launches(), audited_capture() as log:
+        run_every_kind(runner, 2)
+    log.raise_if_unsafe()
+    snap = runner.tally.snapshot()
+    assert snap["forwards"] == [4] and 4 <= snap["experts"][0] <= 4 * 16
+
+
+def test_the_grouped_prefill_path_is_capture_safe(monkeypatch):
+    """``moe.grouped_moe``'s torch glue around the align kernel (its outputs made before the region) holds no host
+    synchronisation, so a verify step of ``PREFILL_TOKENS`` rows or more still captures; and it is right."""
+    from model import kernels
+    from model.triton import cases, moe
+
+    case = cases.expert_case(40, 3, 32, 24, 4, "spread", torch.Generator().manual_seed(0))
+    aligned = moe.align_block_size_reference(case["inp"].slots, 4, 1)
+    monkeypatch.setattr(moe, "moe_align_block_size", lambda slots, experts, block_m: aligned)
+    out = check(lambda: moe.grouped_moe(**case), "grouped_moe")
+    torch.testing.assert_close(out, kernels.local_experts(**case), atol=1e-5, rtol=1e-5)
 
 
 PLANTS = {  # step kind → (class whose run() the capture is handed, region label prefix)

@@ -220,3 +220,25 @@ def test_correctness_past_its_budget_skips_the_rest_and_the_verdict_says_so():
     assert failed and "rms_norm float32 out of tolerance" in line
     line, failed = report.verdict_of({"engine": {"fp32_equal": False, "fp32_unequal": ["ddtree 16"]}})
     assert failed and "ddtree 16" in line
+
+
+def test_moe_prefill_row_and_its_floor_on_cpu():
+    """moe_timing's prefill row at tiny sizes (interpreter, wall times): the floor by hand and the row's ratios.
+    one_expert routing: 40 rows × 1 local pair, all to expert 0 — 1 expert of (48×32 + 32×24) × 4 B = 9216 B to
+    read, 2 × 40 × 3 × 32 × 24 = 184320 FLOPs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.gpu import kernels as gk
+    from model.triton import cases
+
+    case = cases.expert_case(40, 3, 32, 24, 4, "one_expert", torch.Generator().manual_seed(0))
+    assert gk.moe_floor_s(**case, copy_bw=9216.0, peak=1e9) == 1.0  # bandwidth-bound
+    assert gk.moe_floor_s(**case, copy_bw=1e9, peak=184320.0) == 1.0  # compute-bound
+    measured = []
+    row = gk.moe_prefill_row(case, SimpleNamespace(measure=lambda name, fn: measured.append(name)), 1e9, 1e9)
+    assert row["path"] == "sorted" and measured == ["moe prefill 40 tokens (sorted)"]  # 40 rows: below the threshold
+    assert row["speedup_vs_per_expert"] == pytest.approx(row["per_expert_ms"] / row["prefill_ms"])
+    assert row["fraction_of_floor"] == pytest.approx(row["floor_ms"] / row["prefill_ms"])
+    assert row["floor_ms"] == pytest.approx(1e3 * 184320 / 1e9) and row["max_abs_diff_vs_sorted"] < 1e-5

@@ -4,14 +4,18 @@ table at tiny sizes (eager steps, no NVML). The GPU numbers themselves need a GP
 import pytest
 import torch
 
+from bench.cost.floors import floor_bytes
 from bench.gpu import roofline
 
 
 def test_floor_bytes_hand_worked():
-    # 1000 dense bytes; layer 0 touched 3 experts of 10 B, layer 1 none of 20 B; 7 KV bytes per token over
-    # contexts 4 and 9 (+1 token each this step): 30 + 0, 7 * (5 + 10) = 105
-    assert roofline.floor_bytes(1000, [10, 20], [3, 0], 7, [4, 9]) == dict(dense=1000, experts=30, kv=105,
-                                                                           total=1135)
+    """The one floor arithmetic (``bench.cost.floors``) that the roofline and the bench verdict share: 1000 dense
+    bytes; layer 0 touched 3 experts of 10 B, layer 1 none of 20 B; 7 KV bytes per token over contexts 4 and 9
+    (+1 token each this step): 30 + 0, 7 * (5 + 10) = 105; a 3-token verify step reads 7 * (7 + 12) = 133."""
+    assert floor_bytes({"dense": 1000}, [10, 20], [3, 0], 7, [4, 9]) == dict(dense=1000, routed_experts=30,
+                                                                             kv_cache=105)
+    assert floor_bytes({"a": 1, "b": 2}, [10], [2.5], 7, [4, 9], new_tokens=3) == dict(a=1, b=2, routed_experts=25,
+                                                                                       kv_cache=133)
 
 
 def test_op_classes():
@@ -47,7 +51,7 @@ def test_roofline_dry_run_on_cpu():
     kv_per_token = (shape.kv_lora + shape.rope) * 4 * (shape.dense_layers + shape.moe_layers)
     for r in rows:
         assert not r["captured"] and r["eager_reason"] == "no CUDA device" and r["power_w"] is None
-        assert r["bytes"]["kv"] == kv_per_token * r["batch"] * (r["context"] + 1)
+        assert r["bytes"]["kv_cache"] == kv_per_token * r["batch"] * (r["context"] + 1)
         assert r["floor_ms"] > 0 and r["step_ms"] > 0 and r["fraction"] > 0
         local = shape.experts // shape.ep if r["routing"] == "ep8" else shape.experts
         assert len(r["experts_touched"]) == shape.moe_layers
@@ -78,7 +82,7 @@ def test_roofline_row_by_hand(monkeypatch):
     kv = (32 + 16) * 4 * 3 * (8 + 1)  # latent + rope key, fp32, 3 layers, context + this token
     assert (dense, experts, kv) == (383_744, 24_576, 5_184)
     assert row["experts_touched"] == [4, 4]
-    assert row["bytes"] == dict(dense=dense, experts=experts, kv=kv, total=413_504)
+    assert row["bytes"] == dict(dense=dense, routed_experts=experts, kv_cache=kv, total=413_504)
     assert row["floor_ms"] == pytest.approx(1e3 * 413_504 / 1e9, rel=1e-12)  # 0.413504 ms
     assert row["step_ms"] == pytest.approx(2.0, rel=1e-12)
     assert row["fraction"] == pytest.approx(0.206752, rel=1e-12)

@@ -282,15 +282,28 @@ TOY_HW = Hardware(name="toy", num_gpus=2, mem_bw=1000.0, peak_flops=1000.0, mem_
 def test_floors_single_rank_by_hand():
     b = step_bytes(Layout(), TOY, batch=1, context=10)
     # attention q,o 2*100 + k,v 2*100 per layer x 2 = 800; dense 3*10*10 = 300; 4 experts x 300 = 1200;
-    # router 4*10 = 40; lm_head 100; embedding row 10; KV 10 ctx x (2 kv heads x 5 x 2) x 2 layers = 400
-    assert b == {"attention": 800, "kv_cache": 400, "dense_mlp": 300, "shared_experts": 0, "router": 40,
+    # router 4*10 = 40; lm_head 100; embedding row 10; KV (10 ctx + this token) x (2 kv heads x 5 x 2) x 2 layers
+    # = 440 (bench.cost.floors.floor_bytes, the roofline's arithmetic)
+    assert b == {"attention": 800, "kv_cache": 440, "dense_mlp": 300, "shared_experts": 0, "router": 40,
                  "routed_experts": pytest.approx(1200), "embedding": 10, "lm_head": 100}
     f = step_flops(Layout(), TOY, batch=1, context=10)
     # 2 x params for projections; attention core 2 heads x 10 ctx x 4*5 x 2 layers = 800; routed 2 x 4 x 300
     assert f == {"attention_proj": 1600, "attention_core": 800, "dense_mlp": 600, "shared_experts": 0,
                  "router": 80, "routed_experts": pytest.approx(2400), "lm_head": 200}
     fl = compute_floors(TOY, TOY_HW, Layout(), batch=1, context=10)
-    assert fl.memory_s == pytest.approx(2.85) and fl.compute_s == pytest.approx(5.68) and fl.interconnect_s == 0
+    assert fl.memory_s == pytest.approx(2.89) and fl.compute_s == pytest.approx(5.68) and fl.interconnect_s == 0
+    assert fl.detail["experts"] == {"per_moe_layer": pytest.approx(4.0), "source": "formula"}
+
+
+def test_floors_count_the_measured_experts_and_the_verdict_says_which():
+    """2.5 distinct experts per MoE layer measured (``engine.expert_tally``) instead of the formula's 4: routed
+    experts 2.5 x 300 = 750 B, memory floor 2.89 - 0.45 = 2.44 s; the verdict records the count and its source."""
+    assert step_bytes(Layout(), TOY, batch=1, context=10, touched=2.5)["routed_experts"] == 750
+    fl = compute_floors(TOY, TOY_HW, Layout(), batch=1, context=10, touched=2.5)
+    assert fl.memory_s == pytest.approx(2.44)
+    assert verdict(3.0, fl)["experts"] == {"per_moe_layer": 2.5, "source": "measured"}
+    assert verdict(3.0, compute_floors(TOY, TOY_HW, Layout(), 1, 10))["experts"]["source"] == "formula"
+    assert verdict(3.0, FLOORS)["experts"] is None  # floors given as plain numbers
 
 
 def test_floors_two_ranks_by_hand():
@@ -300,7 +313,7 @@ def test_floors_two_ranks_by_hand():
     # attn_tp/gather of 5 logits: 1 s + 5*(2-1)/10 = 1.5 s -> 11.5 s
     assert fl.interconnect_s == pytest.approx(11.5)
     # memory per rank: attention 400, dense 150, busiest of 2 groups holds both of its experts (2 x 300),
-    # router 40, lm_head 50, embedding 10, KV: one KV head per rank -> 200
-    assert fl.memory_s == pytest.approx((400 + 150 + 600 + 40 + 50 + 10 + 200) / 1000)
+    # router 40, lm_head 50, embedding 10, KV: one KV head per rank, 10 ctx + this token -> 220
+    assert fl.memory_s == pytest.approx((400 + 150 + 600 + 40 + 50 + 10 + 220) / 1000)
     measured = {"attn_tp/all_reduce": {"calls": 4, "bytes": 40}}  # a measured CommCounter step instead
     assert compute_floors(TOY, TOY_HW, lay, 1, 10, comm_per_step=measured).interconnect_s == pytest.approx(8.0)

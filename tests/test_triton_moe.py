@@ -96,3 +96,61 @@ def test_tune_moe_without_a_gpu_says_so():
     done = subprocess.run([sys.executable, "scripts/tune_moe.py", "--experts", "4", "--inter", "8", "--hidden", "8"],
                           text=True, capture_output=True, cwd=Path(__file__).parents[1], timeout=120)
     assert done.returncode == 2 and "needs a GPU" in done.stderr and "--write-defaults" in done.stderr
+
+
+# ------------------------------------------------------------------------------------- prefill paths
+PREFILL_CASE = dict(hidden=32, inter=24, local_experts=4)  # 16-byte rows in fp16 and fp32, as grouped_mm wants
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.float16, dict(atol=2e-3, rtol=2e-3))],
+                         ids=["fp32", "fp16"])
+@pytest.mark.parametrize("routing", ["spread", "one_expert", "none_local"])
+def test_grouped_prefill_path_equals_local_experts(routing, dtype, tol):
+    """``grouped_moe`` (the align kernel at block 1, ``F.grouped_mm``, ``index_add_``) against the reference:
+    spread routing leaves local expert 0 empty and sends half the pairs elsewhere (the sentinel tail),
+    one_expert sends every row's first choice to one expert, none_local gives an all-sentinel sort. Close, not
+    bit-exact: the routing weight scales the intermediate here, the output in the reference."""
+    case = cases.expert_case(40, 3, **PREFILL_CASE, routing=routing, gen=gen(4), dtype=dtype)
+    torch.testing.assert_close(moe.grouped_moe(**case), kernels.local_experts(**case), **tol)
+
+
+def test_moe_path_rule():
+    """Below PREFILL_TOKENS rows the sorted kernels; from it grouped_mm on sm_90+ with bf16 16-byte rows, else
+    the prefill tiles; given tiles or the ordered combine (batch-invariant mode) always the sorted kernels."""
+    w, t, sm90 = torch.empty(4, 32, 24, dtype=torch.bfloat16), moe.PREFILL_TOKENS, (9, 0)
+    assert moe.moe_path(t - 1, w, capability=sm90) == "sorted"
+    assert moe.moe_path(t, w, capability=sm90) == moe.moe_path(t, w, capability=(10, 0)) == "grouped_mm"
+    assert moe.moe_path(t, w, capability=(8, 9)) == "prefill_tiles"
+    assert moe.moe_path(t, w.half(), capability=sm90) == "prefill_tiles"  # CUDA grouped_mm is bf16 only
+    assert moe.moe_path(t, torch.empty(4, 32, 20, dtype=torch.bfloat16), capability=sm90) == "prefill_tiles"
+    assert moe.moe_path(t, w) == "prefill_tiles"  # a CPU tensor: no capability
+    assert moe.moe_path(t, w, tiles=moe.MoETiles(16, 64, 64), capability=sm90) == "sorted"
+    assert moe.moe_path(t, w, ordered_combine=True, capability=sm90) == "sorted"
+    assert (moe.prefill_tiles(torch.bfloat16).block_m, moe.prefill_tiles(torch.bfloat16).block_k) == (128, 64)
+    assert moe.prefill_tiles(torch.float32).block_k == 32  # three 4-byte tiles per stage fit sm_80's shared memory
+
+
+def test_fused_moe_takes_the_prefill_paths(monkeypatch):
+    """``fused_moe`` applies the rule (threshold lowered to 8 rows, an sm_90 capability faked): bf16 goes through
+    ``grouped_moe`` (its only Triton kernel is the integer align step, which the interpreter gets right), fp32
+    through the sorted kernels at the prefill tiles; batch-invariant mode (fixed tiles, ordered combine) stays
+    sorted."""
+    tim = interpret_triton.module("model.triton.invariant_matmul")
+    taken = []
+
+    def spy(*args, **kw):
+        taken.append(path := moe_path(*args, **kw))
+        return path
+
+    moe_path = moe.moe_path
+    monkeypatch.setattr(moe, "moe_path", spy)
+    monkeypatch.setattr(moe, "PREFILL_TOKENS", 8)
+    monkeypatch.setattr(moe, "_capability", lambda device: (9, 0))
+    bf16 = cases.expert_case(40, 3, **PREFILL_CASE, routing="spread", gen=gen(5), dtype=torch.bfloat16)
+    torch.testing.assert_close(moe.fused_moe(**bf16), kernels.local_experts(**bf16), atol=2e-2, rtol=2e-2)
+    fp32 = cases.expert_case(40, 3, **PREFILL_CASE, routing="spread", gen=gen(6))
+    torch.testing.assert_close(moe.fused_moe(**fp32), kernels.local_experts(**fp32), **TOL)
+    small = cases.expert_case(7, 3, **PREFILL_CASE, routing="spread", gen=gen(7))
+    torch.testing.assert_close(moe.fused_moe(**small), kernels.local_experts(**small), **TOL)
+    tim.moe_experts(**fp32)
+    assert taken == ["grouped_mm", "prefill_tiles", "sorted", "sorted"]

@@ -46,6 +46,7 @@ import numpy as np
 import yaml
 
 from bench import CONF
+from bench.cost.floors import floor_bytes
 from bench.cost.hardware import HARDWARE, Hardware
 from bench.cost.shapes import KIMI_K2_INT4, ModelShape
 from parallelism.layout import Layout
@@ -188,34 +189,44 @@ def _ranks_tokens(layout: Layout, batch: int, tokens_per_seq: int) -> tuple[int,
     return seqs, seqs * tokens_per_seq, batch * tokens_per_seq
 
 
+def active_experts(layout: Layout | str, model: ModelShape, batch: int, tokens_per_seq: int = 1,
+                   touched: float | None = None) -> tuple[float, str]:
+    """Distinct routed experts per MoE layer the busiest rank reads in one step, and where the number comes from:
+    ``touched`` when given (``"measured"``: the mean a run counted, :func:`model.expert_tally.touched_per_layer`),
+    else the busiest expert group's expectation under uniform routing (``"formula"``:
+    :func:`busiest_group_active_experts` over the job's tokens)."""
+    if touched is not None:
+        return touched, "measured"
+    lay = _resolve(layout)
+    _, _, t_all = _ranks_tokens(lay, batch, tokens_per_seq)
+    return busiest_group_active_experts(model.num_experts, model.top_k, t_all, lay.moe_ep), "formula"
+
+
 def step_bytes(layout: Layout | str, model: ModelShape, batch: int, context: int,
-               tokens_per_seq: int = 1) -> dict[str, float]:
-    """Bytes the busiest rank reads in one decode step, by part (weights each read once per step).
+               tokens_per_seq: int = 1, touched: float | None = None) -> dict[str, float]:
+    """Bytes the busiest rank reads in one decode step, by part (weights each read once per step), through the
+    one floor arithmetic (:func:`bench.cost.floors.floor_bytes`).
 
     ``batch`` sequences, each with ``context`` cached tokens and ``tokens_per_seq`` new tokens (1 for plain
-    decoding, the verify width for speculative steps). Routed experts: the busiest expert group's expected
-    active experts (:func:`busiest_group_active_experts`), ``1/moe_tp`` of each."""
+    decoding, the verify width for speculative steps), whose KV is read too. Routed experts: the distinct
+    experts per MoE layer of :func:`active_experts` (``touched`` if measured), ``1/moe_tp`` of each."""
     lay, m = _resolve(layout), model
-    seqs, t_rank, t_all = _ranks_tokens(lay, batch, tokens_per_seq)
+    seqs, t_rank, _ = _ranks_tokens(lay, batch, tokens_per_seq)
     tp, w = lay.attn_tp, m.weight_bytes
     repl, shard = m.attn_params
-    if m.mla:
-        kv = seqs * context * m.kv_elems_per_token_layer * m.kv_bytes * m.num_layers  # latent replicated over TP
-    else:
-        local_kv = max(1.0, m.num_kv_heads / tp)
-        kv = seqs * context * 2 * local_kv * m.head_dim * m.kv_bytes * m.num_layers
-    active = busiest_group_active_experts(m.num_experts, m.top_k, t_all, lay.moe_ep)
     busy = t_rank > 0
-    return {
+    dense = {
         "attention": busy * (repl + shard / tp) * m.num_layers * w,
-        "kv_cache": float(kv),
         "dense_mlp": busy * 3 * m.hidden * m.dense_intermediate / tp * m.num_dense_layers * w,
         "shared_experts": busy * m.num_shared_experts * m.expert_params / tp * m.num_moe_layers * w,
         "router": busy * m.num_experts * m.hidden * m.router_bytes * m.num_moe_layers,
-        "routed_experts": active * m.expert_params / lay.moe_tp * m.expert_weight_bytes * m.num_moe_layers,
         "embedding": t_rank * m.hidden * w,
         "lm_head": busy * m.vocab / tp * m.hidden * w,
     }
+    active, _ = active_experts(lay, m, batch, tokens_per_seq, touched)
+    per_expert = m.expert_params / lay.moe_tp * m.expert_weight_bytes
+    return floor_bytes(dense, [per_expert] * m.num_moe_layers, [active] * m.num_moe_layers,
+                       kv_bytes_per_token_rank(lay, m), [context] * seqs, tokens_per_seq)
 
 
 def step_flops(layout: Layout | str, model: ModelShape, batch: int, context: int,
@@ -344,17 +355,20 @@ class Floors:
 
 def step_floors(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, context: int,
                 comm_per_step: Mapping[str, Mapping[str, float]] | None = None, tokens_per_seq: int = 1,
-                efficiency: KernelEfficiency | None = None) -> Floors:
+                efficiency: KernelEfficiency | None = None, touched: float | None = None) -> Floors:
     """Memory floor = bytes read / ``mem_bw``; compute floor = FLOPs / ``peak_flops``; interconnect floor =
     Σ calls·α + bytes·factor/bandwidth over ``comm_per_step`` (``{"group/op": {"calls", "bytes"}}`` per step,
     e.g. a measured CommCounter delta divided by steps; default: :func:`step_comm` for ``model``).
-    ``efficiency``: memory time = Σ part bytes / (part's measured fraction × copy fraction × ``mem_bw``)."""
+    ``efficiency``: memory time = Σ part bytes / (part's measured fraction × copy fraction × ``mem_bw``).
+    ``touched``: measured distinct experts per MoE layer (:func:`active_experts`); ``detail["experts"]`` says
+    which count the memory floor used."""
     lay = _resolve(layout)
-    b = step_bytes(lay, model, batch, context, tokens_per_seq)
+    b = step_bytes(lay, model, batch, context, tokens_per_seq, touched)
     f = step_flops(lay, model, batch, context, tokens_per_seq)
     comm = step_comm(lay, model, batch, tokens_per_seq=tokens_per_seq) if comm_per_step is None else comm_per_step
     comm_s, comm_detail = comm_time(comm, lay, hw)
-    detail = {"bytes": b, "flops": f, "comm": comm_detail}
+    active, source = active_experts(lay, model, batch, tokens_per_seq, touched)
+    detail = {"bytes": b, "flops": f, "comm": comm_detail, "experts": {"per_moe_layer": active, "source": source}}
     memory_s = sum(b.values()) / hw.mem_bw
     if efficiency is not None:
         seqs, t_rank, t_all = _ranks_tokens(lay, batch, tokens_per_seq)

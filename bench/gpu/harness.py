@@ -1,5 +1,6 @@
 """What every GPU check shares: the one timer (CUDA events on a GPU, wall time in the CPU dry runs), the device
-copy bandwidth that memory-bound rows are compared with, and a budgeted loop over cases that keeps failing rows."""
+copy bandwidth that memory-bound rows are compared with, the dense matmul rate that compute-bound rows are, and a
+budgeted loop over cases that keeps failing rows."""
 
 from __future__ import annotations
 
@@ -59,6 +60,15 @@ def copy_bandwidth(device: torch.device | str = "cuda", power: PowerMeter | None
     if power is not None:
         power.measure(f"copy {src.numel() / 2**30:g} GiB", lambda: dst.copy_(src))
     return 2 * src.numel() / seconds
+
+
+def matmul_peak(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of one square ``dtype`` matmul (8192 on CUDA: 1.1 TFLOP a call, :func:`cuda_time_s` 10 calls
+    after 3; 256 elsewhere, the CPU dry runs): the dense rate a compute floor is measured against in the same run."""
+    device = torch.device(device)
+    n = 8192 if device.type == "cuda" else 256
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return 2 * n**3 / cuda_time_s(lambda: a @ b, iters=10, device=device)
 
 
 def check_rows(cases: list[dict], check: Callable[..., dict], budget_s: float) -> list[dict]:

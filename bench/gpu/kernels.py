@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import REPO
-from bench.gpu.harness import copy_bandwidth, cuda_time_s
+from bench.gpu.harness import copy_bandwidth, cuda_time_s, matmul_peak
 from bench.gpu.power import PowerMeter
 from model import kernels
 from model.kernel_select import select_kernels
@@ -105,6 +105,10 @@ def checks(tiny: bool) -> list[Check]:
         out.append(Check(f"fused_moe ({routing})", moe.fused_moe, kernels.local_experts,
                          lambda g, dt, dev, r=routing: cases.expert_case(**expert, routing=r, gen=g, dtype=dt,
                                                                          device=dev)))
+    if not tiny:  # the prefill path's rows (grouped_mm in bf16 on sm_90+, the prefill tiles in fp32)
+        out.append(Check("fused_moe (prefill path)", moe.fused_moe, kernels.local_experts,
+                         lambda g, dt, dev: cases.expert_case(**dict(expert, rows=moe.PREFILL_TOKENS), routing="spread",
+                                                              gen=g, dtype=dt, device=dev)))
     counts, packed_rows = ([0, 7, 16, 3], 16) if tiny else ([0, 1, 16, 17, 64, 300, 512, 40], 512)
     out.append(Check("masked_moe (DeepEP packed)", cases.valid_rows_only(moe.fused_moe),
                      cases.valid_rows_only(kernels.local_experts),
@@ -135,19 +139,32 @@ def correctness(budget_s: float = float("inf")) -> list[dict]:
 
 
 
+MOE_DIMS = dict(top_k=8, hidden=7168, inter=2048, local_experts=32)  # DeepSeek-V3 experts per EP8 rank
+PREFILL_ROW_TOKENS = 16384
+
+
 def moe_timing(power: PowerMeter) -> list[dict] | str:
-    """DeepSeek-V3 experts per EP8 rank (32 local of 256, H 7168, I 2048, top-8), bf16."""
+    """DeepSeek-V3 experts per EP8 rank (32 local of 256, H 7168, I 2048, top-8), bf16: the fused kernels against
+    the torch reference at 64 and 4096 tokens, the prefill path at 16384 (:func:`moe_prefill_row`), DeepEP's packed
+    layout; each fused row also against its floor (:func:`moe_floor_s`)."""
     if not CUDA:
         return NO_GPU
-    rows = []
+    rows, machine = [], dict(copy_bw=copy_bandwidth("cuda"), peak=matmul_peak("cuda"))
+    gen = torch.Generator().manual_seed(0)
+    case = cases.expert_case(64, **MOE_DIMS, routing="spread", gen=gen, dtype=torch.bfloat16, device="cuda")
     for phase, tokens in (("decode", 64), ("prefill", 4096)):
-        case = cases.expert_case(tokens, 8, 7168, 2048, 32, "spread", torch.Generator().manual_seed(0),
-                                 torch.bfloat16, "cuda")
+        case = dict(case, inp=cases.routed_input(tokens, MOE_DIMS["top_k"], MOE_DIMS["hidden"],
+                                                 MOE_DIMS["local_experts"], "spread", gen, torch.bfloat16, "cuda"))
         fused = cuda_time_s(lambda c=case: moe.fused_moe(**c))
         ref = cuda_time_s(lambda c=case: kernels.local_experts(**c), iters=5)
         power.measure(f"fused moe {phase}", lambda c=case: moe.fused_moe(**c))
+        floor = moe_floor_s(**case, **machine)
         rows.append(dict(phase=phase, tokens=tokens, fused_ms=fused * 1e3, reference_ms=ref * 1e3,
-                         speedup=ref / fused))
+                         speedup=ref / fused, floor_ms=floor * 1e3, fraction_of_floor=floor / fused))
+    big = cases.routed_input(PREFILL_ROW_TOKENS, MOE_DIMS["top_k"], MOE_DIMS["hidden"], MOE_DIMS["local_experts"],
+                             "spread", gen, torch.bfloat16, "cuda")
+    rows.append(moe_prefill_row(dict(case, inp=big), power, **machine))
+    del big
     # DeepEP low latency on the same experts: 64 tokens on each of 8 ranks, top-8 of 256 → 16 rows per local
     # expert on average, in a [32, 128 * 8, H] packed buffer; the masked GEMM vs sorting the buffer's rows
     gen = torch.Generator().manual_seed(1)
@@ -161,6 +178,38 @@ def moe_timing(power: PowerMeter) -> list[dict] | str:
     rows.append(dict(phase="decode, DeepEP packed", tokens=sum(counts), masked_ms=masked * 1e3, fused_ms=fused * 1e3,
                      reference_ms=ref * 1e3, speedup=ref / masked, masked_vs_sorted=fused / masked))
     return rows
+
+
+def moe_floor_s(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor, copy_bw: float,
+                peak: float) -> float:
+    """The larger of two floors of one expert call: the weights of the distinct local experts ``inp`` touches
+    over ``copy_bw`` (B/s, read + write, as the roofline counts it) and ``2 · pairs · 3 · H · I`` FLOPs over
+    ``peak`` (FLOP/s, a dense matmul of the same run)."""
+    local = inp.slots[inp.slots >= 0]
+    expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * w_down.element_size()
+    flops = 2 * local.numel() * (w_gate_up[0].numel() + w_down[0].numel())
+    return max(local.unique().numel() * expert_bytes / copy_bw, flops / peak)
+
+
+def moe_prefill_row(case: dict, power: PowerMeter, copy_bw: float, peak: float) -> dict:
+    """A prefill chunk of ``PREFILL_ROW_TOKENS``: the path ``fused_moe`` picks (``moe.moe_path``) against the
+    sorted kernels at their table tiles and a per-expert cuBLAS loop (``F.linear`` per hit expert over its
+    rows, the sort and combine included), with the speedups over that loop, each against the floor, and the
+    largest difference from the sorted kernels' output (which sum in fp32)."""
+    inp, w_down = case["inp"], case["w_down"]
+    (n, hidden), (experts, _, inter), dev = inp.hidden.shape, w_down.shape, inp.hidden.device
+    tiles = moe.table_tiles(experts, inter, hidden, n, dev) or moe.default_tiles(inp.slots.numel(), hidden, inter)
+    prefill = cuda_time_s(lambda: moe.fused_moe(**case), iters=10, device=dev)
+    fused = cuda_time_s(lambda: moe.fused_moe(**case, tiles=tiles), iters=10, device=dev)
+    loop = cuda_time_s(lambda: kernels.routed_sum(**case, mlp=kernels.per_expert_mlp), iters=5, device=dev)
+    path = moe.moe_path(n, w_down)
+    power.measure(f"moe prefill {n} tokens ({path})", lambda: moe.fused_moe(**case))
+    diff = (moe.fused_moe(**case).float() - moe.fused_moe(**case, tiles=tiles).float()).abs().max().item()
+    floor = moe_floor_s(**case, copy_bw=copy_bw, peak=peak)
+    return dict(phase="prefill path", tokens=n, path=path, prefill_ms=prefill * 1e3, fused_ms=fused * 1e3,
+                per_expert_ms=loop * 1e3, speedup_vs_per_expert=loop / prefill, fused_vs_per_expert=loop / fused,
+                floor_ms=floor * 1e3, fraction_of_floor=floor / prefill, fused_fraction_of_floor=floor / fused,
+                max_abs_diff_vs_sorted=diff, copy_gb_s=copy_bw / 1e9, bf16_tflop_s=peak / 1e12)
 
 
 def _decode_inputs(kind: str, batch: int, ctx: int) -> tuple[dict, int]:

@@ -4,10 +4,12 @@
 7168, MLA 64 heads, 1 dense + 2 MoE layers, the LM head of a TP8 rank), routes it as an EP8 rank sees it (top-8
 of 384, 48 local experts of I 2048) and as a TP8 rank sees it (all 384 experts, each I/8), and for batch 1, 8,
 32, 64 over contexts 4096 and 32768 times the graph-replayed decode step. The floor is the bytes the step must
-read — every weight but the embedding table, routed experts counted as the distinct experts the batch actually
-touched (counted in an eager step of the same inputs), the KV cache of every sequence — over the device's copy
-bandwidth measured in the same run. Also per row: mean NVML power while the step repeats, and the share of
-device time per op class from ``torch.profiler`` on the eager static step (the kernels the graph replays).
+read (:func:`bench.cost.floors.floor_bytes`, the bench verdict's arithmetic too) — every weight but the embedding
+table, routed experts counted as the distinct experts the batch actually touched (counted by
+:class:`model.expert_tally.ExpertTally` in an eager step of the same inputs), the KV cache of every sequence —
+over the device's copy bandwidth measured in the same run. Also per row: mean NVML power while the step repeats,
+and the share of device time per op class from ``torch.profiler`` on the eager static step (the kernels the graph
+replays).
 On CPU (the dry run of the tests) everything runs eagerly at tiny sizes, without NVML.
 """
 
@@ -20,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.cost.floors import floor_bytes
 from bench.gpu.fixtures import random_model, random_seqs
 from bench.gpu.harness import copy_bandwidth, cuda_time_s
 from bench.gpu.power import PowerMeter
 from engine.cuda_graphs import GraphRunner, StepShape
 from engine.kv_cache import KVSpec, PagedKVCache
+from model.expert_tally import ExpertTally
 from model.kernel_select import select_kernels
 
 ROUTINGS = ("ep8", "tp8")
@@ -82,16 +86,6 @@ class SliceShape:
 KIMI_SLICE = SliceShape()
 TINY_SLICE = SliceShape(hidden=64, heads=4, q_lora=32, kv_lora=32, rope=16, nope=16, v=16, dense_inter=96,
                         moe_inter=32, experts=32, top_k=4, vocab=1024, ep=8, tp=8)
-
-
-def floor_bytes(dense_bytes: int, expert_bytes: list[int], touched: list[int], kv_bytes_per_token: int,
-                contexts: list[int]) -> dict:
-    """Bytes one decode step must read: ``dense_bytes`` (every weight but the embedding table and the routed
-    experts), per MoE layer ``touched[l]`` distinct experts of ``expert_bytes[l]`` each, and the cache of every
-    sequence including this step's token (``kv_bytes_per_token`` over all layers × (context + 1))."""
-    experts = sum(n * b for n, b in zip(touched, expert_bytes, strict=True))
-    kv = kv_bytes_per_token * sum(c + 1 for c in contexts)
-    return dict(dense=dense_bytes, experts=experts, kv=kv, total=dense_bytes + experts + kv)
 
 
 def op_class(name: str) -> str:
@@ -184,18 +178,12 @@ def weight_bytes(model) -> tuple[int, list[int]]:
 
 def _touched(model, run: Callable[[], object]) -> list[int]:
     """Distinct local experts each MoE layer's experts receive during one eager ``run()``."""
-    counts, hooks = [], []
-    for layer in _moe_layers(model):
-        def hook(module, args, out=counts):
-            slots = args[0].slots
-            out.append(int(slots[slots >= 0].unique().numel()))
-        hooks.append(layer.experts.register_forward_pre_hook(hook))
+    tally = ExpertTally(model)
     try:
         run()
     finally:
-        for h in hooks:
-            h.remove()
-    return counts
+        tally.remove()
+    return tally.snapshot()["experts"]
 
 
 def _profile(run: Callable[[], object], device: torch.device) -> dict[str, float]:
@@ -238,7 +226,8 @@ def _row(model, cache, runner, routing: str, batch: int, context: int, seqs, bw:
     reason = runner.capture(shape)
     seconds = cuda_time_s(lambda: runner.run(seqs, 1), device=device)
     dense, per_expert = weight_bytes(model)
-    need = floor_bytes(dense, per_expert, touched, kv_per_token, [context] * batch)
+    need = floor_bytes({"dense": dense}, per_expert, touched, kv_per_token, [context] * batch)
+    need["total"] = sum(need.values())
     floor_s = need["total"] / bw
     return dict(routing=routing, batch=batch, context=context, captured=not reason, eager_reason=reason,
                 step_ms=1e3 * seconds, floor_ms=1e3 * floor_s, fraction=floor_s / seconds,
@@ -293,6 +282,7 @@ def run(device: torch.device | str, budget_s: float, shape: SliceShape | None = 
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     return dict(model=dataclasses.asdict(shape), dtype=str(dtype), weights_gib=round(weights_gib, 2),
                 kernels=model.kernels.reasons, copy_gb_s=bw / 1e9, power=power_note,
-                floor_rule="bytes to read (weights but the embedding table; routed experts = distinct experts the "
-                           "batch touched; KV of every sequence) / copy bandwidth (read + write) of this run",
+                floor_rule="bytes to read (bench.cost.floors.floor_bytes: weights but the embedding table; routed "
+                           "experts = distinct experts the batch touched; KV of every sequence incl. this step's "
+                           "token) / copy bandwidth (read + write) of this run",
                 rows=rows, table=markdown(rows))

@@ -79,11 +79,13 @@ def _attention_specs() -> list[Spec]:
 
 
 def _moe_specs() -> list[Spec]:
-    """DeepSeek-V3 experts (H = 7168, I = 2048) with the decode and the prefill tiles (grouped launch order),
-    the masked GEMM on DeepEP's low-latency layout, and the align-block-size kernel for 384 experts."""
+    """DeepSeek-V3 experts (H = 7168, I = 2048) with the decode, the prefill and the large prefill-path tiles
+    (grouped launch order), the masked GEMM on DeepEP's low-latency layout, and the align-block-size kernel for
+    384 experts."""
     specs = []
-    for kind, pairs in (("decode", 64 * 8), ("prefill", 4096 * 8)):
-        t = moe.default_tiles(pairs, 7168, 2048)
+    for kind, t in (("decode", moe.default_tiles(64 * 8, 7168, 2048)),
+                    ("prefill", moe.default_tiles(4096 * 8, 7168, 2048)),
+                    ("prefill path", moe.prefill_tiles(torch.bfloat16))):
         tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                      DOT=dot_precision(torch.bfloat16))
         ids = dict(sorted_ptr="i32", expert_ptr="i32", num_post_ptr="i32")
@@ -91,6 +93,12 @@ def _moe_specs() -> list[Spec]:
         specs.append(Spec(f"moe gate_up {kind}", moe._gate_up_kernel, tiles, ids, t.num_warps, core, t.num_stages))
         specs.append(Spec(f"moe down {kind}", moe._down_kernel, tiles,
                           dict(ids, out_ptr="fp32", weight_ptr="fp32"), t.num_warps, core, t.num_stages))
+    t = moe.prefill_tiles(torch.float32)  # the largest shared-memory need: three fp32 tiles per stage
+    specs.append(Spec("moe gate_up prefill path fp32", moe._gate_up_kernel,
+                      dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                           DOT=dot_precision(torch.float32)),
+                      dict(x_ptr="fp32", w_ptr="fp32", h_ptr="fp32", sorted_ptr="i32", expert_ptr="i32",
+                           num_post_ptr="i32"), t.num_warps, False, t.num_stages))
     t = moe.default_tiles(128 * 8, 7168, 2048)  # DeepEP low latency: 128 tokens per rank × 8 ranks per expert
     tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=dot_precision(torch.bfloat16))
     specs.append(Spec("moe masked gate_up", moe._masked_gate_up_kernel, tiles, dict(counts_ptr="i32"), t.num_warps,

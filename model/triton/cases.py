@@ -73,7 +73,16 @@ def mla_case(lens: list[int], heads: int, latent: int, rope: int, block_size: in
 
 def expert_case(rows: int, top_k: int, hidden: int, inter: int, local_experts: int, routing: str,
                 gen: torch.Generator, dtype=torch.float32, device="cpu") -> dict:
-    """Arguments ``inp, w_gate_up, w_down`` of ``fused_moe`` / ``model.kernels.local_experts``.
+    """Arguments ``inp, w_gate_up, w_down`` of ``fused_moe`` / ``model.kernels.local_experts``: ``inp`` from
+    :func:`routed_input`, then the weights of ``local_experts`` experts."""
+    inp = routed_input(rows, top_k, hidden, local_experts, routing, gen, dtype, device)
+    return dict(inp=inp, w_gate_up=_randn((local_experts, 2 * inter, hidden), gen, dtype, device, hidden ** -0.5),
+                w_down=_randn((local_experts, hidden, inter), gen, dtype, device, inter ** -0.5))
+
+
+def routed_input(rows: int, top_k: int, hidden: int, local_experts: int, routing: str, gen: torch.Generator,
+                 dtype=torch.float32, device="cpu") -> ExpertInput:
+    """``rows`` hidden rows routed to ``top_k`` experts each.
 
     ``routing``: ``spread`` — each row picks ``top_k`` distinct experts among ``2 * local_experts`` (half of
     them on other ranks: slot −1), local expert 0 is never picked (an expert with zero tokens);
@@ -92,10 +101,8 @@ def expert_case(rows: int, top_k: int, hidden: int, inter: int, local_experts: i
         slots = torch.full((rows, top_k), -1, dtype=torch.long)
     else:
         raise ValueError(f"routing must be spread, one_expert or none_local, got {routing!r}")
-    inp = ExpertInput(_randn((rows, hidden), gen, dtype, device), slots.to(device),
-                      torch.rand(rows, top_k, generator=gen).to(device))
-    return dict(inp=inp, w_gate_up=_randn((local_experts, 2 * inter, hidden), gen, dtype, device, hidden ** -0.5),
-                w_down=_randn((local_experts, hidden, inter), gen, dtype, device, inter ** -0.5))
+    return ExpertInput(_randn((rows, hidden), gen, dtype, device), slots.to(device),
+                       torch.rand(rows, top_k, generator=gen).to(device))
 
 
 def packed_expert_case(counts: list[int], rows_per_expert: int, hidden: int, inter: int, gen: torch.Generator,

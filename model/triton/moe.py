@@ -16,6 +16,16 @@ blocks is bounded from shapes alone (padding blocks exit at once), which keeps t
 come from vLLM-style tables (:mod:`model.triton.launch_tables`, token bucket → tiles), else
 :func:`default_tiles`.
 
+Prefill chunks (:data:`PREFILL_TOKENS` rows or more; :func:`moe_path`) sit at or past the ridge point: an
+expert has hundreds of rows, and tensor-core efficiency counts more than weight reads. :func:`grouped_moe` runs
+both projections as ``F.grouped_mm`` over the expert-sorted rows (the align kernel at block 1 sorts them; an
+``index_add_`` combines) where the device has CUTLASS's sm_90+ grouped GEMM (TMA loads of contiguous rows,
+wgmma, persistent tile scheduling over all experts in one launch), the weights are bf16 and rows 16-byte
+aligned: the sorted kernels gather their A rows by index (no TMA) and, at the 64-row untuned tiles, read each
+weight tile once per 64 rows; on an H200 they were no faster than per-expert cuBLAS at 4096 tokens (47 % of the
+weight floor). Elsewhere (sm_8x, fp16/fp32) the sorted kernels run with the large :func:`prefill_tiles`. Given
+``tiles`` or ``ordered_combine`` (tuning, batch-invariant mode) keep the sorted kernels exactly as asked.
+
 DeepEP's low-latency dispatch already groups rows by expert (``[E_local, R, H]``, expert ``e``'s rows
 ``[0, counts[e])`` valid): :func:`masked_moe` runs on that layout directly — a masked grouped GEMM, the
 shape of DeepGEMM's ``m_grouped_*_masked`` — with no sort, no atomics, and its output in the layout
@@ -30,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model import kernels
 from model.triton.launch_tables import moe_config
 from model.triton.precision import dot_precision
 from parallelism.dispatch_base import ExpertInput
@@ -46,8 +57,7 @@ def align_block_size_reference(slots: torch.Tensor, num_experts: int,
     flat = slots.reshape(-1)
     pairs, dev = flat.numel(), slots.device
     key = torch.where(flat >= 0, flat, num_experts).long()  # not-local pairs sort last
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_experts]
+    counts = kernels.expert_counts(flat, num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     size = _align_size(pairs, num_experts, block_m)
@@ -307,13 +317,63 @@ def table_tiles(experts: int, inter: int, hidden: int, tokens: int, device: torc
                     cfg["GROUP_SIZE_M"], cfg["num_stages"])
 
 
+PREFILL_TOKENS = 8192  # rows entering the experts from which fused_moe takes a prefill path (docs/gpu_path.md)
+GROUPED_MM_CAPABILITY = (9, 0)  # CUTLASS grouped GEMM (TMA + wgmma) behind F.grouped_mm: sm_90 and newer
+PATHS = ("sorted", "grouped_mm", "prefill_tiles")
+
+
+def prefill_tiles(dtype: torch.dtype) -> MoETiles:
+    """The sorted kernels' tiles on the prefill path: 128-row blocks read each weight tile once per 128 rows
+    (the default's 64); BLOCK_K 32 for 4-byte operands keeps three stages of the gate_up kernel's three tiles
+    within 164 KiB of shared memory (sm_80). Untuned: no GPU has timed them."""
+    return MoETiles(128, 128, 64 if dtype.itemsize <= 2 else 32, num_warps=8, group_m=8, num_stages=3)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``; None off CUDA."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def moe_path(tokens: int, w_down: torch.Tensor, tiles: MoETiles | None = None, ordered_combine: bool = False,
+             capability: tuple[int, int] | None = None) -> str:
+    """Which path :func:`fused_moe` runs for ``tokens`` rows (one of :data:`PATHS`; the rule is in the module
+    docstring). ``capability`` None: ``w_down``'s device's. Given ``tiles`` or ``ordered_combine`` (tuning,
+    batch-invariant mode) always mean the sorted kernels as asked."""
+    if tiles is not None or ordered_combine or tokens < PREFILL_TOKENS:
+        return "sorted"
+    cap = capability if capability is not None else _capability(w_down.device)
+    grouped = (cap is not None and cap >= GROUPED_MM_CAPABILITY and w_down.dtype == torch.bfloat16
+               and kernels.grouped_gemm_supported(w_down))
+    return "grouped_mm" if grouped else "prefill_tiles"
+
+
+def grouped_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The grouped-GEMM prefill path, :func:`fused_moe`'s contract (``inp.slots`` ``[N, k]``, no packed rows).
+
+    :func:`moe_align_block_size` with ``block_m = 1`` sorts the ``P = N * k`` pairs by expert (stable, no padding,
+    not-local pairs last as the sentinel); :func:`model.kernels.grouped_expert_mlp` runs both projections over
+    the sorted rows with the routing weight applied to the intermediate; ``index_add_`` sums each pair into its
+    row in hidden's dtype, as :func:`model.kernels.local_experts` does, the not-local tail into a spare row that
+    is dropped. No host synchronisation; buffers are sized by ``P`` (shapes only), so it is graph-safe."""
+    x = inp.hidden.contiguous()
+    (n, hidden), (experts, k) = x.shape, (w_gate_up.shape[0], inp.slots.shape[1])
+    sorted_ids = moe_align_block_size(inp.slots, experts, 1)[0].long()  # [P] pair ids, sentinel n * k
+    tok = sorted_ids // k  # [P] token row; the sentinel → n, the spare row
+    weights = torch.cat([inp.weights.reshape(-1).float(), inp.weights.new_zeros(1, dtype=torch.float32)])
+    counts = kernels.expert_counts(inp.slots, experts)
+    y = kernels.grouped_expert_mlp(x[tok.clamp(max=n - 1)], counts, w_gate_up, w_down, weights[sorted_ids])
+    return x.new_zeros(n + 1, hidden).index_add_(0, tok, y)[:n]
+
+
 def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               tiles: MoETiles | None = None, ordered_combine: bool = False) -> torch.Tensor:
     """Weighted sum over each row's local experts, like ``LocalExperts.forward``.
 
     ``inp.hidden [N, H]``, ``inp.slots [N, k]`` int (−1 = not local), ``inp.weights [N, k]`` fp32;
     ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]`` in hidden's dtype. Returns ``[N, H]`` in hidden's dtype
-    (accumulated in fp32). ``tiles`` None: :func:`table_tiles`, else :func:`default_tiles`. Reference:
+    (accumulated in fp32; :func:`grouped_moe` sums a row's pairs in hidden's dtype). ``tiles`` None: from
+    :data:`PREFILL_TOKENS` rows the prefill path of :func:`moe_path` (:func:`grouped_moe` or
+    :func:`prefill_tiles`), below them :func:`table_tiles`, else :func:`default_tiles`. Reference:
     :func:`model.kernels.local_experts`. Rows in DeepEP's packed layout (``inp.packed_counts`` set)
     go to :func:`masked_moe`. ``ordered_combine``: each pair's output in its own fp32 row, summed per token in
     top-k order (no atomics: the sum order is fixed).
@@ -327,7 +387,11 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     inter, pairs = two_inter // 2, inp.slots.numel()
     if pairs == 0 or experts == 0:
         return torch.zeros_like(x)
-    t = tiles or table_tiles(experts, inter, hidden, n, x.device) or default_tiles(pairs, hidden, inter)
+    path = moe_path(n, w_down, tiles, ordered_combine)
+    if path == "grouped_mm":
+        return grouped_moe(inp, w_gate_up, w_down)
+    t = prefill_tiles(x.dtype) if path == "prefill_tiles" else (
+        tiles or table_tiles(experts, inter, hidden, n, x.device) or default_tiles(pairs, hidden, inter))
     sorted_ids, expert_ids, num_post = moe_align_block_size(inp.slots, experts, t.block_m)
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
