@@ -133,13 +133,35 @@ def dense_attend(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | 
     return attend
 
 
-def row_attend(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None, kernels: KernelSet) -> Attend:
+def block_sequences(visible: torch.Tensor | None, blocks: int, block_rows: int, context_rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each draft block as its own sequence: its visible context rows in order, then its own block rows.
+    ``visible [J, S]`` bool (None: one block that sees all ``S`` rows) → ``index [J, M]`` into
+    ``cat([context K/V [S], block K/V [J*B]])`` and ``mask [J, B, M]`` bool, every row a visible prefix (the form
+    the Triton row kernel takes: :func:`model.triton.row_attention.masked_attention`). Reads the longest
+    context on the host when ``J > 1`` (the dynamic draft path only)."""
+    s, b = context_rows, block_rows
+    if visible is None:
+        return torch.arange(s + b)[None], torch.ones(1, b, s + b, dtype=torch.bool)
+    device = visible.device
+    counts = visible.sum(1)  # [J]
+    width = int(counts.max()) + b
+    col = torch.arange(width, device=device)
+    ctx = F.pad(torch.argsort((~visible).to(torch.int8), dim=1, stable=True)[:, :width - b], (0, b))  # [J, M]
+    own = s + torch.arange(blocks, device=device)[:, None] * b + (col - counts[:, None])
+    index = torch.where(col < counts[:, None], ctx, torch.where(col < counts[:, None] + b, own, 0))
+    return index, (col < counts[:, None] + b)[:, None, :].expand(blocks, b, width)
+
+
+def row_attend(ctx_k: torch.Tensor, ctx_v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+               kernels: KernelSet) -> Attend:
     """:func:`dense_attend` through ``kernels.masked_attention`` (the batch-invariant set's: each row over its
-    visible keys in order, so a block's rows do not depend on the other blocks beside it)."""
+    visible keys in order, so a block's rows do not depend on the other blocks beside it), each block as its own
+    sequence: ``index [J, M]``, ``mask [J, B, M]`` from :func:`block_sequences`."""
     def attend(q, bk, bv):
-        k, v = torch.cat([ctx_k, bk]), torch.cat([ctx_v, bv])  # [S+N, kvh, d]
-        seen = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device) if mask is None else mask
-        return kernels.masked_attention(q[None], k[None], v[None], seen[None], q.shape[-1] ** -0.5)[0]
+        k, v = torch.cat([ctx_k, bk])[index], torch.cat([ctx_v, bv])[index]  # [J, M, kvh, d]
+        out = kernels.masked_attention(q.view(*mask.shape[:2], *q.shape[1:]), k, v, mask, q.shape[-1] ** -0.5)
+        return out.reshape(q.shape[0], *out.shape[2:])
     return attend
 
 
@@ -186,7 +208,8 @@ class DFlashDrafter(nn.Module):
             own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)
             mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)  # [J*B, S + J*B]
         if kernels.batch_invariant:
-            attends = [row_attend(ck, cv, mask, kernels) for ck, cv in ctx_kv]
+            index, seen = (t.to(block_emb.device) for t in block_sequences(ctx_visible, j, b, ctx_kv[0][0].shape[0]))
+            attends = [row_attend(ck, cv, index, seen, kernels) for ck, cv in ctx_kv]
         else:
             attends = [dense_attend(ck, cv, mask) for ck, cv in ctx_kv]
         return self.run_blocks(block_emb.reshape(j * b, h), block_pos.reshape(-1), attends, kernels).view(j, b, h)

@@ -90,3 +90,22 @@ def test_a_requests_draft_is_the_same_alone_and_in_a_batch_of_8(target, invarian
     assert differing(out) == []
     for dyn, static in zip(out["dynamic"], out["static"], strict=True):  # two attention paths, one drafter: close
         torch.testing.assert_close(dyn, static, rtol=1e-3, atol=1e-3)
+
+
+def test_each_draft_block_is_its_own_sequence_with_a_visible_prefix():
+    """The dynamic draft path hands ``masked_attention`` one sequence per block: block j's own context rows in
+    order, then its own block rows, every row a visible prefix — what the Triton row kernel takes (it keeps at most
+    N keys past a row's prefix, so the blocks' concatenated contexts with a mask would lose keys)."""
+    from spec_decode.dflash import block_sequences
+
+    lens, b = (3, 5, 2), 4
+    owner = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    visible = owner[None, :] == torch.arange(3)[:, None]  # [J, S]
+    index, mask = block_sequences(visible, 3, b, sum(lens))
+    starts = (0, 3, 8)
+    for j, (n, start) in enumerate(zip(lens, starts, strict=True)):
+        expect = list(range(start, start + n)) + list(range(10 + j * b, 10 + (j + 1) * b))
+        assert index[j, :n + b].tolist() == expect
+        assert mask[j].all(dim=0).tolist() == [True] * (n + b) + [False] * (index.shape[1] - n - b)
+    one, full = block_sequences(None, 1, b, 6)
+    assert one.tolist() == [list(range(6 + b))] and full.all()
