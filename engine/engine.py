@@ -24,7 +24,7 @@ from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation import Speculation
 from engine.step import RequestOutput, StepPlan, StepResult
-from model.kernel_select import batch_invariant_kernels
+from model.kernel_select import launch_kernels
 from model.transformer import CausalLM
 from parallelism.comm import Comm, ParallelGroups
 
@@ -244,9 +244,11 @@ def control_plane(groups: ParallelGroups) -> Comm:
 
 def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None) -> ModelRunner:
     """The rank's ModelRunner, speculating with ``speculation`` (None: off), and static decode/verify steps per
-    ``cfg.static_steps``; ``cfg.batch_invariant`` switches the model to its batch-invariant kernels."""
-    if cfg.batch_invariant:
-        model.use_kernels(batch_invariant_kernels(model.kernels))
+    ``cfg.static_steps``; ``cfg.batch_invariant`` switches the model to its batch-invariant kernels (off: to the set
+    they were made from)."""
+    kernels = launch_kernels(model.kernels, cfg.batch_invariant)
+    if kernels is not model.kernels:
+        model.use_kernels(kernels)
     on_cuda = model.device.type == "cuda"
     static = cfg.static_steps == "on" or (cfg.static_steps == "auto" and on_cuda)
     sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()

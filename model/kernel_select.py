@@ -72,6 +72,7 @@ class KernelSet:
     w4a16_moe: Callable = qref.w4a16_moe
     fp8_moe: Callable = qref.w8a16_moe
     batch_invariant: bool = False  # every op row-invariant; attention layers send every row through the same path
+    invariant_of: KernelSet | None = None  # the set a batch-invariant one was made from (:func:`launch_kernels`)
     backend: str = "torch"  # "triton" for the Triton set
 
 
@@ -177,7 +178,15 @@ def batch_invariant_kernels(base: KernelSet) -> KernelSet:
         reasons.update(dict.fromkeys(gemms, "batch-invariant triton (model.triton.invariant_matmul)"))
         reasons.update(dict.fromkeys(attention, "batch-invariant triton (model.triton.row_attention)"))
     return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=on_triton and base.graph_safe,
-                               batch_invariant=True)
+                               batch_invariant=True, invariant_of=base)
+
+
+def launch_kernels(current: KernelSet, batch_invariant: bool) -> KernelSet:
+    """The set an engine runs (``engine.batch_invariant``): ``current``'s batch-invariant variant, or with the flag
+    off the set it was made from — a model another engine switched gets its own kernels back."""
+    if batch_invariant:
+        return batch_invariant_kernels(current)
+    return current.invariant_of if current.invariant_of is not None else current
 
 
 def select_kernels(device: torch.device | str, backend: str = "auto") -> KernelSet:

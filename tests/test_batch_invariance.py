@@ -18,7 +18,7 @@ from layouts import layout
 from test_engine import run_requests
 
 from model import invariant, kernels
-from model.kernel_select import batch_invariant_kernels, reference_kernels
+from model.kernel_select import batch_invariant_kernels, launch_kernels, reference_kernels
 from model.tree_mask import ancestor_mask
 from parallelism.dispatch_base import ExpertInput
 
@@ -50,6 +50,16 @@ def assert_rows_invariant(fn, n_max: int = max(SIZES)):
 
 # ----------------------------------------------------------------------------------------------- dense
 
+
+
+def test_a_flag_off_engine_gets_the_set_the_invariant_one_was_made_from():
+    """``make_runner`` switches a shared model: with the flag off it must get its own kernels back, not keep the
+    invariant set a previous engine installed."""
+    base = reference_kernels("test")
+    invariant_set = launch_kernels(base, True)
+    assert invariant_set.batch_invariant and invariant_set.invariant_of is base
+    assert launch_kernels(invariant_set, True) is invariant_set
+    assert launch_kernels(invariant_set, False) is base and launch_kernels(base, False) is base
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_and_head_matmul_rows(dtype):

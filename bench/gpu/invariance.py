@@ -19,8 +19,7 @@ device"; :func:`cpu_plan` is the same logic at tiny sizes for the CPU test.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,16 +79,6 @@ def workload(prompts: list[list[int]], new_tokens: int) -> list[list[Request]]:
     return [batch, [batch[0]], [batch[len(prompts)]]]
 
 
-@contextmanager
-def kernels_kept(model) -> Iterator[None]:
-    """Gives ``model`` its kernels back afterwards (a batch-invariant engine switches them: ``make_runner``)."""
-    base = model.kernels
-    try:
-        yield
-    finally:
-        model.use_kernels(base)
-
-
 def run_requests(engine: Engine, requests: list[Request]) -> Tokens:
     """``requests`` submitted together and stepped to the end."""
     for rid, prompt, params in requests:
@@ -104,8 +93,7 @@ def run_requests(engine: Engine, requests: list[Request]) -> Tokens:
 def arm_tokens(model, spec: SpecConfig, cfg: SchedulerConfig, runs: list[list[Request]]) -> list[Tokens]:
     """Each run on a fresh engine with ``spec`` and ``cfg``."""
     speculation = load_speculation(spec, model)
-    with kernels_kept(model):
-        return [run_requests(Engine(model, cfg, speculation=speculation), requests) for requests in runs]
+    return [run_requests(Engine(model, cfg, speculation=speculation), requests) for requests in runs]
 
 
 def token_diffs(got: list[Tokens], plain: list[Tokens] | None) -> dict:
@@ -173,8 +161,7 @@ def cost_rows(model, plan: Plan, left: Callable[[], float]) -> list[dict]:
                 rows.append({**head, "skipped": "time budget"})
                 continue
             try:
-                with kernels_kept(model):
-                    row, _ = run_arm(model, Arm(batch=batch, batch_invariant=flag), [group], plan.cost_tokens)
+                row, _ = run_arm(model, Arm(batch=batch, batch_invariant=flag), [group], plan.cost_tokens)
             except Exception as exc:  # noqa: BLE001 - recorded, the next row still runs
                 rows.append({**head, "error": f"{type(exc).__name__}: {exc}"[:800]})
                 continue
