@@ -26,3 +26,20 @@ def module(module_name: str):
     loaded = importlib.import_module(module_name)
     jitted = [v for v in vars(loaded).values() if hasattr(v, "arg_names")]
     return loaded if all(isinstance(v, InterpretedFunction) for v in jitted) else importlib.reload(loaded)
+
+
+def compile_rows(script: str) -> list[dict]:
+    """Runs ``script`` (Python that prints one JSON row per compiled kernel) with the real compiler, outside the
+    interpreter, from the repository root; skips where this triton build has no NVIDIA backend."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend, so there is no compiler to run")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, text=True, capture_output=True,
+                          cwd=Path(__file__).parents[1], timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
