@@ -385,3 +385,22 @@ def test_gqa_model_tokens_identical_in_bf16(pool, tiny_ckpts, random_drafter):
     plain, *others = pool.run(_arms_job, layout("single"), runs, arms, invariant_cfg(), tiny_ckpts["tiny_qwen3_moe"])[0]
     assert all(other == plain for other in others)
     assert plain[1]["0"] == plain[0]["0"]
+
+
+def test_int4_model_tokens_identical_in_bf16(pool, tmp_path, random_drafter):
+    """A quantized checkpoint (tiny Kimi-K2.5 INT4, scripts/make_quant_checkpoints.py): with the flag on, DDTree
+    (budget 16) gives plain decoding's greedy tokens (static steps) at batch 4, and prompt 0 alone its batch tokens."""
+    from quant_ckpts import script
+
+    from engine.sampler import SamplingParams
+    from spec_decode.config import SpecConfig
+
+    path, _ = script().write_preset("kimi_k25_int4", tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13], [8, 8, 120]]
+    runs = [[(str(i), p, params) for i, p in enumerate(prompts)], [("0", prompts[0], params)]]
+    tree = SpecConfig("ddtree", budget=16, block_size=5, drafter_path=random_drafter, tree_temperature=0.5)
+    plain, ddtree = pool.run(_arms_job, layout("single"), runs, [(SpecConfig(), "on"), (tree, "on")],
+                             invariant_cfg(), str(path))[0]
+    assert ddtree == plain and plain[1]["0"] == plain[0]["0"]
+    assert all(len(tokens) == 12 for tokens, _ in plain[0].values())
