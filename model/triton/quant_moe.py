@@ -92,7 +92,7 @@ def _q_down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr,
                    top_k, hidden, inter, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                    INT4: tl.constexpr, A_FP8: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                   PER_PAIR: tl.constexpr):
+                   PER_PAIR: tl.constexpr = False):
     """Grid ``(P // BLOCK_M, cdiv(H, BLOCK_N))``: ``out[tok] += weight[pair] * (h[row] @ Wd[e]ᵀ)`` (fp32 out);
     ``A_FP8``: ``h`` e4m3 with per-row block scales ``hs [P, I/BLOCK_K]``. ``PER_PAIR``: ``out [N*k, H]``,
     ``out[pair] = ...`` (:func:`model.triton.moe.combine_store`)."""
