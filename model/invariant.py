@@ -5,22 +5,26 @@ measurements on the CPU they were chosen on: docs/batch_invariance.md.
 
 - :func:`linear` / :func:`head_matmul`: rows in fixed tiles of :data:`TILE_ROWS` (the last one zero-padded), one
   GEMM of the same shape per tile: no M-dependent kernel choice (fp32 ``F.linear`` on this CPU picks its kernel
-  by M and is not row-invariant).
+  by M and is not row-invariant). The quantized linears dequantize, then call it (:data:`QUANT`).
 - :func:`masked_attention` (and the paged decode / tree-verify ops built on it): every query row attends over its
   *visible* keys compacted in logical order (past keys, then its tree ancestors by depth), so a tree node at depth
   d computes exactly what a decode at that position computes. Scores are sums over the head dim; the softmax
   denominator and the value sums run over fixed chunks of :data:`SPLIT_KEYS` keys, merged chunk by chunk in
   order: a chunk past a row's last key adds exact zeros. fp32 throughout, output in q's dtype.
-- :func:`moe_experts`: each (token, expert) pair's output written to its own row, summed per token in top-k order
-  (no ``index_add``/atomics); :func:`silu_and_mul` from ``exp`` (fp32 ``F.silu`` differs between the vectorised
-  body and the scalar tail of a tensor, so a row's value depended on the launch's size).
+- :func:`moe_experts` (and the quantized MoE, on dequantized experts: :func:`pair_experts`): each (token, expert)
+  pair's output written to its own row, summed per token in top-k order (no ``index_add``/atomics);
+  :func:`silu_and_mul` from ``exp`` (fp32 ``F.silu`` differs between the vectorised body and the scalar tail of a
+  tensor, so a row's value depended on the launch's size).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from model.quant import reference as qref
 from model.tree_mask import resolve_tree_mask
 from parallelism.dispatch_base import ExpertInput
 
@@ -190,15 +194,47 @@ def tree_verify_mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context
 # ----------------------------------------------------------------------------------------------- experts
 
 
-def moe_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """:func:`model.kernels.local_experts`, row-invariantly: each (row, choice) pair's weighted output in its own
-    row ``[N*k, H]`` (experts in tiles, :func:`linear`), summed per row over its k choices in top-k order."""
+def pair_experts(inp: ExpertInput, expert: qref.Expert) -> torch.Tensor:
+    """Each (row, choice) pair's weighted ``expert(e, rows [n, H]) → [n, H]`` in its own row ``[N*k, H]``, summed
+    per row over its k choices in top-k order (no ``index_add``/atomics). Returns ``[N, H]``."""
     x, k = inp.hidden, inp.slots.shape[1]
     flat = inp.slots.reshape(-1)
     weights = inp.weights.reshape(-1).to(x.dtype)
     pairs = x.new_zeros(flat.shape[0], x.shape[1])
     for e in torch.unique(flat[flat >= 0]).tolist():
         idx = (flat == e).nonzero()[:, 0]
-        h = silu_and_mul(linear(x[idx // k], w_gate_up[e]))
-        pairs[idx] = linear(h, w_down[e]) * weights[idx, None]
+        pairs[idx] = expert(e, x[idx // k]) * weights[idx, None]
     return _ordered_sum(pairs.view(x.shape[0], k, x.shape[1]), dim=1) if x.shape[0] else pairs
+
+
+def moe_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """:func:`model.kernels.local_experts`, row-invariantly (:func:`pair_experts`, experts in tiles: :func:`linear`)."""
+    return pair_experts(inp, lambda e, xr: linear(silu_and_mul(linear(xr, w_gate_up[e])), w_down[e]))
+
+
+# ----------------------------------------------------------------------------------------------- quantized
+
+
+def w4a16_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+              group_size: int) -> torch.Tensor:
+    """:func:`model.quant.reference.w4a16_moe`, row-invariantly (:func:`pair_experts` over the dequantized experts)."""
+    return pair_experts(inp, qref.int4_mlp(w13, s13, w2, s2, group_size, inp.hidden.dtype, linear, silu_and_mul))
+
+
+def w8a16_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+              block: tuple[int, int]) -> torch.Tensor:
+    """:func:`model.quant.reference.w8a16_moe`, row-invariantly."""
+    return pair_experts(inp, qref.fp8_mlp(w13, s13, w2, s2, block, inp.hidden.dtype, False, linear, silu_and_mul))
+
+
+def w8a8_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+             block: tuple[int, int]) -> torch.Tensor:
+    """:func:`model.quant.reference.w8a8_moe`, row-invariantly (the per-token activation quantization is row-local)."""
+    return pair_experts(inp, qref.fp8_mlp(w13, s13, w2, s2, block, inp.hidden.dtype, True, linear, silu_and_mul))
+
+
+# the batch-invariant version of each quantized reference (model.kernel_select keeps the base set's W8A8/W8A16)
+QUANT = {qref.w4a16_linear: functools.partial(qref.w4a16_linear, linear=linear),
+         qref.w8a16_linear: functools.partial(qref.w8a16_linear, linear=linear),
+         qref.w8a8_linear: functools.partial(qref.w8a8_linear, linear=linear),
+         qref.w4a16_moe: w4a16_moe, qref.w8a16_moe: w8a16_moe, qref.w8a8_moe: w8a8_moe}

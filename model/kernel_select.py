@@ -157,10 +157,10 @@ INVARIANT_ATTENTION_OPS = ("paged_decode_gqa", "paged_decode_mla", "tree_verify_
 
 
 def batch_invariant_kernels(base: KernelSet) -> KernelSet:
-    """``base`` with every op replaced by its batch-invariant version (:mod:`model.invariant`); RMSNorm keeps
-    ``base``'s (row-local by construction, measured: tests/test_batch_invariance.py). Idempotent. On a Triton
-    ``base`` the GEMMs, MoE and attention are Triton kernels and the set stays graph-safe (no op reads a length on
-    the host); the torch set is not."""
+    """``base`` with every op replaced by its batch-invariant version (:mod:`model.invariant`), the quantized ones
+    included (:func:`_invariant_quant`); RMSNorm keeps ``base``'s (row-local by construction, measured:
+    tests/test_batch_invariance.py). Idempotent. On a Triton ``base`` the GEMMs, MoE and attention are Triton kernels
+    and the set stays graph-safe (no op reads a length on the host); the torch set is not."""
     if base.batch_invariant:
         return base
     ops = dict(moe_experts=invariant.moe_experts, linear=invariant.linear, head_matmul=invariant.head_matmul,
@@ -177,8 +177,23 @@ def batch_invariant_kernels(base: KernelSet) -> KernelSet:
         ops.update(gemms, **attention)
         reasons.update(dict.fromkeys(gemms, "batch-invariant triton (model.triton.invariant_matmul)"))
         reasons.update(dict.fromkeys(attention, "batch-invariant triton (model.triton.row_attention)"))
+    quant, where = _invariant_quant(base)
+    ops.update(quant)
+    reasons.update({op: f"batch-invariant {where}; base: {base.reasons.get(op, '')}" for op in quant})
     return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=on_triton and base.graph_safe,
                                batch_invariant=True, invariant_of=base)
+
+
+def _invariant_quant(base: KernelSet) -> tuple[dict[str, Callable], str]:
+    """The batch-invariant version of each of ``base``'s quantized ops, looked up by identity so the W8A8/W8A16
+    choice ``base`` made for its device is kept; and where they come from."""
+    if base.backend == "triton":
+        from model.triton import quant_gemm, quant_moe
+
+        table, where = {**quant_gemm.INVARIANT, **quant_moe.INVARIANT}, "triton (fixed tiles, ordered MoE combine)"
+    else:
+        table, where = invariant.QUANT, "torch (model.invariant)"
+    return {op: table[getattr(base, op)] for op in QUANT_OPS}, where
 
 
 def launch_kernels(current: KernelSet, batch_invariant: bool) -> KernelSet:

@@ -9,6 +9,7 @@ tokens at batch 8 (mixed with other requests) and (single) batch 1, under single
 measured, not tested (they depend on the scheduling): docs/batch_invariance.md, scripts/bench_invariance.py.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import torch
 from layouts import layout
 from test_engine import run_requests
 
+from bench.gpu.row_cases import ROW_CASES, TINY
 from model import invariant, kernels
-from model.kernel_select import batch_invariant_kernels, launch_kernels, reference_kernels
+from model.kernel_select import QUANT_OPS, batch_invariant_kernels, launch_kernels, reference_kernels
 from model.tree_mask import ancestor_mask
 from parallelism.dispatch_base import ExpertInput
 
@@ -106,6 +108,37 @@ def moe_rows_case(experts, dtype):
     run.reference = kernels.local_experts(ExpertInput(x.float(), slots, weights), wgu.float(), wd.float())
     run.full = (ExpertInput(x, slots, weights), wgu, wd)
     return run
+
+
+# ----------------------------------------------------------------------------------------------- quantized
+
+QUANT_DIMS = dataclasses.replace(TINY, hidden=64, inter=32)  # INT4 groups of 32, one 128x128 FP8 scale block
+
+
+def quant_rows(kernel, op: str, dtype):
+    """``run(lo, hi)``: ``kernel`` (the quantized op ``op``) over rows lo..hi of :data:`bench.gpu.row_cases.ROW_CASES`'
+    257-row case at :data:`QUANT_DIMS`."""
+    case = ROW_CASES[op](257, QUANT_DIMS, gen(0), dtype, "cpu")
+    return lambda lo, hi: case.call(kernel, lo, hi)
+
+
+@pytest.mark.parametrize("fp8_acts", (False, True), ids=("w8a16", "w8a8"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", QUANT_OPS)
+def test_quant_ops_rows(op, dtype, fp8_acts):
+    """Dequantize, then the invariant linear; the MoE per pair, summed in top-k order. In fp32 the reference itself
+    is not row-invariant on this CPU (``F.linear`` picks its kernel by M): the swap is what makes these pass."""
+    base = reference_kernels(fp8_acts=fp8_acts)
+    inv = batch_invariant_kernels(base)
+    assert getattr(inv, op) is invariant.QUANT[getattr(base, op)]  # W8A8 / W8A16 as the base set chose
+    assert inv.reasons[op].startswith("batch-invariant")
+    run = quant_rows(getattr(inv, op), op, dtype)
+    assert_rows_invariant(run)
+    ref = quant_rows(getattr(base, op), op, dtype)
+    torch.testing.assert_close(run(0, 257), ref(0, 257), rtol=2e-2, atol=2e-2)
+    if dtype == torch.float32:
+        with pytest.raises(AssertionError):
+            assert_rows_invariant(ref)
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -352,3 +385,22 @@ def test_gqa_model_tokens_identical_in_bf16(pool, tiny_ckpts, random_drafter):
     plain, *others = pool.run(_arms_job, layout("single"), runs, arms, invariant_cfg(), tiny_ckpts["tiny_qwen3_moe"])[0]
     assert all(other == plain for other in others)
     assert plain[1]["0"] == plain[0]["0"]
+
+
+def test_int4_model_tokens_identical_in_bf16(pool, tmp_path, random_drafter):
+    """A quantized checkpoint (tiny Kimi-K2.5 INT4, scripts/make_quant_checkpoints.py): with the flag on, DDTree
+    (budget 16) gives plain decoding's greedy tokens (static steps) at batch 4, and prompt 0 alone its batch tokens."""
+    from quant_ckpts import script
+
+    from engine.sampler import SamplingParams
+    from spec_decode.config import SpecConfig
+
+    path, _ = script().write_preset("kimi_k25_int4", tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13], [8, 8, 120]]
+    runs = [[(str(i), p, params) for i, p in enumerate(prompts)], [("0", prompts[0], params)]]
+    tree = SpecConfig("ddtree", budget=16, block_size=5, drafter_path=random_drafter, tree_temperature=0.5)
+    plain, ddtree = pool.run(_arms_job, layout("single"), runs, [(SpecConfig(), "on"), (tree, "on")],
+                             invariant_cfg(), str(path))[0]
+    assert ddtree == plain and plain[1]["0"] == plain[0]["0"]
+    assert all(len(tokens) == 12 for tokens, _ in plain[0].values())

@@ -9,7 +9,7 @@ the tiling, the K walk or the combine — the GPU's own MMA order is gpu_check's
 import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
-from test_batch_invariance import assert_rows_invariant, moe_rows_case, randn
+from test_batch_invariance import assert_rows_invariant, moe_rows_case, quant_rows, randn
 
 from model import kernels
 
@@ -47,6 +47,22 @@ def test_fused_moe_ordered_combine_rows(dtype):
     atomic = moe.fused_moe(*run.full)  # the default combine: close, not bit-exact
     torch.testing.assert_close(run(0, 257).float(), atomic.float(), rtol=2e-2, atol=2e-2)
 
+
+
+quant_gemm = interpret_triton.module("model.triton.quant_gemm")
+quant_moe = interpret_triton.module("model.triton.quant_moe")
+QUANT = {**quant_gemm.INVARIANT, **quant_moe.INVARIANT}  # base kernel -> its batch-invariant version
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("base", QUANT, ids=lambda f: f.__name__)
+def test_quant_kernels_rows(base, dtype):
+    """Fixed tiles for every M (the quant GEMMs, W8A8 on e4m3 tiles) and the quant MoE's per-pair store summed in
+    top-k order; close to the base kernel (atomics, M-dependent tiles)."""
+    op = base.__name__.replace("w8a8", "fp8").replace("w8a16", "fp8")  # the KernelSet op it implements
+    run = quant_rows(QUANT[base], op, dtype)
+    assert_rows_invariant(run)
+    torch.testing.assert_close(run(0, 257), quant_rows(base, op, dtype)(0, 257), rtol=2e-2, atol=2e-2)
 
 AOT = """
 import json, torch

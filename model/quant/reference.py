@@ -14,6 +14,8 @@ Formats (shapes per rank, after sharding):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -67,33 +69,61 @@ def act_qdq(x: torch.Tensor, group: int) -> torch.Tensor:
     return (xq.float() * scale.repeat_interleave(group, dim=-1)[:, : x.shape[1]]).to(x.dtype)
 
 
-def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``x [T, in]`` @ dequantized ``[out, in]``ᵀ → ``[T, out]``."""
-    return F.linear(x, dequant_int4(packed, scale, group_size, x.dtype))
+def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                 linear: Callable = F.linear) -> torch.Tensor:
+    """``x [T, in]`` @ dequantized ``[out, in]``ᵀ → ``[T, out]``; ``linear``: the matmul (``model.invariant``'s in
+    batch-invariant mode)."""
+    return linear(x, dequant_int4(packed, scale, group_size, x.dtype))
 
 
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                 block: tuple[int, int]) -> torch.Tensor:
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                 linear: Callable = F.linear) -> torch.Tensor:
     """FP8 weights, unquantized activations (devices without FP8, sm < 89; the CPU)."""
-    return F.linear(x, dequant_fp8(weight, scale_inv, block, x.dtype))
+    return linear(x, dequant_fp8(weight, scale_inv, block, x.dtype))
 
 
-def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                block: tuple[int, int]) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                linear: Callable = F.linear) -> torch.Tensor:
     """FP8 weights and per-token ``1 × block[1]`` FP8 activations (DeepSeek-V3's inference scheme)."""
-    return F.linear(act_qdq(x, block[1]), dequant_fp8(weight, scale_inv, block, x.dtype))
+    return linear(act_qdq(x, block[1]), dequant_fp8(weight, scale_inv, block, x.dtype))
 
 
-def _experts(inp: ExpertInput, num_experts: int, expert) -> torch.Tensor:
-    """Weighted sum over each row's local experts; ``expert(e, rows [n, H]) → [n, H]``."""
+Expert = Callable[[int, torch.Tensor], torch.Tensor]  # (expert e, its rows [n, H]) -> its MLP's output [n, H]
+
+
+def _experts(inp: ExpertInput, expert: Expert) -> torch.Tensor:
+    """Weighted sum over each row's local experts, added expert by expert (``index_add_``). Returns ``[N, H]``."""
     x = inp.hidden
     out = torch.zeros_like(x)
-    for e in range(num_experts):
+    for e in torch.unique(inp.slots[inp.slots >= 0]).tolist():
         rows, choice = (inp.slots == e).nonzero(as_tuple=True)
-        if rows.numel():
-            w = inp.weights[rows, choice].to(x.dtype)[:, None]
-            out.index_add_(0, rows, expert(e, x[rows]) * w)
+        w = inp.weights[rows, choice].to(x.dtype)[:, None]
+        out.index_add_(0, rows, expert(e, x[rows]) * w)
     return out
+
+
+def int4_mlp(gate_up_packed: torch.Tensor, gate_up_scale: torch.Tensor, down_packed: torch.Tensor,
+             down_scale: torch.Tensor, group_size: int, dtype: torch.dtype, linear: Callable = F.linear,
+             act: Callable = silu_and_mul) -> Expert:
+    """Each expert's SiLU-gated MLP on its INT4 weights (shapes as :func:`w4a16_moe`), dequantized to ``dtype``;
+    ``linear``, ``act``: the matmul and the activation."""
+    def expert(e: int, xr: torch.Tensor) -> torch.Tensor:
+        h = act(linear(xr, dequant_int4(gate_up_packed[e], gate_up_scale[e], group_size, dtype)))
+        return linear(h, dequant_int4(down_packed[e], down_scale[e], group_size, dtype))
+    return expert
+
+
+def fp8_mlp(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+            block: tuple[int, int], dtype: torch.dtype, quantize_acts: bool, linear: Callable = F.linear,
+            act: Callable = silu_and_mul) -> Expert:
+    """Each expert's SiLU-gated MLP on its FP8 block weights (shapes as :func:`fp8_moe`); ``quantize_acts``: both
+    GEMM inputs quantized per token (W8A8)."""
+    qdq = (lambda t: act_qdq(t, block[1])) if quantize_acts else (lambda t: t)
+
+    def expert(e: int, xr: torch.Tensor) -> torch.Tensor:
+        h = act(linear(qdq(xr), dequant_fp8(gate_up[e], gate_up_scale[e], block, dtype)))
+        return linear(qdq(h), dequant_fp8(down[e], down_scale[e], block, dtype))
+    return expert
 
 
 def w4a16_moe(inp: ExpertInput, gate_up_packed: torch.Tensor, gate_up_scale: torch.Tensor,
@@ -101,12 +131,8 @@ def w4a16_moe(inp: ExpertInput, gate_up_packed: torch.Tensor, gate_up_scale: tor
     """Routed experts with INT4 weights: ``gate_up_packed [E, 2I, H/8]``, ``gate_up_scale [E, 2I, H/G]`` (gate |
     up rows), ``down_packed [E, H, I/8]``, ``down_scale [E, H, I/G]``; ``inp`` as ``LocalExperts.forward``
     (sorted rows or DeepEP's packed layout, read through ``slots``). Returns ``[N, H]``."""
-    dt = inp.hidden.dtype
-
-    def expert(e, xr):
-        h = silu_and_mul(F.linear(xr, dequant_int4(gate_up_packed[e], gate_up_scale[e], group_size, dt)))
-        return F.linear(h, dequant_int4(down_packed[e], down_scale[e], group_size, dt))
-    return _experts(inp, gate_up_packed.shape[0], expert)
+    return _experts(inp, int4_mlp(gate_up_packed, gate_up_scale, down_packed, down_scale, group_size,
+                                  inp.hidden.dtype))
 
 
 def fp8_moe(inp: ExpertInput, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
@@ -114,13 +140,7 @@ def fp8_moe(inp: ExpertInput, gate_up: torch.Tensor, gate_up_scale: torch.Tensor
     """Routed experts with FP8 block weights: ``gate_up [E, 2I, H]``, ``gate_up_scale [E, 2I/Bo, ⌈H/Bi⌉]``,
     ``down [E, H, I]``, ``down_scale [E, ⌈H/Bo⌉, I/Bi]``. ``quantize_acts``: W8A8 (both GEMM inputs quantized
     per token), else W8A16. Returns ``[N, H]``."""
-    dt = inp.hidden.dtype
-    qdq = (lambda t: act_qdq(t, block[1])) if quantize_acts else (lambda t: t)
-
-    def expert(e, xr):
-        h = silu_and_mul(F.linear(qdq(xr), dequant_fp8(gate_up[e], gate_up_scale[e], block, dt)))
-        return F.linear(qdq(h), dequant_fp8(down[e], down_scale[e], block, dt))
-    return _experts(inp, gate_up.shape[0], expert)
+    return _experts(inp, fp8_mlp(gate_up, gate_up_scale, down, down_scale, block, inp.hidden.dtype, quantize_acts))
 
 
 def w8a16_moe(inp, gate_up, gate_up_scale, down, down_scale, block):

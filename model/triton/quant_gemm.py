@@ -13,6 +13,8 @@ No host synchronisation: the grid depends on shapes only (graph-safe).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -92,54 +94,61 @@ def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, strid
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def _tiles(m: int, n: int, k: int, invariant: bool = False) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``; ``invariant``: BLOCK_M fixed, every tile from N and K only, so a
+    row's reduction order does not depend on M (``engine.batch_invariant``)."""
     cap = lambda dim, most: max(16, min(most, triton.next_power_of_2(dim)))
-    block_m = 16 if m <= 64 else 64
+    block_m = 16 if invariant or m <= 64 else 64
     return block_m, cap(n, 64), cap(k, 64), 4
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int, int4: bool, s_rows: int,
-            s_cols: int) -> torch.Tensor:
+            s_cols: int, invariant: bool) -> torch.Tensor:
     x, w, s = x.contiguous(), w.contiguous(), s.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, bk, warps = _tiles(m, n, k)
+    bm, bn, bk, warps = _tiles(m, n, k, invariant)
     _dequant_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, w, s, out, m, n, k, x.stride(0), w.stride(0), s.stride(0), out.stride(0), INT4=int4, S_ROWS=s_rows,
         S_COLS=s_cols, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=dot_precision(x.dtype), num_warps=warps)
     return out
 
 
-def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``x [T, K]`` @ INT4 ``packed [N, K/8]``, ``scale [N, K/G]`` → ``[T, N]`` in x's dtype.
-    Reference: :func:`model.quant.reference.w4a16_linear`."""
-    return _launch(x, packed, scale, packed.shape[0], True, 1, group_size)
+def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                 invariant: bool = False) -> torch.Tensor:
+    """``x [T, K]`` @ INT4 ``packed [N, K/8]``, ``scale [N, K/G]`` → ``[T, N]`` in x's dtype; ``invariant``: one
+    tile config for every T (:func:`_tiles`). Reference: :func:`model.quant.reference.w4a16_linear`."""
+    return _launch(x, packed, scale, packed.shape[0], True, 1, group_size, invariant)
 
 
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                 block: tuple[int, int]) -> torch.Tensor:
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                 invariant: bool = False) -> torch.Tensor:
     """``x [T, K]`` @ FP8 ``weight [N, K]`` with block scales → ``[T, N]``; activations stay in x's dtype
     (devices without FP8 tensor cores). Reference: :func:`model.quant.reference.w8a16_linear`."""
-    return _launch(x, weight, scale_inv, weight.shape[0], False, block[0], block[1])
+    return _launch(x, weight, scale_inv, weight.shape[0], False, block[0], block[1], invariant)
 
 
-def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                block: tuple[int, int]) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                invariant: bool = False) -> torch.Tensor:
     """As :func:`w8a16_linear` with ``x`` quantized per token in ``1 × block[1]`` groups (e4m3) and an FP8
     tensor-core GEMM (sm ≥ 89). Reference: :func:`model.quant.reference.w8a8_linear`."""
     m, k = x.shape
     n = weight.shape[0]
     if block[1] < 16:  # tl.dot needs K >= 16: same definition, weights dequantized in registers
-        return _launch(act_qdq(x, block[1]), weight, scale_inv, n, False, block[0], block[1])
+        return _launch(act_qdq(x, block[1]), weight, scale_inv, n, False, block[0], block[1], invariant)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     xq, xs = act_quant(x, block[1])
     weight, scale_inv = weight.contiguous(), scale_inv.contiguous()
-    bm, bn, _, warps = _tiles(m, n, k)
+    bm, bn, _, warps = _tiles(m, n, k, invariant)
     _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         xq, xs, weight, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0), scale_inv.stride(0),
         out.stride(0), S_ROWS=block[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1], num_warps=warps)
     return out
+
+
+# the batch-invariant version of each linear (``engine.batch_invariant``: model.kernel_select)
+INVARIANT = {op: functools.partial(op, invariant=True) for op in (w4a16_linear, w8a16_linear, w8a8_linear)}

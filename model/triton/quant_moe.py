@@ -5,7 +5,9 @@ The shape of :mod:`model.triton.moe`'s fused MoE (``moe_align_block_size`` → g
 down GEMM with the routing weight, atomically added), with each weight tile unpacked and scaled in registers
 (:func:`model.triton.quant_gemm.dequant_tile`); DeepEP's packed low-latency layout (``inp.packed_counts``) runs a
 masked grouped GEMM on the layout itself, as :func:`model.triton.moe.masked_moe` (unweighted; rows past a count
-unwritten). W8A8 quantizes the activations per token before each GEMM. Graph-safe: no host sync.
+unwritten). W8A8 quantizes the activations per token before each GEMM. Graph-safe: no host sync. ``invariant``
+(``engine.batch_invariant``, sorted layout only): one tile config for every shape and the per-pair store summed in
+top-k order of :func:`model.triton.moe.fused_moe`'s ``ordered_combine``.
 
 Weights (``E`` local experts, ``I`` this rank's intermediate): INT4 ``w13 [E, 2I, H/8]``, ``s13 [E, 2I, H/G]``,
 ``w2 [E, H, I/8]``, ``s2 [E, H, I/G]``; FP8 ``w13 [E, 2I, H]``, ``s13 [E, 2I/Bo, ⌈H/Bi⌉]``, ``w2 [E, H, I]``,
@@ -14,12 +16,15 @@ Weights (``E`` local experts, ``I`` this rank's intermediate): INT4 ``w13 [E, 2I
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from model.quant.reference import act_qdq, act_quant
-from model.triton.moe import default_tiles, moe_align_block_size
+from model.triton.invariant_matmul import MOE_TILES
+from model.triton.moe import combine_store, default_tiles, moe_align_block_size, ordered_sum
 from model.triton.precision import dot_precision
 from model.triton.quant_gemm import dequant_tile, fp8_block_dot
 from parallelism.dispatch_base import ExpertInput
@@ -86,9 +91,11 @@ def _q_gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr
 def _q_down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs,
                    top_k, hidden, inter, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                    INT4: tl.constexpr, A_FP8: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                   PER_PAIR: tl.constexpr = False):
     """Grid ``(P // BLOCK_M, cdiv(H, BLOCK_N))``: ``out[tok] += weight[pair] * (h[row] @ Wd[e]ᵀ)`` (fp32 out);
-    ``A_FP8``: ``h`` e4m3 with per-row block scales ``hs [P, I/BLOCK_K]``."""
+    ``A_FP8``: ``h`` e4m3 with per-row block scales ``hs [P, I/BLOCK_K]``. ``PER_PAIR``: ``out [N*k, H]``,
+    ``out[pair] = ...`` (:func:`model.triton.moe.combine_store`)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -111,8 +118,7 @@ def _q_down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr,
             w = dequant_tile(w_e, s_e, n, kk, mask, k0, inter, stride_wn, stride_sn, INT4, S_ROWS, S_COLS)
             acc += tl.dot(a, w.to(a.dtype), input_precision=DOT)
     acc *= tl.load(weight_ptr + pair, mask=ok, other=0.0)[:, None]
-    tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc,
-                  mask=ok[:, None] & n_ok[None, :])
+    combine_store(out_ptr, acc, pair, tok, n, ok[:, None] & n_ok[None, :], stride_out, PER_PAIR)
 
 
 @triton.jit
@@ -219,15 +225,16 @@ def _masked(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols:
 
 
 def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: int, inter: int,
-           a_fp8: bool = False) -> torch.Tensor:
-    """Both GEMMs; ``a_fp8``: W8A8 (activations quantized per token in ``1 × s_cols`` groups before each)."""
+           a_fp8: bool = False, invariant: bool = False) -> torch.Tensor:
+    """Both GEMMs; ``a_fp8``: W8A8 (activations quantized per token in ``1 × s_cols`` groups before each);
+    ``invariant``: :data:`MOE_TILES` for every shape and the ordered combine (``engine.batch_invariant``)."""
     if inp.packed_counts is not None:
         return _masked(inp, w13, s13, w2, s2, int4, s_rows, s_cols, inter, a_fp8)
     x = inp.hidden.contiguous()
     (n, hidden), experts, pairs = x.shape, w13.shape[0], inp.slots.numel()
     if pairs == 0 or experts == 0:
         return torch.zeros_like(x)
-    t = default_tiles(pairs, hidden, inter)
+    t = MOE_TILES if invariant else default_tiles(pairs, hidden, inter)
     qdq = a_fp8 and s_cols < 16  # tl.dot needs K >= 16: quantize-dequantize the activations, dequantized weights
     a_fp8 = a_fp8 and not qdq
     if qdq:
@@ -237,7 +244,7 @@ def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: 
     w13, s13, w2, s2 = (v.contiguous() for v in (w13, s13, w2, s2))
     a, a_s = act_quant(x, s_cols) if a_fp8 else (x, x)
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
+    out = torch.zeros(n * inp.slots.shape[1] if invariant else n, hidden, dtype=torch.float32, device=x.device)
     blocks, top_k = expert_ids.numel(), inp.slots.shape[1]
     meta = dict(INT4=int4, A_FP8=a_fp8, S_ROWS=s_rows, S_COLS=s_cols, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                 BLOCK_K=block_k, DOT=dot_precision(x.dtype), num_warps=t.num_warps)
@@ -248,27 +255,35 @@ def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: 
     hq, h_s = act_quant(h, s_cols) if a_fp8 else (act_qdq(h, s_cols) if qdq else h, h)
     _q_down_kernel[(blocks, triton.cdiv(hidden, t.block_n))](
         hq, h_s, w2, s2, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, hq.stride(0),
-        h_s.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), **meta)
-    return out.to(x.dtype)
+        h_s.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), PER_PAIR=invariant,
+        **meta)
+    return (ordered_sum(out, top_k) if invariant else out).to(x.dtype)
 
 
 def w4a16_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-              group_size: int) -> torch.Tensor:
-    """Routed experts with INT4 weights → ``[N, H]``. Reference: :func:`model.quant.reference.w4a16_moe`."""
-    return _fused(inp, w13, s13, w2, s2, True, 1, group_size, w13.shape[1] // 2)
+              group_size: int, invariant: bool = False) -> torch.Tensor:
+    """Routed experts with INT4 weights → ``[N, H]``; ``invariant``: fixed tiles, ordered combine (:func:`_fused`).
+    Reference: :func:`model.quant.reference.w4a16_moe`."""
+    return _fused(inp, w13, s13, w2, s2, True, 1, group_size, w13.shape[1] // 2, invariant=invariant)
 
 
 def w8a16_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-              block: tuple[int, int]) -> torch.Tensor:
+              block: tuple[int, int], invariant: bool = False) -> torch.Tensor:
     """Routed experts with FP8 block weights, activations unquantized → ``[N, H]``.
     Reference: :func:`model.quant.reference.w8a16_moe`."""
-    return _fused(inp, w13, s13, w2, s2, False, block[0], block[1], w13.shape[1] // 2)
+    return _fused(inp, w13, s13, w2, s2, False, block[0], block[1], w13.shape[1] // 2, invariant=invariant)
 
 
 def w8a8_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-             block: tuple[int, int]) -> torch.Tensor:
+             block: tuple[int, int], invariant: bool = False) -> torch.Tensor:
     """Routed experts with FP8 block weights and per-token ``1 × block[1]`` FP8 activations before both GEMMs
     (FP8 tensor cores, sm ≥ 89; with ``block[1]`` < 16, too narrow for ``tl.dot``, the activations are quantized
     and dequantized and the weights dequantized in registers: the same definition). Reference:
     :func:`model.quant.reference.w8a8_moe`."""
-    return _fused(inp, w13, s13, w2, s2, False, block[0], block[1], w13.shape[1] // 2, a_fp8=True)
+    return _fused(inp, w13, s13, w2, s2, False, block[0], block[1], w13.shape[1] // 2, a_fp8=True,
+                  invariant=invariant)
+
+
+# the batch-invariant version of each op (``engine.batch_invariant``: model.kernel_select); DeepEP's packed layout
+# (``inp.packed_counts``) has none: it keeps its per-expert tiles
+INVARIANT = {op: functools.partial(op, invariant=True) for op in (w4a16_moe, w8a16_moe, w8a8_moe)}
