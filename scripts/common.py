@@ -57,10 +57,15 @@ def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[Device
     process-group backend it implies (``parallelism.launch.backend_for``) and ``topology=auto|nvlink|pcie``
     applied for that backend (``parallelism.topology.prepare``: NCCL's switches written into ``environ``, default
     ``os.environ``). Returns ``(device, backend, topology summary)``; the summary is also logged. Refuses a KV
-    block size the device's kernels cannot page (the Triton kernels: powers of two only)."""
+    block size the device's kernels cannot page (the Triton kernels: powers of two only), and batch invariance over
+    DeepEP (its kernels combine in their own order)."""
     from parallelism.launch import backend_for
     from parallelism.topology import prepare
 
+    if "engine" in cfg and cfg.engine.get("batch_invariant") and layout.resolved_dispatcher == "deepep":
+        raise ValueError("engine.batch_invariant=true with parallel.dispatcher=deepep: DeepEP's kernels combine a "
+                         "token's expert outputs in their own order, so rows would not be batch-invariant; use "
+                         "parallel.dispatcher=alltoall (ordered under the flag) or turn the flag off")
     device = device_config(cfg)
     block_size = cfg.engine.get("block_size") if "engine" in cfg else None
     if device.type == "cuda" and device.kernels != "torch" and block_size and block_size & (block_size - 1):

@@ -196,6 +196,10 @@ CASES = {  # name: (script, args given tmp, what the one line must say)
     "KV block size the GPU kernels cannot page": (
         "serve.py", lambda t: ["device=cuda", "engine.block_size=24"],
         [r"engine\.block_size=24: the Triton paged-attention kernels \(device=cuda\) need a power of two"]),
+    "batch invariance over DeepEP": (
+        "serve.py", lambda t: ["parallel.world_size=2", "parallel.attn_dp=2", "parallel.moe_ep=2",
+                               "parallel.dispatcher=deepep", "engine.batch_invariant=true"],
+        [r"engine\.batch_invariant=true with parallel\.dispatcher=deepep: DeepEP's kernels combine .* own order"]),
     "unwritable output": ("generate.py", lambda t: [f"generate.input={ROOT}/model/zoo/tiny_kimi/sample_prompts.json",
                                                     f"generate.output={t}/no/such/dir/out.json", *TWO_RANKS],
                           [r"generate\.output=.*/no/such/dir/out\.json: directory .* does not exist"]),
