@@ -177,23 +177,30 @@ def batch_invariant_kernels(base: KernelSet) -> KernelSet:
         ops.update(gemms, **attention)
         reasons.update(dict.fromkeys(gemms, "batch-invariant triton (model.triton.invariant_matmul)"))
         reasons.update(dict.fromkeys(attention, "batch-invariant triton (model.triton.row_attention)"))
-    quant, where = _invariant_quant(base)
+    quant, quant_reasons = _invariant_quant(base)
     ops.update(quant)
-    reasons.update({op: f"batch-invariant {where}; base: {base.reasons.get(op, '')}" for op in quant})
+    reasons.update(quant_reasons)
     return dataclasses.replace(base, **ops, reasons=reasons, graph_safe=on_triton and base.graph_safe,
                                batch_invariant=True, invariant_of=base)
 
 
-def _invariant_quant(base: KernelSet) -> tuple[dict[str, Callable], str]:
-    """The batch-invariant version of each of ``base``'s quantized ops, looked up by identity so the W8A8/W8A16
-    choice ``base`` made for its device is kept; and where they come from."""
+def _invariant_quant(base: KernelSet) -> tuple[dict[str, Callable], dict[str, str]]:
+    """The batch-invariant version of each of ``base``'s quantized ops, looked up by identity (torch references →
+    :data:`model.invariant.QUANT`, Triton kernels → their modules' ``INVARIANT``) so the W8A8/W8A16 choice ``base``
+    made for its device is kept; and each one's reason. An op with no invariant version is an error."""
+    table = {fn: (inv, "torch (model.invariant)") for fn, inv in invariant.QUANT.items()}
     if base.backend == "triton":
         from model.triton import quant_gemm, quant_moe
 
-        table, where = {**quant_gemm.INVARIANT, **quant_moe.INVARIANT}, "triton (fixed tiles, ordered MoE combine)"
-    else:
-        table, where = invariant.QUANT, "torch (model.invariant)"
-    return {op: table[getattr(base, op)] for op in QUANT_OPS}, where
+        for module in (quant_gemm, quant_moe):
+            table.update({fn: (inv, "triton (fixed tiles, ordered MoE combine)")
+                          for fn, inv in module.INVARIANT.items()})
+    missing = [op for op in QUANT_OPS if getattr(base, op) not in table]
+    if missing:
+        raise ValueError(f"no batch-invariant version of {missing} ({[getattr(base, op) for op in missing]})")
+    chosen = {op: table[getattr(base, op)] for op in QUANT_OPS}
+    return ({op: inv for op, (inv, _) in chosen.items()},
+            {op: f"batch-invariant {where}; base: {base.reasons.get(op, '')}" for op, (_, where) in chosen.items()})
 
 
 def launch_kernels(current: KernelSet, batch_invariant: bool) -> KernelSet:
