@@ -22,7 +22,7 @@ class ExpertTally:
 
     def __init__(self, model: nn.Module):
         layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
-        device = layers[0].w_down.device if layers else torch.device("cpu")
+        device = next(layers[0].parameters(), next(layers[0].buffers())).device if layers else torch.device("cpu")
         self.sums = torch.zeros(len(layers), 2, dtype=torch.int64, device=device)  # [L, (experts, forwards)]
         self.armed = True
         self._hooks = [experts.register_forward_pre_hook(self._hook(i)) for i, experts in enumerate(layers)]
@@ -30,7 +30,7 @@ class ExpertTally:
     def _hook(self, layer: int):
         def count(module: nn.Module, args: tuple[ExpertInput]) -> None:
             if self.armed:
-                slots, experts = args[0].slots, module.w_down.shape[0]
+                slots, experts = args[0].slots, len(module.global_ids)  # LocalExperts and QuantExperts
                 hit = torch.zeros(experts + 1, dtype=torch.int64, device=slots.device)  # the last: not local
                 hit.index_fill_(0, torch.where(slots >= 0, slots, experts).reshape(-1).long(), 1)
                 self.sums[layer, 0].add_(hit[:experts].sum())

@@ -124,3 +124,25 @@ def test_bf16_model_decodes(quant_ckpts, ckpt):
     for rid in ("a", "b"):
         assert len(out[torch.bfloat16][rid][0]) == 6
         assert out[torch.bfloat16][rid][0][0] == out[torch.float32][rid][0][0]
+
+
+def test_expert_tally_counts_quantized_experts(quant_ckpts):
+    """``engine.expert_tally`` (the bench turns it on) hooks quantized expert layers too: a decode step's count per
+    MoE layer is between 1 and the experts its rows can route to."""
+    import dataclasses
+
+    from test_engine import SMALL, run_requests
+
+    from engine.engine import Engine
+    from model.loader import load_model
+    from parallelism.comm import build_groups
+    from parallelism.layout import Layout
+
+    model = load_model(quant_ckpts["kimi_k25_int4"][0], build_groups(Layout()), torch.float32)
+    engine = Engine(model, dataclasses.replace(SMALL, expert_tally=True))
+    run_requests(engine, [("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
+    counts = engine.runner.tally.snapshot()
+    engine.shutdown()
+    top_k = model.cfg.moe.top_k
+    assert counts["forwards"] and all(f > 0 for f in counts["forwards"])
+    assert all(f <= e <= f * top_k for e, f in zip(counts["experts"], counts["forwards"], strict=True)), counts
