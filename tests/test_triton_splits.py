@@ -115,3 +115,40 @@ def test_attention_launch_table_is_untuned_and_fits_the_splits():
     assert attention.launch_config("gqa_decode", 3, 24)["source"] == NO_ENTRY
     with pytest.raises(ValueError, match="power of two"):
         attention.paged_decode_gqa(**cases.gqa_case([3], 2, 1, 16, block_size=12, gen=gen()))
+
+
+def test_a_tuning_config_overrides_the_table_and_tune_attention_rewrites_one_entry():
+    """``config=`` (what ``scripts/tune_attention.py`` times) reaches the kernel: every candidate's result is the
+    reference's; the tuner replaces one shape's entry and keeps the rest; without a GPU it says so."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("tune_attention", root / "scripts" / "tune_attention.py")
+    tuner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuner)
+    candidates, replace_entry = tuner.candidates, tuner.replace_entry
+
+    case = cases.gqa_case([S + 5, 40], 4, 2, 16, 16, gen(), tree=3)
+    want = kernels.tree_verify_gqa(**case)
+    tried = [c for c in candidates(S) if c["num_stages"] == 2 and c["num_warps"] == 4]
+    assert {c["BLOCK_N"] for c in tried} == {16, 32, 64, 128} and all(S % c["BLOCK_N"] == 0 for c in tried)
+    for config in tried[::3]:
+        torch.testing.assert_close(attention.tree_verify_gqa(**case, config=config), want, **TOL)
+    with pytest.raises(ValueError, match="multiple of BLOCK_N 96"):  # the override, not the table, reaches launch
+        attention.tree_verify_gqa(**case, config=dict(tried[0], BLOCK_N=96))
+    table = {"_doc": "d", "entries": [dict(kernel="gqa_tree", q_heads_per_kv=2, head_dim=16, BLOCK_N=64, BLOCK_R=64,
+                                           num_warps=4, num_stages=2, source="untuned default"),
+                                      dict(kernel="mla_decode", q_heads_per_kv=8, head_dim=576, BLOCK_N=32,
+                                           BLOCK_R=32, num_warps=4, num_stages=2, source="untuned default")]}
+    new = replace_entry(table, "gqa_tree", 2, 16, tried[0], "measured: test")
+    assert new["_doc"] == "d" and new["entries"][0] == table["entries"][1]
+    assert new["entries"][1] == dict(kernel="gqa_tree", q_heads_per_kv=2, head_dim=16, **tried[0],
+                                     source="measured: test")
+    if torch.cuda.is_available():
+        return
+    done = subprocess.run([sys.executable, "scripts/tune_attention.py"], text=True, capture_output=True, cwd=root,
+                          timeout=120)
+    assert done.returncode == 2 and "needs a GPU" in done.stderr

@@ -215,18 +215,21 @@ def launch_config(kernel: str, q_heads_per_kv: int, head_dim: int) -> dict:
     return dict(BLOCK_N=32 if head_dim <= 512 + 64 else 16, BLOCK_R=32, num_warps=4, num_stages=2, source=NO_ENTRY)
 
 
-def gqa_meta(n: int, groups: int, head_dim: int, has_tree: bool, dtype: torch.dtype, block_size: int) -> dict:
+def gqa_meta(n: int, groups: int, head_dim: int, has_tree: bool, dtype: torch.dtype, block_size: int,
+             config: dict | None = None) -> dict:
     """Constexprs of :func:`_gqa_kernel` but SPLIT_OUT, plus ``num_warps``/``num_stages`` (shared with
-    :mod:`model.triton.aot`)."""
-    cfg = launch_config("gqa_tree" if has_tree else "gqa_decode", groups, head_dim)
+    :mod:`model.triton.aot`); ``config`` (``BLOCK_N, BLOCK_R, num_warps, num_stages``) overrides the table
+    (``scripts/tune_attention.py``)."""
+    cfg = config or launch_config("gqa_tree" if has_tree else "gqa_decode", groups, head_dim)
     return dict(N=n, G=groups, D=head_dim, BLOCK_R=min(cfg["BLOCK_R"], _pow2(n * groups)), BLOCK_D=_pow2(head_dim),
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=SPLIT_KEYS, HAS_TREE=has_tree,
                 DOT=dot_precision(dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def mla_meta(n: int, heads: int, latent: int, rope: int, has_tree: bool, dtype: torch.dtype, block_size: int) -> dict:
+def mla_meta(n: int, heads: int, latent: int, rope: int, has_tree: bool, dtype: torch.dtype, block_size: int,
+             config: dict | None = None) -> dict:
     """Constexprs of :func:`_mla_kernel` but SPLIT_OUT, plus ``num_warps``/``num_stages`` (as :func:`gqa_meta`)."""
-    cfg = launch_config("mla_tree" if has_tree else "mla_decode", heads, latent + rope)
+    cfg = config or launch_config("mla_tree" if has_tree else "mla_decode", heads, latent + rope)
     return dict(N=n, H=heads, L=latent, R=rope, BLOCK_R=min(cfg["BLOCK_R"], _pow2(n * heads)), BLOCK_L=_pow2(latent),
                 BLOCK_RD=_pow2(rope), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=SPLIT_KEYS,
                 HAS_TREE=has_tree, DOT=dot_precision(dtype), num_warps=cfg["num_warps"],
@@ -293,13 +296,14 @@ def _mask_arg(tree_mask, parents, q: torch.Tensor) -> torch.Tensor:
     return resolve_tree_mask(tree_mask, parents).to(device=q.device, dtype=torch.int8).contiguous()
 
 
-def _gqa(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, split_keys):
-    """``q [B, N, H, D]`` → ``[B, N, H, D]``; ``mask`` int8 ``[B, N, N]`` or a dummy (decode)."""
+def _gqa(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, split_keys, config=None):
+    """``q [B, N, H, D]`` → ``[B, N, H, D]``; ``mask`` int8 ``[B, N, N]`` or a dummy (decode); ``config`` as
+    :func:`gqa_meta`."""
     _check_block_size(block_size, split_keys)
     b, n, h, d = q.shape
     kvh = k_cache.shape[1]
     q, k_cache, v_cache = (_rows_last_contiguous(t) for t in (q, k_cache, v_cache))
-    meta = dict(gqa_meta(n, h // kvh, d, mask.dim() == 3, q.dtype, block_size), SPLIT_KEYS=split_keys)
+    meta = dict(gqa_meta(n, h // kvh, d, mask.dim() == 3, q.dtype, block_size, config), SPLIT_KEYS=split_keys)
     grid_rows = kvh * triton.cdiv(n * (h // kvh), meta["BLOCK_R"])
     rest = (block_tables, context_lens, mask, scale, h, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0),
             k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0))
@@ -307,13 +311,15 @@ def _gqa(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, mas
                    split_grid(block_tables, block_size, split_keys), (q, k_cache, v_cache), rest)
 
 
-def _mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale, mask, split_keys):
-    """``q_lat [B, N, H, L]``, ``q_pe [B, N, H, R]`` → ``[B, N, H, L]``; ``mask`` as :func:`_gqa`."""
+def _mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale, mask, split_keys,
+         config=None):
+    """``q_lat [B, N, H, L]``, ``q_pe [B, N, H, R]`` → ``[B, N, H, L]``; ``mask`` and ``config`` as :func:`_gqa`."""
     _check_block_size(block_size, split_keys)
     b, n, h, lat = q_lat.shape
     q_lat, q_pe, latent_cache, rope_cache = (_rows_last_contiguous(t)
                                              for t in (q_lat, q_pe, latent_cache, rope_cache))
-    meta = dict(mla_meta(n, h, lat, q_pe.shape[-1], mask.dim() == 3, q_lat.dtype, block_size), SPLIT_KEYS=split_keys)
+    meta = dict(mla_meta(n, h, lat, q_pe.shape[-1], mask.dim() == 3, q_lat.dtype, block_size, config),
+                SPLIT_KEYS=split_keys)
     rest = (block_tables, context_lens, mask, scale, q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
             q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), latent_cache.stride(0), rope_cache.stride(0),
             block_tables.stride(0))
@@ -323,44 +329,47 @@ def _mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, bloc
 
 def paged_decode_gqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, block_size: int, scale: float,
-                     split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+                     split_keys: int = SPLIT_KEYS, config: dict | None = None) -> torch.Tensor:
     """Decode GQA. ``q [B, H, D]``; ``k_cache, v_cache [num_slots, KVH, D]`` (same dtype as q, H % KVH == 0);
     ``block_tables [B, max_blocks]`` int32/int64; ``context_lens [B]`` int32/int64, ≥ 1; ``block_size`` a power
     of two. Returns ``[B, H, D]`` in q's dtype. ``split_keys``: keys per split, a deployment constant (tests
-    lower it); never derive it from the batch. Reference: :func:`model.kernels.paged_decode_gqa`."""
+    lower it); never derive it from the batch. ``config``: a launch config overriding the table (tuning only:
+    :func:`gqa_meta`). Reference: :func:`model.kernels.paged_decode_gqa`."""
     mask = _mask_arg(None, None, q)
-    return _gqa(q[:, None], k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, split_keys)[:, 0]
+    return _gqa(q[:, None], k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, split_keys,
+                config)[:, 0]
 
 
 def paged_decode_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
-                     split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+                     split_keys: int = SPLIT_KEYS, config: dict | None = None) -> torch.Tensor:
     """Decode MLA, absorbed. ``q_lat [B, H, L]``, ``q_pe [B, H, R]``; ``latent_cache [num_slots, L]``,
-    ``rope_cache [num_slots, R]``; tables, lengths and ``split_keys`` as :func:`paged_decode_gqa`. Returns
+    ``rope_cache [num_slots, R]``; tables, lengths, ``split_keys`` and ``config`` as :func:`paged_decode_gqa`. Returns
     ``[B, H, L]`` (latent space: the caller applies ``W_uv``). Reference:
     :func:`model.kernels.paged_decode_mla`."""
     mask = _mask_arg(None, None, q_lat)
     return _mla(q_lat[:, None], q_pe[:, None], latent_cache, rope_cache, block_tables, context_lens, block_size,
-                scale, mask, split_keys)[:, 0]
+                scale, mask, split_keys, config)[:, 0]
 
 
 def tree_verify_gqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, block_size: int, scale: float, tree_mask: torch.Tensor | None = None,
-                    parents: torch.Tensor | None = None, split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+                    parents: torch.Tensor | None = None, split_keys: int = SPLIT_KEYS,
+                    config: dict | None = None) -> torch.Tensor:
     """Tree verify GQA. ``q [B, N, H, D]``: the N nodes are the last N of the ``context_lens[b]`` cached keys;
     give ``tree_mask [B, N, N]`` bool (True = node i sees tree node j) or ``parents [B, N]`` (−1 = root;
     ancestors and self). Returns ``[B, N, H, D]``. Reference: :func:`model.kernels.tree_verify_gqa`."""
     mask = _mask_arg(tree_mask, parents, q)
-    return _gqa(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, split_keys)
+    return _gqa(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, mask, split_keys, config)
 
 
 def tree_verify_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
                     tree_mask: torch.Tensor | None = None, parents: torch.Tensor | None = None,
-                    split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+                    split_keys: int = SPLIT_KEYS, config: dict | None = None) -> torch.Tensor:
     """Tree verify MLA, absorbed. ``q_lat [B, N, H, L]``, ``q_pe [B, N, H, R]``; caches as
     :func:`paged_decode_mla`, mask as :func:`tree_verify_gqa`. Returns ``[B, N, H, L]``. Reference:
     :func:`model.kernels.tree_verify_mla`."""
     mask = _mask_arg(tree_mask, parents, q_lat)
     return _mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context_lens, block_size, scale, mask,
-                split_keys)
+                split_keys, config)
