@@ -10,6 +10,8 @@ and by ``bench/gpu/roofline.py`` (one eager step).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -22,7 +24,8 @@ class ExpertTally:
 
     def __init__(self, model: nn.Module):
         layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
-        device = next(layers[0].parameters(), next(layers[0].buffers())).device if layers else torch.device("cpu")
+        device = next(itertools.chain(layers[0].parameters(), layers[0].buffers())).device if layers else \
+            torch.device("cpu")  # LocalExperts holds parameters, QuantExperts buffers
         self.sums = torch.zeros(len(layers), 2, dtype=torch.int64, device=device)  # [L, (experts, forwards)]
         self.armed = True
         self._hooks = [experts.register_forward_pre_hook(self._hook(i)) for i, experts in enumerate(layers)]
