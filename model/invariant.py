@@ -69,8 +69,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- attention
 
 
-def _ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over ``dim`` one slice at a time, in index order."""
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` one slice at a time, in index order (a fixed order: the batch-invariant combines, torch and
+    Triton)."""
     parts = x.unbind(dim)
     acc = parts[0]
     for part in parts[1:]:
@@ -204,7 +205,7 @@ def pair_experts(inp: ExpertInput, expert: qref.Expert) -> torch.Tensor:
     for e in torch.unique(flat[flat >= 0]).tolist():
         idx = (flat == e).nonzero()[:, 0]
         pairs[idx] = expert(e, x[idx // k]) * weights[idx, None]
-    return _ordered_sum(pairs.view(x.shape[0], k, x.shape[1]), dim=1) if x.shape[0] else pairs
+    return ordered_sum(pairs.view(x.shape[0], k, x.shape[1]), dim=1) if x.shape[0] else pairs
 
 
 def moe_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

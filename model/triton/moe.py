@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model import kernels
+from model import invariant, kernels
 from model.triton.launch_tables import moe_config
 from model.triton.precision import dot_precision
 from parallelism.dispatch_base import ExpertInput
@@ -190,22 +190,12 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, n
 @triton.jit
 def combine_store(out_ptr, acc, pair, tok, n, mask, stride_out, PER_PAIR: tl.constexpr):
     """A down-GEMM tile ``acc [BLOCK_M, BLOCK_N]`` (fp32, weighted) into ``out``: ``PER_PAIR``: stored to row
-    ``pair`` of ``out [N*k, H]`` (summed later by :func:`ordered_sum`), else atomically added to row ``tok`` of
-    ``out [N, H]``."""
+    ``pair`` of ``out [N*k, H]`` (summed later by :func:`model.invariant.ordered_sum`), else atomically added to
+    row ``tok`` of ``out [N, H]``."""
     if PER_PAIR:
         tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_out + n[None, :], acc, mask=mask)
     else:
         tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * stride_out + n[None, :], acc, mask=mask)
-
-
-def ordered_sum(per_pair: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``per_pair [N*k, H]`` (pair ``j`` of token ``t`` in row ``t*k + j``) → ``[N, H]``, each token's k rows
-    summed in top-k order (a fixed order: the batch-invariant combine)."""
-    pairs = per_pair.view(-1, top_k, per_pair.shape[1])
-    out = pairs[:, 0].clone()
-    for j in range(1, top_k):
-        out += pairs[:, j]
-    return out
 
 
 @triton.jit
@@ -423,7 +413,7 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     _down_kernel[(blocks * triton.cdiv(hidden, t.block_n),)](
         h, w_down, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, blocks,
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), PER_PAIR=ordered_combine, **tile)
-    return (ordered_sum(out, top_k) if ordered_combine else out).to(x.dtype)
+    return (invariant.ordered_sum(out.view(n, top_k, hidden), dim=1) if ordered_combine else out).to(x.dtype)
 
 
 def masked_moe(packed: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from model.invariant import ordered_sum
 from model.quant.reference import act_qdq, act_quant
 from model.triton.invariant_matmul import MOE_TILES
-from model.triton.moe import combine_store, default_tiles, moe_align_block_size, ordered_sum
+from model.triton.moe import combine_store, default_tiles, moe_align_block_size
 from model.triton.precision import dot_precision
 from model.triton.quant_gemm import dequant_tile, fp8_block_dot
 from parallelism.dispatch_base import ExpertInput
@@ -257,7 +258,7 @@ def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: 
         hq, h_s, w2, s2, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, hq.stride(0),
         h_s.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), PER_PAIR=invariant,
         **meta)
-    return (ordered_sum(out, top_k) if invariant else out).to(x.dtype)
+    return (ordered_sum(out.view(n, top_k, hidden), dim=1) if invariant else out).to(x.dtype)
 
 
 def w4a16_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
