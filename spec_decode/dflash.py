@@ -200,17 +200,16 @@ class DFlashDrafter(nn.Module):
         non-causal inside a block; blocks do not see each other. A batch-invariant ``kernels`` set attends
         row by row (:func:`row_attend`), else SDPA (:func:`dense_attend`)."""
         j, b, h = block_emb.shape
-        if ctx_visible is None:
-            if j != 1:
-                raise ValueError(f"{j} draft blocks need ctx_visible: blocks must not see each other's context")
-            mask = None
-        else:
-            own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)
-            mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)  # [J*B, S + J*B]
+        if ctx_visible is None and j != 1:
+            raise ValueError(f"{j} draft blocks need ctx_visible: blocks must not see each other's context")
         if kernels.batch_invariant:
             index, seen = (t.to(block_emb.device) for t in block_sequences(ctx_visible, j, b, ctx_kv[0][0].shape[0]))
             attends = [row_attend(ck, cv, index, seen, kernels) for ck, cv in ctx_kv]
         else:
+            mask = None
+            if ctx_visible is not None:
+                own = torch.block_diag(*[torch.ones(b, b, dtype=torch.bool, device=block_emb.device)] * j)
+                mask = torch.cat([ctx_visible.repeat_interleave(b, dim=0), own], dim=1)  # [J*B, S + J*B]
             attends = [dense_attend(ck, cv, mask) for ck, cv in ctx_kv]
         return self.run_blocks(block_emb.reshape(j * b, h), block_pos.reshape(-1), attends, kernels).view(j, b, h)
 
