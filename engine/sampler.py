@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from engine.staging import to_device
+from model import fixed_math
 
 MAX_LOGPROBS = 20
 TOP_K_OFF = torch.iinfo(torch.int64).max  # any value >= V disables top-k
@@ -180,12 +181,15 @@ def gumbel_noise(seed: Tensor, step: Tensor, vocab_size: int) -> Tensor:
     """Gumbel(0, 1) noise ``[B, V]`` float32, a pure function of ``(seed[b], step[b], token id)``.
 
     Row key = ``mix64(mix64(seed) + step * GAMMA)``; token t gets the (t+1)-th splitmix64 output from that key.
-    The top 23 bits make ``u = (2b + 1) / 2**24``, exact in float32 and strictly inside (0, 1)."""
+    The top 23 bits make ``u = (2b + 1) / 2**24``, exact in float32 and strictly inside (0, 1). On the CPU the logs
+    are :func:`model.fixed_math.log` (torch's rounds a tensor's scalar tail apart from its body, so a row's noise would
+    depend on the batch); on CUDA ``torch.log`` (one routine per element)."""
     key = mix64(mix64(seed) + step * GAMMA)  # [B]
     ids = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seed.device)
     bits = mix64(key[:, None] + ids * GAMMA)  # [B, V]
     u = (_shr(bits, 41) * 2 + 1).float() * 2.0**-24
-    return -(-u.log()).log()
+    log = torch.log if u.is_cuda else fixed_math.log
+    return -log(-log(u))
 
 
 def filter_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:

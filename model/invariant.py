@@ -12,9 +12,10 @@ measurements on the CPU they were chosen on: docs/batch_invariance.md.
   denominator and the value sums run over fixed chunks of :data:`SPLIT_KEYS` keys, merged chunk by chunk in
   order: a chunk past a row's last key adds exact zeros. fp32 throughout, output in q's dtype.
 - :func:`moe_experts` (and the quantized MoE, on dequantized experts: :func:`pair_experts`): each (token, expert)
-  pair's output written to its own row, summed per token in top-k order (no ``index_add``/atomics);
-  :func:`silu_and_mul` from ``exp`` (fp32 ``F.silu`` differs between the vectorised body and the scalar tail of a
-  tensor, so a row's value depended on the launch's size).
+  pair's output written to its own row, summed per token in top-k order (no ``index_add``/atomics).
+- :func:`silu_and_mul`, :func:`sigmoid` (the router) and the attention's softmax take ``exp`` from
+  :mod:`model.fixed_math` on the CPU: a torch transcendental rounds the scalar tail of a tensor with another routine
+  than its vectorised body, so a row's value depended on the launch's size (CUDA runs one routine per element).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from model import fixed_math
 from model.quant import reference as qref
 from model.tree_mask import resolve_tree_mask
 from parallelism.dispatch_base import ExpertInput
@@ -59,11 +61,22 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)[:t]
 
 
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``e**x`` in fp32 whose bits depend on the element alone: :func:`model.fixed_math.exp` on the CPU, ``torch.exp``
+    on CUDA (one routine for every element there)."""
+    return torch.exp(x.float()) if x.is_cuda else fixed_math.exp(x)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` (gate | up) → ``silu(gate) * up``, silu as ``g / (1 + exp(-g))`` in fp32."""
     gate, up = gate_up.chunk(2, dim=-1)
     g = gate.float()
-    return (g / (1.0 + torch.exp(-g))).to(gate_up.dtype) * up
+    return (g / (1.0 + exp(-g))).to(gate_up.dtype) * up
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` in fp32 (DeepSeek's router scores), from :func:`exp`."""
+    return 1.0 / (exp(-x) + 1.0)
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -99,7 +112,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch
     scores = torch.stack([torch.bmm(qf, kc[i]) for i in range(c)]).view(c, r, g, hg, SPLIT_KEYS)
     valid = (torch.arange(length, device=q.device)[None, :] < counts[:, None]).view(r, c, SPLIT_KEYS)
     scores = (scores * scale).masked_fill(~valid.transpose(0, 1)[:, :, None, None, :], float("-inf"))
-    p = torch.exp(scores - scores.amax(dim=(0, 4), keepdim=True)).view(c, r * g, hg, SPLIT_KEYS)
+    p = exp(scores - scores.amax(dim=(0, 4), keepdim=True)).view(c, r * g, hg, SPLIT_KEYS)
     denom, acc = p[0].sum(-1), torch.bmm(p[0], vc[0])
     for i in range(1, c):  # chunk by chunk, in key order; a chunk past the row's keys adds exact zeros
         denom, acc = denom + p[i].sum(-1), acc + torch.bmm(p[i], vc[i])

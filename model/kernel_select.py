@@ -24,6 +24,7 @@ Ops and their references (signatures in :mod:`model.kernels`):
 ``silu_and_mul``              ``(gate_up)`` → :func:`model.kernels.silu_and_mul`
 ``masked_attention``          ``(q, k, v, mask, scale)`` → :func:`model.kernels.masked_attention` (invariant mode's
                               dynamic path: every attention row goes through it)
+``sigmoid``                   ``(logits)`` → ``torch.sigmoid`` (the DeepSeek router's scores)
 ============================  ===============================================================
 
 :func:`batch_invariant_kernels` turns a set into its batch-invariant variant (``engine.batch_invariant``): each row's
@@ -43,7 +44,7 @@ from model import invariant, kernels
 from model.quant import reference as qref
 
 OPS = ("rms_norm", "add_rms_norm", "moe_experts", "paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa",
-       "tree_verify_mla", "linear", "head_matmul", "silu_and_mul", "masked_attention")
+       "tree_verify_mla", "linear", "head_matmul", "silu_and_mul", "masked_attention", "sigmoid")
 BACKENDS = ("auto", "triton", "torch")
 QUANT_OPS = ("w4a16_linear", "fp8_linear", "w4a16_moe", "fp8_moe")
 MIN_CAPABILITY = (8, 0)  # bf16 tl.dot
@@ -65,6 +66,7 @@ class KernelSet:
     head_matmul: Callable = kernels.head_matmul
     silu_and_mul: Callable = kernels.silu_and_mul
     masked_attention: Callable = kernels.masked_attention
+    sigmoid: Callable = torch.sigmoid  # the DeepSeek router's scores
     reasons: dict[str, str] = field(default_factory=dict)
     graph_safe: bool = False  # no host synchronisation in any op: the Triton set (the references read lengths/counts)
     w4a16_linear: Callable = qref.w4a16_linear
@@ -164,7 +166,7 @@ def batch_invariant_kernels(base: KernelSet) -> KernelSet:
     if base.batch_invariant:
         return base
     ops = dict(moe_experts=invariant.moe_experts, linear=invariant.linear, head_matmul=invariant.head_matmul,
-               silu_and_mul=invariant.silu_and_mul,
+               silu_and_mul=invariant.silu_and_mul, sigmoid=invariant.sigmoid,
                **{op: getattr(invariant, op) for op in INVARIANT_ATTENTION_OPS})
     reasons = {**base.reasons, **dict.fromkeys(ops, "batch-invariant torch (model.invariant)")}
     on_triton = base.backend == "triton"

@@ -28,6 +28,7 @@ class Router(ShardedModule):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
                                         if cfg.correction_bias else None)
+        self.kernels: KernelSet = reference_kernels()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` → ``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` fp32."""
@@ -39,7 +40,7 @@ class Router(ShardedModule):
             if c.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return ids, weights
-        scores = logits.sigmoid()
+        scores = self.kernels.sigmoid(logits)
         choice = scores + self.e_score_correction_bias
         if c.n_group > 1:
             grouped = choice.view(-1, c.n_group, c.num_experts // c.n_group)

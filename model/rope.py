@@ -1,4 +1,9 @@
-"""Rotary position embeddings: default and YaRN (with mscale), rotate-half or interleaved pairs."""
+"""Rotary position embeddings: default and YaRN (with mscale), rotate-half or interleaved pairs.
+
+cos/sin come from a table of positions built once, in fixed chunks of :data:`CHUNK` positions, each chunk
+computed by itself: a position's entry depends on the position alone — not on which positions share a step (a
+vectorised ``cos`` rounds the tail of a tensor with another routine than its body) nor on how far the table reaches.
+"""
 
 from __future__ import annotations
 
@@ -31,10 +36,15 @@ def _yarn_inv_freq(cfg: RopeConfig) -> torch.Tensor:
     return (1.0 / (cfg.factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
 
 
+CHUNK = 1024  # positions per table chunk
+
+
 class Rotary:
     """cos/sin tables for one model; ``apply`` rotates ``[T, heads, dim]`` at ``positions [T]``."""
 
-    def __init__(self, cfg: RopeConfig):
+    def __init__(self, cfg: RopeConfig, num_positions: int = 0):
+        """The table covers positions ``[0, num_positions)`` (rounded up to whole chunks); :meth:`reserve` extends
+        it."""
         self.cfg = cfg
         if cfg.kind == "yarn":
             self.inv_freq = _yarn_inv_freq(cfg)
@@ -48,6 +58,32 @@ class Rotary:
         else:
             self.inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, cfg.dim, 2, dtype=torch.float32) / cfg.dim))
             self.attention_factor = 1.0
+        self.device = torch.device("cpu")
+        self.cos = self.sin = torch.empty(0, cfg.dim // 2)  # [positions, dim/2] fp32, on self.device
+        self.reserve(num_positions)
+
+    @property
+    def num_positions(self) -> int:
+        return self.cos.shape[0]
+
+    def reserve(self, num_positions: int) -> None:
+        """Extends the tables to cover ``[0, num_positions)``, whole chunks at a time (entries already there stay
+        as they are). Call before any CUDA-graph capture: ``cos_sin`` only gathers."""
+        if num_positions <= self.num_positions:
+            return
+        cos, sin = [self.cos.cpu()], [self.sin.cpu()]
+        for start in range(self.num_positions, num_positions, CHUNK):
+            freqs = torch.arange(start, start + CHUNK, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            cos.append(freqs.cos() * self.attention_factor)
+            sin.append(freqs.sin() * self.attention_factor)
+        self.cos, self.sin = torch.cat(cos).to(self.device), torch.cat(sin).to(self.device)
+
+    def place(self, device: torch.device | str) -> Rotary:
+        """Moves the tables to ``device`` (a table left behind would be copied over on every call, which a
+        CUDA-graph capture refuses)."""
+        self.device = torch.device(device)
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
 
     def softmax_scale_multiplier(self) -> float:
         """DeepSeek's extra softmax scale under YaRN: ``mscale(factor, mscale_all_dim)**2``."""
@@ -57,11 +93,9 @@ class Rotary:
         return 1.0
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]`` → cos, sin ``[T, 1, dim/2]`` scaled by the attention factor."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        cos = (freqs.cos() * self.attention_factor).to(dtype)
-        sin = (freqs.sin() * self.attention_factor).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+        """``positions [T]`` int64 (below :attr:`num_positions`) → cos, sin ``[T, 1, dim/2]`` scaled by the
+        attention factor, from the tables."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, heads, dim]`` → rotated. Interleaved input pairs come out de-interleaved

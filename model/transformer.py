@@ -41,10 +41,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(normed)
 
 
+ROPE_HEADROOM = 1024  # rope positions past max_position_embeddings: deeper than any draft tree
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype):
         super().__init__()
-        self.rotary = Rotary(cfg.rope)
+        # past the context: a tree verified at the last position reaches a few positions further
+        self.rotary = Rotary(cfg.rope, cfg.max_position_embeddings + ROPE_HEADROOM)
         placement = ExpertPlacement(cfg.moe.num_experts, groups.layout.moe_ep, groups.layout.moe_tp,
                                     groups.layout.placement)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
@@ -95,7 +99,7 @@ class CausalLM(nn.Module):
     def place(self, device: torch.device | str) -> CausalLM:
         """Moves weights, the rope table and the dispatchers' routing tables to ``device``."""
         self.to(device)
-        self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(device)
+        self.model.rotary.place(device)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.dispatcher.to(device)

@@ -175,13 +175,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.rotary = Rotary(RopeConfig(dim=c.head_dim, theta=c.rope_theta))
+        # positions are the target's: the speculator reserves its target's reach (Speculator)
+        self.rotary = Rotary(RopeConfig(dim=c.head_dim, theta=c.rope_theta), num_positions=4096)
 
     def place(self, device: torch.device | str) -> DFlashDrafter:
         """Moves the weights and the rope table to ``device`` (a table left behind would be copied over on every
         call, which a CUDA-graph capture refuses)."""
         self.to(device)
-        self.rotary.inv_freq = self.rotary.inv_freq.to(device)
+        self.rotary.place(device)
         return self
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor,

@@ -55,6 +55,7 @@ class Speculator:
         check_drafter_fits(drafter.c, model.cfg, cfg.drafter_path)
         self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
         self.capture = tuple(drafter.c.target_layer_ids)
+        drafter.rotary.reserve(model.model.rotary.num_positions)
         c = drafter.c
         self.context = PagedKVCache(KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers,
                                            next(drafter.parameters()).dtype),

@@ -2,15 +2,18 @@
 
 ``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on every rank (``ctx.rank``, ``ctx.world_size``,
 ``ctx.groups(layout)`` cached per layout) and returns the per-rank results; a failure on any rank is
-re-raised in the parent with that rank's traceback. A rank that dies or hangs fails the call after
-``timeout_s`` instead of hanging the suite.
+re-raised in the parent with that rank's traceback. A rank that dies fails the call at once; ranks that stop
+making progress (no CPU time used by any of them for ``stall_s``: hung in a collective) fail it then. A loaded
+box only makes the call slower: the bound is on stalling, not on how long the work takes.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -23,6 +26,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds ``pid`` has used (None where ``/proc`` cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # fields 3.. of proc(5); utime, stime are 14, 15
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class RankContext:
@@ -55,8 +68,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
 
 
 class RankPool:
-    def __init__(self, world_size: int, timeout_s: float = 120.0):
-        self.world_size, self.timeout_s = world_size, timeout_s
+    def __init__(self, world_size: int, stall_s: float = 90.0):
+        """``stall_s``: how long the ranks may use no CPU at all (between them) before a call fails as hung."""
+        self.world_size, self.stall_s = world_size, stall_s
         ctx = mp.get_context("fork")
         port = free_port()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
@@ -72,11 +86,9 @@ class RankPool:
         results, errors = [None] * self.world_size, []
         for _ in range(self.world_size):
             try:
-                rank, ok, value = self.outbox.get(timeout=self.timeout_s)
-            except queue.Empty as err:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                self.close()
-                raise RuntimeError(f"rank pool timed out after {self.timeout_s}s (dead ranks: {dead})") from err
+                rank, ok, value = self._next_result()
+            except RuntimeError as err:  # with what the ranks that did answer said (a failure first, then a hang)
+                raise RuntimeError("\n".join([str(err), *errors])) from None
             if ok:
                 results[rank] = value
             else:
@@ -84,6 +96,32 @@ class RankPool:
         if errors:
             raise AssertionError("failure on ranks:\n" + "\n".join(errors))
         return results
+
+    def _next_result(self) -> tuple[int, bool, object]:
+        """The next rank's ``(rank, ok, value)``; raises RuntimeError when a rank died or all of them stalled."""
+        last_cpu, last_progress = self._cpu() or 0.0, time.monotonic()
+        while True:
+            try:
+                return self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if dead:
+                self.close()
+                raise RuntimeError(f"rank pool: ranks {dead} died")
+            cpu, now = self._cpu(), time.monotonic()
+            if cpu is not None and cpu > last_cpu + 0.01:
+                last_cpu, last_progress = cpu, now
+            elif now - last_progress > self.stall_s:
+                self.close()
+                raise RuntimeError(f"rank pool stalled: no rank used CPU for {self.stall_s:.0f}s (hung in a "
+                                   "collective?)")
+
+    def _cpu(self) -> float | None:
+        """CPU seconds all ranks have used so far (None where it cannot be read: ``stall_s`` is then a wall-clock
+        bound)."""
+        seconds = [cpu_seconds(p.pid) for p in self.procs]
+        return None if None in seconds else sum(seconds)
 
     def close(self) -> None:
         for box, p in zip(self.inboxes, self.procs, strict=True):

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from patience import patience
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -105,6 +107,7 @@ class ServerProcess:
         from rpc.client import Client
 
         client = Client(self.target)
+        timeout = patience(timeout)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -84,6 +84,39 @@ def test_activation_and_norms_rows(dtype):
     assert_rows_invariant(lambda lo, hi: torch.stack(kernels.add_rms_norm(x[lo:hi], r[lo:hi], w, 1e-6), dim=1))
 
 
+def test_router_scores_rows():
+    """The DeepSeek router's fp32 sigmoid over 16 experts: ``torch.sigmoid`` sends the last 16 values of an odd-sized
+    launch through its scalar routine on AVX-512 and differs there (measured on Zen 4); the invariant set's does not."""
+    from model.config import MoEConfig
+    from model.moe import Router
+
+    # every expert chosen, renormalised: a last-bit difference in any score moves every weight of the row
+    cfg = MoEConfig(num_experts=16, top_k=16, intermediate_size=16, scoring="sigmoid", correction_bias=True,
+                    norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = Router(64, cfg)
+    router.weight.copy_(randn(16, 64, seed=1, scale=0.05))  # logits ~ N(0, 1): scores away from 0 and 1
+    router.e_score_correction_bias.copy_(torch.rand(16, generator=gen(2)))
+    router.kernels = batch_invariant_kernels(reference_kernels("test"))
+    router.matmul = router.kernels.linear
+    x = randn(257, 64, seed=3, scale=3.0)
+    assert_rows_invariant(lambda lo, hi: torch.cat([t.float() for t in router(x[lo:hi])], dim=-1))
+
+
+def test_rope_and_gumbel_noise_rows():
+    """cos/sin come from a table built once (a position's entry does not depend on the step's other positions), and
+    the sampler's noise from :mod:`model.fixed_math` logs: row-invariant with 8 frequencies and a vocab of 203.
+    (Coverage: torch's ``cos`` and ``log`` did not differ between tail and body on the CPUs measured.)"""
+    from engine.sampler import gumbel_noise
+    from model.config import RopeConfig
+    from model.rope import Rotary
+
+    rotary = Rotary(RopeConfig(dim=16, theta=10000.0), num_positions=600)
+    positions = torch.randint(0, 600, (257,), generator=gen(4))
+    assert_rows_invariant(lambda lo, hi: torch.cat(rotary.cos_sin(positions[lo:hi], torch.float32), dim=-1))
+    seeds, steps = torch.randint(0, 2**62, (257,), generator=gen(5)), torch.randint(0, 99, (257,), generator=gen(6))
+    assert_rows_invariant(lambda lo, hi: gumbel_noise(seeds[lo:hi], steps[lo:hi], 203))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_experts_rows(dtype):
     """Per-pair outputs summed in top-k order; some choices on other ranks (slot −1), one expert hit by every row."""
@@ -353,6 +386,7 @@ def invariant_cfg(on: bool = True):
                            num_blocks=256, static_steps="on", batch_invariant=on)
 
 
+@pytest.mark.engine
 @pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
 @pytest.mark.parametrize(("preset", "max_tokens", "full"), [("single", 24, True), ("tp8", 10, False)])
 def test_trained_pair_tokens_identical_in_bf16(pool, preset, max_tokens, full):
@@ -372,6 +406,7 @@ def test_trained_pair_tokens_identical_in_bf16(pool, preset, max_tokens, full):
             assert got == batch[rid], rid
 
 
+@pytest.mark.engine
 def test_gqa_model_tokens_identical_in_bf16(pool, tiny_ckpts, random_drafter):
     """The GQA path (tiny Qwen3-MoE, untrained drafter): plain, DDTree and graphs-off plain agree with the flag on."""
     from engine.sampler import SamplingParams
@@ -387,6 +422,7 @@ def test_gqa_model_tokens_identical_in_bf16(pool, tiny_ckpts, random_drafter):
     assert plain[1]["0"] == plain[0]["0"]
 
 
+@pytest.mark.engine
 def test_int4_model_tokens_identical_in_bf16(pool, tmp_path, random_drafter):
     """A quantized checkpoint (tiny Kimi-K2.5 INT4, scripts/make_quant_checkpoints.py): with the flag on, DDTree
     (budget 16) gives plain decoding's greedy tokens (static steps) at batch 4, and prompt 0 alone its batch tokens."""

@@ -9,9 +9,11 @@ the tiling, the K walk or the combine — the GPU's own MMA order is gpu_check's
 import interpret_triton  # sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
+import triton
 from test_batch_invariance import assert_rows_invariant, moe_rows_case, quant_rows, randn
 
 from model import kernels
+from model.triton.precision import dot_precision
 
 interpret_triton.require()
 
@@ -28,6 +30,37 @@ def test_invariant_linear_rows(dtype):
     assert_rows_invariant(lambda lo, hi: tim.linear(x[lo:hi], w, b))
     torch.testing.assert_close(tim.linear(x, w, b).float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
                                rtol=1e-2, atol=1e-2)
+
+
+def planted_linear(x, w, block_k: int, splits: int = 1):
+    """``tim``'s GEMM launched with ``block_k`` and its K range cut into ``splits`` partial GEMMs added in turn: what a
+    shape-tuned launch does when it picks them from the row count. Written in fp32 (an fp16 output would round the
+    accumulator's last bits away)."""
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.zeros(m, n, dtype=torch.float32)
+    for part in torch.arange(k).tensor_split(splits):
+        xs, ws = x[:, part].contiguous(), w[:, part].contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        tim._linear_kernel[(triton.cdiv(m, tim.BLOCK_M), triton.cdiv(n, tim.BLOCK_N))](
+            xs, ws, ws, out, m, n, len(part), xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+            HAS_BIAS=False, BLOCK_M=tim.BLOCK_M, BLOCK_N=tim.BLOCK_N, BLOCK_K=block_k, DOT=dot_precision(x.dtype))
+        y += out
+    return y
+
+
+PLANTED = {"BLOCK_K by rows": lambda rows: dict(block_k=32 if rows < 16 else 64),
+           "split-K by rows": lambda rows: dict(block_k=64, splits=1 if rows < 16 else 2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plant", PLANTED)
+def test_a_kernel_whose_k_walk_follows_the_row_count_fails(plant, dtype):
+    """The check has teeth under the interpreter's fixed-order ``tl.dot``: a GEMM whose K steps or split-K follow
+    M (as a tuned table's do) rounds a row differently alone and inside a launch, on every host."""
+    x, w = randn(257, 150, dtype=dtype), randn(80, 150, dtype=dtype, seed=1, scale=0.1)
+    with pytest.raises(AssertionError):
+        assert_rows_invariant(lambda lo, hi: planted_linear(x[lo:hi], w, **PLANTED[plant](hi - lo)))
+    assert_rows_invariant(lambda lo, hi: planted_linear(x[lo:hi], w, **PLANTED[plant](1)))  # fixed: invariant
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,13 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from patience import patience
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_bench(out: Path, ckpt: str, layouts: str, *extra: str) -> None:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layouts.py"), "-m", f"parallel={layouts}",
                     f"model.path={ckpt}", "bench.context=[16]", "bench.concurrency=[1,2]", "bench.output_len=4",
-                    "bench.warmup=1", f"bench.output_dir={out}", *extra], check=True, timeout=400, cwd=ROOT,
+                    "bench.warmup=1", f"bench.output_dir={out}", *extra], check=True, timeout=patience(400), cwd=ROOT,
                    capture_output=True)
 
 

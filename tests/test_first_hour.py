@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from patience import patience
 from rpc_helpers import ServerProcess, free_port
 
 from engine.kv_budget import blocks_for_memory, max_concurrency, size_kv_cache
@@ -176,7 +177,7 @@ def run_script(script: str, args: list[str]) -> tuple[int, str, float]:
     env.pop("HYDRA_FULL_ERROR", None)
     t = time.monotonic()
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=patience(120))
     return out.returncode, out.stdout + out.stderr, time.monotonic() - t
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from patience import patience
 from safetensors.torch import load_file
 
 from model.tiny import load_hf
@@ -21,7 +22,7 @@ def test_logits_script_matches_hf(tiny_ckpts, tmp_path, parallel):
     (tmp_path / "in.json").write_text(json.dumps(SEQS))
     out = tmp_path / "out.safetensors"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "logits.py"), f"model.path={ckpt}", f"parallel={parallel}",
-                    f"logits.input={tmp_path / 'in.json'}", f"logits.output={out}"], check=True, timeout=120)
+                    f"logits.input={tmp_path / 'in.json'}", f"logits.output={out}"], check=True, timeout=patience(120))
     got = load_file(out)
     hf = load_hf(ckpt)
     assert sorted(got) == [f"seq_{i}" for i in range(len(SEQS))]
@@ -37,5 +38,5 @@ def test_logits_script_rejects_bad_token(tiny_ckpts, tmp_path):
     ckpt = tiny_ckpts["tiny_deepseek"]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "logits.py"), f"model.path={ckpt}",
                         f"logits.input={tmp_path / 'in.json'}", f"logits.output={tmp_path / 'o.safetensors'}"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=patience(60))
     assert r.returncode != 0 and "outside [0, 203)" in r.stderr + r.stdout

@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from patience import patience
 from rpc_helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +109,8 @@ def test_readme_serve_it(tmp_path):
                 pass
             assert time.monotonic() < deadline, (tmp_path / "smg.log").read_text()[-3000:]
             time.sleep(0.5)
-        out = subprocess.run(["bash", "-c", client_cmd], cwd=ROOT, capture_output=True, text=True, timeout=180)
+        out = subprocess.run(["bash", "-c", client_cmd], cwd=ROOT, capture_output=True, text=True,
+                             timeout=patience(180))
         assert out.returncode == 0, out.stderr[-3000:]
         assert "CompletionUsage(" in out.stdout and out.stdout.strip(), out.stdout
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from patience import patience
 from rpc_helpers import ServerProcess, hf_greedy, layout_args
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
@@ -32,7 +33,7 @@ def server(tiny_ckpts, tmp_path_factory):
 
 def wait_idle(client, timeout: float = 15.0) -> dict:
     """GetLoads until nothing runs, waits or holds KV; returns the last load."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while True:
         load = client.loads()
         if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 and load["kv_usage"] == 0:
@@ -68,7 +69,7 @@ def test_streamed_greedy_matches_hf(server, tiny_ckpts):
 
 def _raw(client, **fields):
     req = pb.GenerateRequest(request_id=f"raw-{time.monotonic_ns()}", stream=True, **fields)
-    return list(client.stub.Generate(req, timeout=30))
+    return list(client.stub.Generate(req, timeout=patience(30)))
 
 
 BAD = [
