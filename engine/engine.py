@@ -24,6 +24,7 @@ from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation import Speculation
 from engine.step import RequestOutput, StepPlan, StepResult
+from engine.stop_strings import Detokenize
 from model.kernel_select import launch_kernels
 from model.transformer import CausalLM
 from parallelism.comm import Comm, ParallelGroups
@@ -72,14 +73,18 @@ class EngineStats:
 class Engine:
     """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
 
-    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None):
-        """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off."""
+    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None,
+                 tokenizer: Detokenize | None = None):
+        """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off.
+        ``tokenizer``: the checkpoint's (``model.tokenizer.load_tokenizer``), for stop strings; None: refused."""
+        cfg = cfg.for_model(model.cfg.max_position_embeddings)
         self.model, self.groups = model, model.groups
         self.plane = control_plane(model.groups)
         self.speculation = speculation
         self.runner = make_runner(model, cfg, speculation)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
-                                   spec_scratch=speculation.scratch_slots if speculation is not None else 0)
+                                   spec_scratch=speculation.scratch_slots if speculation is not None else 0,
+                                   tokenizer=tokenizer)
         self.stats = EngineStats()
         self.coverage = GraphCoverage()  # rank 0's steps, as each step's RunnerOutput reports them
         self._rng = random.Random(seed)
@@ -246,6 +251,7 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation 
     """The rank's ModelRunner, speculating with ``speculation`` (None: off), and static decode/verify steps per
     ``cfg.static_steps``; ``cfg.batch_invariant`` switches the model to its batch-invariant kernels (off: to the set
     they were made from)."""
+    cfg = cfg.for_model(model.cfg.max_position_embeddings)
     kernels = launch_kernels(model.kernels, cfg.batch_invariant)
     if kernels is not model.kernels:
         model.use_kernels(kernels)

@@ -46,7 +46,9 @@ def max_concurrency(num_blocks: int, cfg: SchedulerConfig) -> float:
 def size_kv_cache(model: CausalLM, cfg: SchedulerConfig, drafter_path: str | None = None) -> SchedulerConfig:
     """``cfg`` with ``num_blocks`` sized from free device memory on CUDA (every rank measures, all take the
     smallest count); unchanged elsewhere or with ``cfg.gpu_memory_utilization=None``. Call on every rank after the
-    weights are loaded. Logs blocks, bytes and maximum concurrency on rank 0."""
+    weights are loaded. Logs blocks, bytes and maximum concurrency on rank 0. ``max_model_len`` unset becomes the
+    model's context length (:meth:`SchedulerConfig.for_model`)."""
+    cfg = cfg.for_model(model.cfg.max_position_embeddings)
     per_block = bytes_per_block(model, cfg.block_size, drafter_path)
     how, utilization = "engine.num_blocks", cfg.gpu_memory_utilization
     if model.device.type == "cuda" and utilization is not None:

@@ -38,7 +38,9 @@ class SamplingError(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. ``temperature == 0`` is greedy; ``top_k`` -1 or 0, ``top_p`` 1 and ``min_p``
-    0 are off. ``logprobs`` is how many top log-probs to return per token (0 = none)."""
+    0 are off. ``logprobs`` is how many top log-probs to return per token (0 = none). ``stop``: strings that end
+    generation once the detokenized output contains one (``engine/stop_strings.py``; ``skip_special_tokens`` shapes
+    that text, ``include_stop_str_in_output`` is the gateway's, which trims the text)."""
 
     temperature: float = 1.0
     top_k: int = -1
@@ -50,6 +52,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         stop_ok = isinstance(self.stop_token_ids, tuple) and all(
@@ -64,6 +69,8 @@ class SamplingParams:
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"),
             ("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
             ("stop_token_ids", stop_ok, "a tuple of non-negative ints"),
+            ("stop", isinstance(self.stop, tuple) and all(isinstance(t, str) and t for t in self.stop),
+             "a tuple of non-empty strings"),
         )
         for name, ok, rule in checks:
             if not ok:

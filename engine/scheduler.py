@@ -19,6 +19,7 @@ Policy (written down here because vLLM and SGLang differ):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import deque
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache import BlockAllocator
 from engine.sampler import SamplingParams
 from engine.step import RequestOutput, SeqWork, StepPlan, StepResult
+from engine.stop_strings import Detokenize, IncrementalDetokenizer, StopStrings
 
 
 class RequestError(ValueError):
@@ -37,7 +39,7 @@ class RequestError(ValueError):
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 512
+    max_model_len: int | None = None  # None: the model's context length (vLLM's rule; for_model)
     block_size: int = 16
     num_blocks: int = 1024  # per DP rank
     # decode / tree-verify steps over fixed-shape buffers (engine/cuda_graphs.py): "auto" = on a CUDA device,
@@ -57,7 +59,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RequestError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.static_steps not in ("auto", "on", "off"):
             raise RequestError(f"engine.static_steps must be auto, on or off, got {self.static_steps!r}")
@@ -66,6 +68,17 @@ class SchedulerConfig:
                                f"{self.gpu_memory_utilization}")
         if self.overlap not in ("on", "off"):
             raise RequestError(f"engine.overlap must be on or off, got {self.overlap!r}")
+
+    def for_model(self, context_len: int) -> SchedulerConfig:
+        """This config for a model of ``context_len`` tokens (``max_position_embeddings``): ``max_model_len`` unset
+        becomes it; one above it is refused, naming both."""
+        if self.max_model_len is None:
+            return dataclasses.replace(self, max_model_len=context_len)
+        if self.max_model_len > context_len:
+            raise RequestError(f"engine.max_model_len={self.max_model_len} is above the model's context length "
+                               f"{context_len} (max_position_embeddings in its config.json); leave it unset or "
+                               "lower it")
+        return self
 
 
 @dataclass
@@ -83,6 +96,8 @@ class Request:
     finish_reason: str | None = None
     pending: int = 0  # overlap: tokens sampled by launched steps, not yet read back
     pending_row: int = -1  # overlap: the latest of those steps' row for it (SeqWork.prev_row)
+    stops: StopStrings | None = None  # its stop-string check (params.stop)
+    stop_reason: int | str | None = None  # what ended it with "stop": a stop token id, or the stop string
 
     @property
     def tokens(self) -> list[int]:
@@ -91,10 +106,12 @@ class Request:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 spec_scratch: int = 0):
+                 spec_scratch: int = 0, tokenizer: Detokenize | None = None):
         """``spec_scratch`` > 0 turns speculative decoding on: decodes become draft + verify steps and each
-        request reserves that many extra KV slots for its tree."""
+        request reserves that many extra KV slots for its tree. ``tokenizer`` detokenizes outputs for stop strings
+        (without one, a request with stop strings is refused)."""
         self.cfg, self.dp_size, self.vocab_size, self.eos = cfg, dp_size, vocab_size, set(eos_token_ids)
+        self.tokenizer = tokenizer
         self.spec_scratch = spec_scratch
         self.allocators = [BlockAllocator(cfg.num_blocks) for _ in range(dp_size)]
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_size)]
@@ -123,11 +140,17 @@ class Scheduler:
                                f"max_model_len {self.cfg.max_model_len}")
         if self.blocks_needed(len(prompt), params.max_tokens) > self.cfg.num_blocks:
             raise RequestError(f"request needs more KV blocks than the cache holds ({self.cfg.num_blocks})")
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"stop {list(params.stop)[:3]}: stop strings need the checkpoint's tokenizer "
+                               "(tokenizer.json or tiktoken.model), and this engine was started without one")
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> Request:
         self.validate(request_id, prompt, params)
         dp = min(range(self.dp_size), key=lambda r: (len(self.running[r]) + len(self.waiting[r]), r))
         req = Request(request_id, list(prompt), params, seed, dp_rank=dp)
+        if params.stop:
+            req.stops = StopStrings(params.stop, IncrementalDetokenizer(self.tokenizer, req.prompt,
+                                                                        params.skip_special_tokens))
         self.requests[request_id] = req
         self.waiting[dp].append(req)
         return req
@@ -207,7 +230,7 @@ class Scheduler:
             else:  # spec: the root + accepted drafts are in the KV (len(tokens) - 1 drafts + bonus came back)
                 req.num_computed = w.start + (len(r.tokens) if w.spec else len(w.token_ids))
             new, reason = 0, None
-            for token in r.tokens:
+            for token in r.tokens:  # a speculative step's tokens are cut at the first that ends the request
                 req.output.append(token)
                 new += 1
                 reason = self._finish_reason(req, token)
@@ -220,12 +243,20 @@ class Scheduler:
             outputs.append(RequestOutput(
                 request_id=req.request_id, new_tokens=r.tokens[:new], finished=reason is not None,
                 finish_reason=reason, num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
-                new_logprobs=r.logprobs[:new], new_top_logprobs=r.top[:new]))
+                new_logprobs=r.logprobs[:new], new_top_logprobs=r.top[:new], stop_reason=req.stop_reason))
         return outputs
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
+        """After ``token`` was appended: "stop" (a stop id, EOS, or a stop string it completes; once ``min_tokens``
+        are out), "length", or None. Every token goes through the stop-string check, to keep its text whole."""
         p = req.params
-        if len(req.output) >= p.min_tokens and (token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)):
+        checked = len(req.output) >= p.min_tokens
+        matched = req.stops.add(token, checked) if req.stops is not None else None
+        if checked and (token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)):
+            req.stop_reason = token if token in p.stop_token_ids else None
+            return "stop"
+        if matched is not None:
+            req.stop_reason = matched
             return "stop"
         if len(req.output) >= p.max_tokens or len(req.tokens) >= self.cfg.max_model_len:
             return "length"

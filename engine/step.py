@@ -82,3 +82,4 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stop_reason: int | str | None = None  # finish_reason "stop": the stop token id or stop string (None: EOS)

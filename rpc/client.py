@@ -38,6 +38,12 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    matched_stop: int | str | None = None  # finish_reason "stop": the stop string, or the token id that matched
+
+
+def matched_stop(complete: pb.GenerateComplete) -> int | str | None:
+    which = complete.WhichOneof("matched_stop")
+    return getattr(complete, which) if which else None
 
 
 def sampling_params(**kw) -> pb.SamplingParams:
@@ -71,7 +77,7 @@ class Stream:
                 yield delta
             else:
                 c = resp.complete
-                self.result.finish_reason = c.finish_reason
+                self.result.finish_reason, self.result.matched_stop = c.finish_reason, matched_stop(c)
                 self.result.prompt_tokens, self.result.completion_tokens = c.prompt_tokens, c.completion_tokens
 
     def cancel(self) -> None:
@@ -130,7 +136,7 @@ class Client:
             if resp.HasField("complete"):
                 c = resp.complete
                 result = Result(list(c.output_ids), c.finish_reason, c.prompt_tokens, c.completion_tokens,
-                                list(c.output_logprobs.token_logprobs))
+                                list(c.output_logprobs.token_logprobs), matched_stop(c))
         return result
 
     def stream(self, prompt: list[int], request_id: str | None = None, timeout: float | None = None,

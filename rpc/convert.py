@@ -90,6 +90,9 @@ def generate_request(req: pb.GenerateRequest, limits: Limits) -> tuple[list[int]
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs if sp.HasField("logprobs") else 0,
+        stop=tuple(sp.stop),
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens,
     )
 
 
@@ -116,7 +119,9 @@ def complete(last: RequestOutput, all_tokens: list[int], stream: bool,
     """The final message: finish reason and usage; all ids (and logprobs) unless the tokens were streamed."""
     msg = pb.GenerateComplete(output_ids=[] if stream else all_tokens, finish_reason=last.finish_reason or "abort",
                               prompt_tokens=last.num_prompt_tokens, completion_tokens=len(all_tokens), index=0)
-    if last.finish_reason == "stop" and all_tokens:
+    if last.finish_reason == "stop" and isinstance(last.stop_reason, str):
+        msg.matched_stop_str = last.stop_reason
+    elif last.finish_reason == "stop" and all_tokens:
         msg.matched_token_id = all_tokens[-1]
     if logprobs is not None and not stream:
         msg.output_logprobs.CopyFrom(logprobs)

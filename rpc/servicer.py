@@ -1,7 +1,8 @@
 """The ``vllm.grpc.engine.VllmEngine`` servicer (the SMG worker protocol) and ``switchyard.v1.EngineInfo``.
 
 Status codes: bad input → INVALID_ARGUMENT naming the field; over capacity → RESOURCE_EXHAUSTED; draining or a
-dead engine → UNAVAILABLE; no tokenizer.json in the checkpoint → FAILED_PRECONDITION (GetTokenizer).
+dead engine → UNAVAILABLE; no tokenizer (``tokenizer.json``, ``tiktoken.model`` or ``*.tiktoken``) in the checkpoint →
+FAILED_PRECONDITION (GetTokenizer).
 
 Abort: an id this server has seen (running, finished, cancelled or rejected) answers OK — the SMG gateway
 sends Abort after it cancels a stream, when the request may already be gone; an id never seen answers
@@ -33,6 +34,7 @@ from smg_grpc_proto.generated import common_pb2
 from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Overloaded
 from engine.engine import Engine
 from engine.step import RequestOutput
+from model.tokenizer import tiktoken_file
 from rpc import convert, info
 from rpc.request_log import RequestLog
 from rpc.unsupported import UnsupportedRPCs
@@ -41,7 +43,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
-                   "generation_config.json", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+                   "generation_config.json", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "tiktoken.model")
+TOKENIZER_GLOBS = ("*.tiktoken", "*.jinja")  # smg takes at most 50 files
 CHUNK_BYTES = 64 * 1024
 SEEN_IDS = 100_000
 
@@ -269,16 +273,18 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
 
     async def GetTokenizer(self, request, context):
         root = Path(self.facts.model_dir)
-        if not (root / "tokenizer.json").exists():
+        if not (root / "tokenizer.json").exists() and tiktoken_file(root) is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"checkpoint {root} has no tokenizer.json; add one or give smg --tokenizer-path")
+                                f"checkpoint {root} has no tokenizer.json, tiktoken.model or *.tiktoken; add one or "
+                                "give smg --tokenizer-path")
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
             for name in TOKENIZER_FILES:
                 if (root / name).is_file():
                     zf.write(root / name, name)
-            for jinja in sorted(root.glob("*.jinja")):
-                zf.write(jinja, jinja.name)
+            for pattern in TOKENIZER_GLOBS:
+                for path in sorted(root.glob(pattern)):
+                    zf.write(path, path.name)
         data = buf.getvalue()
         digest = hashlib.sha256(data).hexdigest()
         n = math.ceil(len(data) / CHUNK_BYTES)

@@ -68,13 +68,13 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, speculation))
         return
-    engine = Engine(model, sched_cfg, seed, speculation=speculation)
+    tok = load_tokenizer(ckpt)
+    engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=tok)
     if sched_cfg.warm_up:  # JIT and capture before the decode clock starts
         engine.warm_up()
     model.groups.counter.reset()
     outputs = generate_all(engine, prompts, params)
     engine.shutdown()
-    tok = load_tokenizer(ckpt)
     for o in outputs:
         o["text"] = tok.decode(o["token_ids"]) if tok else ""
     s = engine.stats
@@ -120,11 +120,11 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     spec = spec_config(cfg)
-    preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None, input=cfg.generate.input,
-              output=cfg.generate.output)
+    model_cfg = preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None,
+                          input=cfg.generate.input, output=cfg.generate.output)
     device, backend, _ = prepare_ranks(cfg, layout)
     prompts = read_prompts(cfg.generate.input, ckpt)
-    params, sched_cfg = sampling_params(cfg), scheduler_config(cfg)
+    params, sched_cfg = sampling_params(cfg), scheduler_config(cfg).for_model(model_cfg.max_position_embeddings)
     launch(layout.world_size, rank_main, layout, ckpt, prompts, params, sched_cfg, int(cfg.engine.seed),
            cfg.generate.output, spec, device, master_port=cfg.master_port, backend=backend)
 

@@ -34,6 +34,7 @@ from engine.engine import Engine, make_runner, worker_loop
 from engine.kv_budget import size_kv_cache
 from engine.scheduler import SchedulerConfig
 from model.loader import DeviceConfig, load_target
+from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.launch import launch
 from spec_decode.speculation import load_speculation
@@ -72,7 +73,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         return
     from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
 
-    engine = Engine(model, sched_cfg, seed, speculation=speculation)
+    engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=load_tokenizer(ckpt))
     if sched_cfg.warm_up:  # every static shape before the first request (on CUDA: captured)
         engine.warm_up()
     serve(engine, ckpt, server_cfg, ranks)
@@ -98,8 +99,9 @@ def main(cfg: DictConfig) -> None:
     layout, ckpt = layout_from(cfg), model_dir(cfg)
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
-    preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None,
-              bind=(server_cfg.host, server_cfg.port))
+    model_cfg = preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None,
+                          bind=(server_cfg.host, server_cfg.port))
+    sched_cfg = sched_cfg.for_model(model_cfg.max_position_embeddings)
     device, backend, _ = prepare_ranks(cfg, layout)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     rank0_pid = ctx.RawValue("i", 0)

@@ -201,6 +201,9 @@ CASES = {  # name: (script, args given tmp, what the one line must say)
         "serve.py", lambda t: ["parallel.world_size=2", "parallel.attn_dp=2", "parallel.moe_ep=2",
                                "parallel.dispatcher=deepep", "engine.batch_invariant=true"],
         [r"engine\.batch_invariant=true with parallel\.dispatcher=deepep: DeepEP's kernels combine .* own order"]),
+    "max_model_len above the model's context": (
+        "serve.py", lambda t: ["engine.max_model_len=2048"],
+        [r"engine\.max_model_len=2048 is above the model's context length 1024"]),
     "unwritable output": ("generate.py", lambda t: [f"generate.input={ROOT}/model/zoo/tiny_kimi/sample_prompts.json",
                                                     f"generate.output={t}/no/such/dir/out.json", *TWO_RANKS],
                           [r"generate\.output=.*/no/such/dir/out\.json: directory .* does not exist"]),

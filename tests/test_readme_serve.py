@@ -77,6 +77,29 @@ def stop(proc: subprocess.Popen, sig: int, timeout: float = 30) -> int | None:
     return proc.returncode
 
 
+def long_chat(port: int) -> int:
+    """A chat whose history is about 900 tokens, through the gateway; returns the prompt tokens it reported."""
+    from openai import OpenAI
+
+    from model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ROOT / "model" / "zoo" / "tiny_kimi" / "target")
+    code = (ROOT / "engine" / "scheduler.py").read_text()
+    turns, used = [], 0
+    for piece in code.split("\n\n"):
+        n = len(tok.encode(piece))
+        if used + n > 920:
+            continue
+        turns.append({"role": "user" if len(turns) % 2 == 0 else "assistant", "content": piece})
+        used += n
+    if turns[-1]["role"] == "assistant":
+        turns.append({"role": "user", "content": "def"})
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    chat = client.chat.completions.create(model="target", max_tokens=32, temperature=0, messages=turns)
+    assert chat.choices[0].finish_reason in ("stop", "length"), chat
+    return chat.usage.prompt_tokens
+
+
 def test_readme_serve_it(tmp_path):
     from rpc.client import Client
 
@@ -113,11 +136,13 @@ def test_readme_serve_it(tmp_path):
                              timeout=patience(180))
         assert out.returncode == 0, out.stderr[-3000:]
         assert "CompletionUsage(" in out.stdout and out.stdout.strip(), out.stdout
+        assert long_chat(ports["http"]) > 900  # the context is the model's (1024), not a smaller default
     finally:
         if gateway is not None:
             stop(gateway, signal.SIGKILL)  # smg's graceful stop waits a 5 s load-balancer window
         rc = stop(engine, signal.SIGINT)  # Ctrl-C in the engine's terminal
     log = (tmp_path / "engine.log").read_text()
     assert rc == 0, log[-3000:]
-    assert len(re.findall(r"request \S+ OK: prompt \d+ tokens, output \d+ tokens", log)) == 2, log[-3000:]
+    # the two README calls and the long chat
+    assert len(re.findall(r"request \S+ OK: prompt \d+ tokens, output \d+ tokens", log)) == 3, log[-3000:]
     assert "Traceback" not in log and "FutureWarning" not in log, log[-3000:]
