@@ -84,7 +84,8 @@ class Engine:
         self.runner = make_runner(model, cfg, speculation)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
                                    spec_scratch=speculation.scratch_slots if speculation is not None else 0,
-                                   tokenizer=tokenizer)
+                                   tokenizer=tokenizer, namespace=cache_namespace(model, speculation),
+                                   retain_after=retain_after_ids(tokenizer))
         self.stats = EngineStats()
         self.coverage = GraphCoverage()  # rank 0's steps, as each step's RunnerOutput reports them
         self._rng = random.Random(seed)
@@ -93,9 +94,12 @@ class Engine:
         if cfg.overlap == "on" and not self.scheduler.overlap:
             log.info("engine.overlap=on: speculative steps drain (the next start depends on the accepted count)")
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
+                    retain_kv: bool = False) -> None:
+        """``dp_rank``: the attention-DP rank to run on (None: the scheduler places it); ``retain_kv``: keep its blocks
+        past plain LRU when it ends (``engine.kv_retention_s``)."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self.scheduler.add(request_id, prompt, params, seed)
+        self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv)
 
     def abort(self, request_id: str) -> RequestOutput:
         return self.scheduler.abort(request_id)
@@ -143,9 +147,10 @@ class Engine:
         t0, warm = time.perf_counter(), self.stats
         params = SamplingParams(temperature=0.0, max_tokens=1, seed=0)
         for dp in range(sched.dp_size):
-            self.add_request(f"warm-up prefill {dp}", [0] * tokens, params)
+            self.add_request(f"warm-up prefill {dp}", [0] * tokens, params, dp_rank=dp)
         while self.has_work():
             self.step()
+        sched.kv.clear()  # its blocks are nobody's prefix
         self.stats, self.coverage = EngineStats(warmup_shapes=warm.warmup_shapes), GraphCoverage()
         self.runner.timing = dict.fromkeys(self.runner.timing, 0.0)
         dt = time.perf_counter() - t0
@@ -239,6 +244,29 @@ class Engine:
             outputs, merged = self._complete(*in_flight)
             self._account(in_flight[0], 0.0, merged, {o.request_id for o in outputs})
         self.plane.broadcast_object(SHUTDOWN)
+
+
+def cache_namespace(model: CausalLM, speculation: Speculation | None) -> bytes:
+    """What a prefix-cache hash is computed under, so KV made one way never serves another: the model (its parsed
+    config), the drafter (its context K/V sits in the same blocks), the KV dtype, the numerics mode (batch-invariant
+    or not, kernel backend) and the attention layout."""
+    lay = model.groups.layout
+    parts = (repr(model.cfg), repr(speculation.config) if speculation is not None else "no drafter", str(model.dtype),
+             f"batch_invariant={model.kernels.batch_invariant} backend={model.kernels.backend}",
+             f"attn_tp={lay.attn_tp} attn_dp={lay.attn_dp}")
+    return "|".join(parts).encode()
+
+
+RETAIN_AFTER = ("<|tool_calls_section_end|>", "<|tool_call_end|>")  # Kimi K2's tool-call markers
+
+
+def retain_after_ids(tokenizer) -> frozenset[int]:
+    """Token ids that, ending an output, mark a turn waiting on a tool (its KV is retained): Kimi's tool-call
+    markers where the tokenizer has them as single tokens."""
+    if tokenizer is None:
+        return frozenset()
+    ids = [tokenizer.encode(marker) for marker in RETAIN_AFTER]
+    return frozenset(i[0] for i in ids if len(i) == 1)
 
 
 def control_plane(groups: ParallelGroups) -> Comm:

@@ -17,10 +17,6 @@ from model.batch import PaddedContext
 from model.transformer import CausalLM
 
 
-class OutOfBlocks(RuntimeError):
-    pass
-
-
 @dataclass(frozen=True)
 class KVSpec:
     """Per-token entry shapes of every layer, for one rank."""
@@ -43,30 +39,6 @@ class KVSpec:
     def bytes_per_token(self) -> int:
         per_layer = sum(int(torch.tensor(s).prod()) for s in self.entry_shapes)
         return per_layer * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
-
-
-class BlockAllocator:
-    """Free-list of block ids. Pure bookkeeping (rank 0 keeps one per attention-DP rank)."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
 
 
 class PagedKVCache:

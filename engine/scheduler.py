@@ -1,12 +1,24 @@
-"""Continuous batching with chunked prefill, admission limits and abort; one queue per attention-DP rank.
+"""Continuous batching with chunked prefill, on-demand KV blocks with recompute preemption, prefix caching,
+admission limits and abort; one waiting queue, one running set per attention-DP rank.
 
-Policy (written down here because vLLM and SGLang differ):
-- A request is placed on the attention-DP rank with the fewest requests (running + waiting).
-- Blocks for the whole request (prompt + max_tokens, capped at max_model_len) are reserved when it is
-  admitted, so a running request never needs preemption; admission waits until they are free.
-- Each step per DP rank: every running decode gets one token first, then prefills (oldest first) take
-  chunks of the remaining ``max_num_batched_tokens``. A prompt longer than the budget is prefilled over
-  several steps; only the chunk that completes it samples.
+Policy (written down here because vLLM and SGLang differ; blocks themselves are ``engine/kv_manager.py``'s):
+- One waiting queue, first come first served. A request is placed when it is admitted: on the attention-DP rank
+  holding its longest cached prefix, then the one with most free blocks (``GenerateRequest.data_parallel_rank``, when
+  set, pins it). Admission needs the blocks of its first chunk (``on_demand``) or of its whole request (``reserve``:
+  prompt + max_tokens capped at max_model_len, plus the speculative scratch); the cached prefix needs none.
+- Each step per DP rank: every running decode gets one token first, then prefills (oldest first) take chunks of
+  the remaining ``max_num_batched_tokens``. A prompt longer than the budget is prefilled over several steps; only
+  the chunk that completes it samples. ``on_demand``: each item's blocks are allocated for what the step writes
+  (a speculative item: its tree's scratch).
+- Preemption (``on_demand``): when an item's blocks are not free, the running request admitted last on that rank
+  is preempted — vLLM's FCFS rule: the oldest request always progresses (no livelock) and the newest has the least
+  to recompute. Never one already in this step, nor one with a step in flight (``overlap``: its KV is being
+  written): then the item waits a step. A preempted request frees its blocks through the prefix cache (its
+  committed blocks stay cached, so its resume hits them), drops its speculative state and goes back to the front of
+  the queue; on resume it prefills prompt + output and samples its next token: its stream goes on with no token
+  repeated or lost, and with the counter-based sampler its tokens are an unpreempted run's.
+- Committed tokens (KV of target and drafter written, ids known) are handed to the KV manager after every step;
+  it indexes their full blocks.
 - Limits apply per DP rank, as with vLLM's per-DP-rank engines: ``max_num_seqs`` running,
   ``max_num_batched_tokens`` fed per forward.
 - Every end (stop, length, abort, error) releases the request's blocks.
@@ -21,14 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache import BlockAllocator
+from engine.kv_manager import KVManager, KVManagerConfig, blocks_for
 from engine.sampler import SamplingParams
 from engine.step import RequestOutput, SeqWork, StepPlan, StepResult
 from engine.stop_strings import Detokenize, IncrementalDetokenizer, StopStrings
+
+ALLOCATIONS = ("on_demand", "reserve")
 
 
 class RequestError(ValueError):
@@ -56,6 +69,13 @@ class SchedulerConfig:
     # count the distinct experts each MoE layer reads in decode/verify steps (model.expert_tally; GetEngineInfo
     # reports them): a few device ops per MoE layer, captured with the step. The bench turns it on.
     expert_tally: bool = False
+    # full blocks of committed tokens indexed by a chained hash and reused by later requests (docs/kv_cache.md)
+    prefix_caching: bool = True
+    # "on_demand": blocks allocated per step for what it writes, recompute preemption when they run out;
+    # "reserve": prompt + max_tokens reserved at admission, never preempted
+    kv_allocation: str = "on_demand"
+    # a retained request's blocks (a turn that ended in a tool call, or one that asked) outlive plain LRU this long
+    kv_retention_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -68,6 +88,10 @@ class SchedulerConfig:
                                f"{self.gpu_memory_utilization}")
         if self.overlap not in ("on", "off"):
             raise RequestError(f"engine.overlap must be on or off, got {self.overlap!r}")
+        if self.kv_allocation not in ALLOCATIONS:
+            raise RequestError(f"engine.kv_allocation must be one of {ALLOCATIONS}, got {self.kv_allocation!r}")
+        if self.kv_retention_s < 0:
+            raise RequestError(f"engine.kv_retention_s must be >= 0, got {self.kv_retention_s}")
 
     def for_model(self, context_len: int) -> SchedulerConfig:
         """This config for a model of ``context_len`` tokens (``max_position_embeddings``): ``max_model_len`` unset
@@ -87,12 +111,17 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     seed: int
-    dp_rank: int = 0
+    dp_rank: int | None = None  # placed at admission (None while waiting, unless pinned)
+    pinned_dp: int | None = None  # GenerateRequest.data_parallel_rank
+    retain_kv: bool = False  # keep its blocks past plain LRU when it ends (an agent's tool call, or asked)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a launched step)
+    num_cached: int = 0  # prompt tokens its first admission took from the prefix cache
+    admitted: int = -1  # first admission's order (later = lower priority; kept across preemptions)
+    hashes: list[int] | None = None  # its tokens' prefix-block hashes while it waits (kv.prefix_hashes)
+    preemptions: int = 0
     finish_reason: str | None = None
     pending: int = 0  # overlap: tokens sampled by launched steps, not yet read back
     pending_row: int = -1  # overlap: the latest of those steps' row for it (SeqWork.prev_row)
@@ -106,27 +135,33 @@ class Request:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 spec_scratch: int = 0, tokenizer: Detokenize | None = None):
-        """``spec_scratch`` > 0 turns speculative decoding on: decodes become draft + verify steps and each
-        request reserves that many extra KV slots for its tree. ``tokenizer`` detokenizes outputs for stop strings
-        (without one, a request with stop strings is refused)."""
+                 spec_scratch: int = 0, tokenizer: Detokenize | None = None, namespace: bytes = b"",
+                 retain_after: frozenset[int] = frozenset()):
+        """``spec_scratch`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing that
+        many KV slots (its tree). ``tokenizer`` detokenizes outputs for stop strings (without one, a request with stop
+        strings is refused). ``namespace``: what the prefix cache's hashes are computed under (model, drafter, KV
+        dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV (tool calls)."""
         self.cfg, self.dp_size, self.vocab_size, self.eos = cfg, dp_size, vocab_size, set(eos_token_ids)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.retain_after = tokenizer, retain_after
         self.spec_scratch = spec_scratch
-        self.allocators = [BlockAllocator(cfg.num_blocks) for _ in range(dp_size)]
-        self.waiting: list[deque[Request]] = [deque() for _ in range(dp_size)]
+        self.kv = KVManager(KVManagerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, dp_size=dp_size,
+                                            prefix_caching=cfg.prefix_caching, retention_s=cfg.kv_retention_s,
+                                            namespace=namespace))
+        self.waiting: deque[Request] = deque()
         self.running: list[list[Request]] = [[] for _ in range(dp_size)]
         self.requests: dict[str, Request] = {}
         self.overlap = cfg.overlap == "on" and spec_scratch == 0  # a verify's next start needs its accepted count
         self._scheduled: dict[int, dict[str, Request]] = {}  # step id → the requests it feeds, until its update
         self._steps = itertools.count()
+        self._admissions = itertools.count()
+        self.preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------------
-    def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
-        tokens = min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_scratch
-        return math.ceil(tokens / self.cfg.block_size)
+    def request_slots(self, prompt_len: int, max_tokens: int) -> int:
+        """KV slots a whole request may need: prompt + max_tokens (capped at max_model_len) + its tree's scratch."""
+        return min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_scratch
 
-    def validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def validate(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None) -> None:
         """Raises RequestError naming the field when the request can never run."""
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
@@ -138,61 +173,92 @@ class Scheduler:
         if len(prompt) + params.max_tokens > self.cfg.max_model_len:
             raise RequestError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds "
                                f"max_model_len {self.cfg.max_model_len}")
-        if self.blocks_needed(len(prompt), params.max_tokens) > self.cfg.num_blocks:
-            raise RequestError(f"request needs more KV blocks than the cache holds ({self.cfg.num_blocks})")
+        need = blocks_for(self.request_slots(len(prompt), params.max_tokens), self.cfg.block_size)
+        if need > self.cfg.num_blocks:
+            raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt)} + max_tokens "
+                               f"{params.max_tokens}), more than the cache holds ({self.cfg.num_blocks})")
         if params.stop and self.tokenizer is None:
             raise RequestError(f"stop {list(params.stop)[:3]}: stop strings need the checkpoint's tokenizer "
                                "(tokenizer.json or tiktoken.model), and this engine was started without one")
+        if dp_rank is not None and not 0 <= dp_rank < self.dp_size:
+            raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}), got {dp_rank}")
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> Request:
-        self.validate(request_id, prompt, params)
-        dp = min(range(self.dp_size), key=lambda r: (len(self.running[r]) + len(self.waiting[r]), r))
-        req = Request(request_id, list(prompt), params, seed, dp_rank=dp)
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
+            retain_kv: bool = False) -> Request:
+        self.validate(request_id, prompt, params, dp_rank)
+        req = Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank, retain_kv=retain_kv)
         if params.stop:
             req.stops = StopStrings(params.stop, IncrementalDetokenizer(self.tokenizer, req.prompt,
                                                                         params.skip_special_tokens))
         self.requests[request_id] = req
-        self.waiting[dp].append(req)
+        self.waiting.append(req)
         return req
 
-    def _admit(self, dp: int) -> None:
-        queue, alloc = self.waiting[dp], self.allocators[dp]
-        while queue and len(self.running[dp]) < self.cfg.max_num_seqs:
-            req = queue[0]
-            need = self.blocks_needed(len(req.prompt), req.params.max_tokens)
-            if need > alloc.num_free:
-                break
-            req.blocks = alloc.allocate(need)
-            self.running[dp].append(queue.popleft())
+    def _admit(self) -> None:
+        """Admits from the head of the queue while a rank has room and the blocks its first step needs."""
+        while self.waiting:
+            req = self.waiting[0]
+            ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(self.dp_size))
+                     if len(self.running[r]) < self.cfg.max_num_seqs]
+            if not ranks:
+                return
+            tokens, hashes = req.tokens, self._hashes(req)
+            pools = self.kv.pools
+            dp = max(ranks, key=lambda r: (self.kv.cached_blocks(r, hashes), pools[r].num_free, -r))
+            if self.cfg.kv_allocation == "reserve":
+                reserve = self.request_slots(len(req.prompt), req.params.max_tokens)
+            else:
+                hit = self.kv.cached_blocks(dp, hashes) * self.cfg.block_size
+                reserve = hit + min(len(tokens) - hit, self.cfg.max_num_batched_tokens)
+            cached = self.kv.admit(req.request_id, dp, tokens, hashes, reserve, req.retain_kv)
+            if cached is None:
+                return
+            self.waiting.popleft()
+            req.dp_rank, req.num_computed, req.hashes = dp, cached, None
+            if req.admitted < 0:
+                req.admitted, req.num_cached = next(self._admissions), cached
+            running = self.running[dp]
+            running.insert(sum(r.admitted < req.admitted for r in running), req)  # in priority order
+
+    def _hashes(self, req: Request) -> list[int]:
+        """``req``'s prefix-block hashes (computed once while it waits; [] with prefix caching off)."""
+        if req.hashes is None:
+            req.hashes = self.kv.prefix_hashes(req.tokens) if self.cfg.prefix_caching else []
+        return req.hashes
 
     # ---- stepping --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return any(self.running) or any(self.waiting)
+        return any(self.running) or bool(self.waiting)
 
     def schedule(self) -> StepPlan:
+        self._admit()
         work, scheduled = [], {}
         for dp in range(self.dp_size):
-            self._admit(dp)
             budget, items, row = self.cfg.max_num_batched_tokens, [], 0
-            decodes = [r for r in self.running[dp] if r.num_computed >= len(r.prompt)]
-            prefills = [r for r in self.running[dp] if r.num_computed < len(r.prompt)]
+            total_of = {r.request_id: len(r.tokens) + r.pending for r in self.running[dp]}
+            decodes = [r for r in self.running[dp] if self._feeds_last_token(r, total_of[r.request_id])]
+            prefills = [r for r in self.running[dp] if r not in decodes]
             for req in decodes + prefills:
-                total = len(req.tokens) + req.pending
+                if req.dp_rank != dp or req.request_id in scheduled:  # preempted by an earlier item of this step
+                    continue
+                total = total_of[req.request_id]
                 n = min(total - req.num_computed, budget)
                 if n <= 0 or self._ends_in_flight(req):
                     continue
+                decode = self._feeds_last_token(req, total)
+                spec = decode and self.spec_scratch > 0
+                if not self._blocks_for_step(req, req.num_computed + (self.spec_scratch if spec else n), scheduled):
+                    continue
                 budget -= n
                 done = req.num_computed + n == total
-                decode = req.num_computed >= len(req.prompt)
-                spec = decode and self.spec_scratch > 0
                 tokens = req.tokens[req.num_computed:req.num_computed + n]
                 prev_row = -1
                 if len(tokens) < n:  # the last one is in flight: the device takes it from the previous step
                     tokens, prev_row = tokens + [0], req.pending_row
                 items.append(SeqWork(request_id=req.request_id, token_ids=tokens, start=req.num_computed,
-                                     block_table=req.blocks, sample=done, params=req.params, seed=req.seed,
-                                     num_generated=len(req.output) + req.pending, decode=decode, spec=spec,
-                                     prev_row=prev_row))
+                                     block_table=list(self.kv.table(req.request_id)), sample=done, params=req.params,
+                                     seed=req.seed, num_generated=len(req.output) + req.pending, decode=decode,
+                                     spec=spec, prev_row=prev_row))
                 scheduled[req.request_id] = req
                 if self.overlap:
                     req.num_computed += n
@@ -206,6 +272,40 @@ class Scheduler:
             self._scheduled[plan.step_id] = scheduled
         return plan
 
+    @staticmethod
+    def _feeds_last_token(req: Request, total: int) -> bool:
+        """Whether ``req``'s next item feeds only its last generated token (a decode; a resumed request's earlier
+        output is prefilled)."""
+        return total - req.num_computed == 1 and len(req.output) + req.pending > 0
+
+    def _blocks_for_step(self, req: Request, slots: int, scheduled: dict[str, Request]) -> bool:
+        """Grows ``req``'s blocks to ``slots``, preempting lower-priority requests of its rank while they are short;
+        False when no preemption can make room (the item waits)."""
+        while not self.kv.allocate(req.request_id, req.dp_rank, slots):
+            victim = self._victim(req, scheduled)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        return True
+
+    def _victim(self, req: Request, scheduled: dict[str, Request]) -> Request | None:
+        """The running request of ``req``'s rank admitted last after it, not in this step and with no step in
+        flight; None if there is none."""
+        in_flight = {rid for step in self._scheduled.values() for rid in step}
+        candidates = [r for r in self.running[req.dp_rank] if r.admitted > req.admitted and r.pending == 0
+                      and r.request_id not in scheduled and r.request_id not in in_flight]
+        return max(candidates, key=lambda r: r.admitted, default=None)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: its blocks go back through the prefix cache, it returns to the queue's front."""
+        self.kv.free(req.request_id, req.dp_rank)
+        self.running[req.dp_rank].remove(req)
+        req.num_computed, req.preemptions = 0, req.preemptions + 1
+        if req.pinned_dp is None:
+            req.dp_rank = None
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
     def _ends_in_flight(self, req: Request) -> bool:
         """Whether a token already sampled for ``req`` (overlap: not read back yet) reaches its length limit."""
         p = req.params
@@ -214,8 +314,9 @@ class Scheduler:
 
     def update(self, plan: StepPlan, results: dict[str, StepResult]) -> list[RequestOutput]:
         """Applies a finished step: advances computed tokens, appends tokens (stopping at the first stop
-        or length limit), finishes requests. A speculative step commits its accepted drafts too: their KV
-        is already compacted in place, so ``num_computed`` covers the bonus-rooted path."""
+        or length limit), commits what the step wrote to the KV manager, finishes requests. A speculative step
+        commits its accepted drafts too: their KV is already compacted in place, so ``num_computed`` covers the
+        bonus-rooted path."""
         outputs, scheduled = [], self._scheduled.pop(plan.step_id, {})
         for w in (w for per_rank in plan.work for w in per_rank):
             req = scheduled.get(w.request_id)
@@ -223,12 +324,14 @@ class Scheduler:
                 continue
             if not w.sample:
                 req.num_computed = max(req.num_computed, w.start + len(w.token_ids))
+                self.kv.commit(req.request_id, req.dp_rank, req.tokens, w.start + len(w.token_ids))
                 continue
             r = results[w.request_id]
+            written = w.start + (len(r.tokens) if w.spec else len(w.token_ids))  # fed: the root + accepted drafts
             if self.overlap:  # its KV counted when it was scheduled
                 req.pending -= 1
             else:  # spec: the root + accepted drafts are in the KV (len(tokens) - 1 drafts + bonus came back)
-                req.num_computed = w.start + (len(r.tokens) if w.spec else len(w.token_ids))
+                req.num_computed = written
             new, reason = 0, None
             for token in r.tokens:  # a speculative step's tokens are cut at the first that ends the request
                 req.output.append(token)
@@ -238,12 +341,17 @@ class Scheduler:
                     break
             req.logprobs += r.logprobs[:new]
             req.top_logprobs += r.top[:new]
+            # a speculative step cut at a stop commits up to its last kept token (the rest is not the request's)
+            self.kv.commit(req.request_id, req.dp_rank, req.tokens, min(written, len(req.tokens)))
             if reason:
+                if req.output and req.output[-1] in self.retain_after:
+                    self.kv.retain(req.request_id)
                 self._finish(req, reason)
             outputs.append(RequestOutput(
                 request_id=req.request_id, new_tokens=r.tokens[:new], finished=reason is not None,
                 finish_reason=reason, num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
-                new_logprobs=r.logprobs[:new], new_top_logprobs=r.top[:new], stop_reason=req.stop_reason))
+                new_logprobs=r.logprobs[:new], new_top_logprobs=r.top[:new], stop_reason=req.stop_reason,
+                num_cached_tokens=req.num_cached))
         return outputs
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -264,13 +372,12 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
-        dp = req.dp_rank
-        if req in self.running[dp]:
-            self.running[dp].remove(req)
-        elif req in self.waiting[dp]:
-            self.waiting[dp].remove(req)
-        self.allocators[dp].release(req.blocks)
-        req.blocks = []
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req.dp_rank is not None and req in self.running[req.dp_rank]:
+            self.running[req.dp_rank].remove(req)
+        if req.dp_rank is not None:
+            self.kv.free(req.request_id, req.dp_rank)
         del self.requests[req.request_id]
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput:
@@ -280,14 +387,27 @@ class Scheduler:
             raise RequestError(f"unknown request_id {request_id!r}")
         self._finish(req, reason)
         return RequestOutput(request_id=request_id, new_tokens=[], finished=True, finish_reason=reason,
-                             num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output))
+                             num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
+                             num_cached_tokens=req.num_cached)
 
     # ---- accounting ------------------------------------------------------------------------------
     def blocks_in_use(self) -> int:
-        return sum(a.num_used for a in self.allocators)
+        """Referenced blocks (cached unreferenced ones count as free)."""
+        return self.kv.blocks_in_use()
 
     def num_running(self) -> int:
         return sum(len(r) for r in self.running)
 
     def num_waiting(self) -> int:
-        return sum(len(w) for w in self.waiting)
+        return len(self.waiting)
+
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens of waiting requests not in the prefix cache (their best rank's hit)."""
+        if not self.cfg.prefix_caching:
+            return sum(len(r.tokens) for r in self.waiting)
+        total = 0
+        for req in self.waiting:
+            hashes = self._hashes(req)
+            total += len(req.tokens) - max(self.kv.cached_blocks(dp, hashes) for dp in range(self.dp_size)) \
+                * self.cfg.block_size
+        return total

@@ -83,3 +83,4 @@ class RequestOutput:
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_reason: int | str | None = None  # finish_reason "stop": the stop token id or stop string (None: EOS)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -76,9 +76,9 @@ def _overlap_job(ctx, lay, path, cfg=CFG):
         if i == 0:
             probe, stop = res, res["b"][0][5]  # b stops at its 6th greedy token (or earlier, if repeated)
         else:
-            alloc = engine.scheduler.allocators
+            pools = engine.scheduler.kv.pools
             out[overlap, static] = (res, engine.scheduler.blocks_in_use(),
-                                    all(len(set(a._free)) == len(a._free) for a in alloc), dict(engine.stats.host_s),
+                                    all(p.consistent() for p in pools), dict(engine.stats.host_s),
                                     engine.stats.steps, refs[0])
         engine.shutdown()
     return probe, out
@@ -146,8 +146,8 @@ def test_scheduler_plans_the_next_step_before_the_tokens_are_back():
                                                                             ("y", [42], "stop")]
     assert sched.blocks_in_use() == 0
     assert sched.update(p2, {"y": result(99)}) == []  # its extra token is dropped; nothing is freed twice
-    alloc = sched.allocators[0]
-    assert alloc.num_used == 0 and len(set(alloc._free)) == len(alloc._free) == CFG.num_blocks
+    pool = sched.kv.pools[0]
+    assert pool.num_used == 0 and pool.consistent() and pool.num_free == CFG.num_blocks
     assert not sched.has_work() and sched.schedule().num_tokens == 0
 
 

@@ -1,0 +1,302 @@
+"""The one owner of KV blocks between the scheduler and the pools: ref-counted blocks per attention-DP rank, the
+prefix index, LRU eviction and retention, and the events that describe the index (``docs/kv_cache.md``).
+
+- A block is *empty* (free, holding nothing reusable), *referenced* (in some request's block table), or *cached and
+  evictable* (unreferenced, its KV still valid, findable by its hash). Allocation takes empty blocks first, then
+  evicts cached ones least recently used first (a request's tail blocks first: they are freed last-block-first).
+- Only full blocks of *committed* tokens are hashed — tokens whose target and drafter KV are written — keyed by a
+  chained 128-bit hash of (parent hash, the block's token ids, the namespace). A hit never covers the block that
+  holds the prompt's last token (its logits are computed), so a request writes only into blocks of its own: shared
+  blocks are never written.
+- Retention: a block freed by a request that asked to be retained (an agent waiting on a tool) is evicted only after
+  every plain-LRU block, until its deadline passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+NO_PARENT = 0
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold ``tokens`` token slots."""
+    return -(-tokens // block_size)
+
+
+def chain_hash(parent: int, tokens: tuple[int, ...], namespace: bytes) -> int:
+    """The 128-bit hash of one full block: ``parent`` (the previous block's hash, :data:`NO_PARENT` for the first),
+    the block's token ids and the namespace (model, drafter, KV dtype, numerics, layout)."""
+    h = hashlib.blake2b(namespace, digest_size=16)
+    h.update(parent.to_bytes(16, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+def wire_hash(block_hash: int) -> int:
+    """The int64 a ``KvBlock.block_hash`` carries: the low 64 bits of the 128-bit hash, two's complement."""
+    low = block_hash & (2**64 - 1)
+    return low - 2**64 if low >= 2**63 else low
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    """One change of a pool's index: ``kind`` "stored" (``hashes`` with their ``parent`` and ``tokens``), "removed"
+    (``hashes``) or "cleared"."""
+
+    kind: str
+    dp_rank: int
+    hashes: tuple[int, ...] = ()
+    parent: int = NO_PARENT
+    tokens: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass
+class RequestBlocks:
+    """A request's share of a pool: its block table, and the hashes of its leading committed full blocks."""
+
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    retain: bool = False  # its blocks are retained past plain LRU when freed
+
+
+class BlockPool:
+    """One attention-DP rank's blocks. Pure bookkeeping (rank 0 keeps one per attention-DP rank)."""
+
+    def __init__(self, num_blocks: int, block_size: int, dp_rank: int, emit: Callable[[KvEvent], None]):
+        self.num_blocks, self.block_size, self.dp_rank, self.emit = num_blocks, block_size, dp_rank, emit
+        self.refs = [0] * num_blocks
+        self.hash_of: dict[int, int] = {}  # block → its hash, for cached blocks (referenced or not)
+        self.index: dict[int, int] = {}  # hash → block
+        self.empty = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest id first
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, next to evict first
+        self.retained: OrderedDict[int, float] = OrderedDict()  # unreferenced cached blocks kept until a deadline
+        self.evictions = 0
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take: empty plus cached-unreferenced."""
+        return len(self.empty) + len(self.lru) + len(self.retained)
+
+    @property
+    def num_used(self) -> int:
+        """Referenced blocks (the non-evictable usage)."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.index)
+
+    # ---- prefix index ------------------------------------------------------------------------------------
+    def cached_prefix(self, hashes: list[int]) -> list[int]:
+        """The blocks of the longest prefix of ``hashes`` in the index."""
+        blocks = []
+        for h in hashes:
+            b = self.index.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def take(self, blocks: list[int]) -> None:
+        """References cached ``blocks`` (a prefix hit)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                self.lru.pop(b, None)
+                self.retained.pop(b, None)
+            self.refs[b] += 1
+
+    def store(self, block: int, block_hash: int, parent: int, tokens: tuple[int, ...]) -> bool:
+        """Indexes a referenced full block under ``block_hash``; False when that hash is already cached (in another
+        block: this one stays private)."""
+        if block_hash in self.index:
+            return False
+        self.index[block_hash], self.hash_of[block] = block, block_hash
+        self.emit(KvEvent("stored", self.dp_rank, (block_hash,), parent, (tokens,)))
+        return True
+
+    # ---- allocation --------------------------------------------------------------------------------------
+    def allocate(self, n: int, now: float) -> list[int] | None:
+        """``n`` blocks, referenced once each (empty ones first, then evicting); None when fewer are free."""
+        if n > self.num_free:
+            return None
+        self._expire(now)
+        out = []
+        while len(out) < n:
+            b = self.empty.pop() if self.empty else self._evict()
+            self.refs[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self) -> int:
+        b = self.lru.popitem(last=False)[0] if self.lru else self.retained.popitem(last=False)[0]
+        h = self.hash_of.pop(b)
+        del self.index[h]
+        self.evictions += 1
+        self.emit(KvEvent("removed", self.dp_rank, (h,)))
+        return b
+
+    def _expire(self, now: float) -> None:
+        """Retained blocks past their deadline join the LRU (the oldest first)."""
+        while self.retained and next(iter(self.retained.values())) <= now:
+            self.lru[self.retained.popitem(last=False)[0]] = None
+
+    def release(self, blocks: list[int], retain_until: float | None) -> None:
+        """Drops one reference of each of ``blocks`` (a request's table, freed last block first: its tail is then
+        evicted first). Unreferenced cached blocks become evictable, the rest empty."""
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b]:
+                continue
+            if b not in self.hash_of:
+                self.empty.append(b)
+            elif retain_until is not None:
+                self.retained[b] = retain_until
+            else:
+                self.lru[b] = None
+
+    def consistent(self) -> bool:
+        """Every block in exactly one state — empty, cached-evictable or referenced — and the index matching the
+        cached blocks (the tests' leak and double-free check)."""
+        free = self.empty + list(self.lru) + list(self.retained)
+        referenced = [b for b in range(self.num_blocks) if self.refs[b] > 0]
+        evictable = (*self.lru, *self.retained)
+        return (len(set(free)) == len(free) and len(free) + len(referenced) == self.num_blocks
+                and all(self.refs[b] == 0 for b in free) and all(self.index[h] == b for b, h in self.hash_of.items())
+                and len(self.index) == len(self.hash_of) and all(b in self.hash_of for b in evictable))
+
+    def clear(self) -> bool:
+        """Forgets every cached block (``FlushCache``); False, changing nothing, while any block is referenced."""
+        if self.num_used:
+            return False
+        self.empty = list(range(self.num_blocks - 1, -1, -1))
+        self.index.clear()
+        self.hash_of.clear()
+        self.lru.clear()
+        self.retained.clear()
+        self.emit(KvEvent("cleared", self.dp_rank))
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVManagerConfig:
+    num_blocks: int
+    block_size: int
+    dp_size: int
+    prefix_caching: bool = True
+    retention_s: float = 0.0  # how long a retained request's blocks outlive plain LRU
+    namespace: bytes = b""
+
+
+class KVManager:
+    """Per attention-DP rank pools and every request's blocks. The scheduler asks it for blocks (:meth:`admit`,
+    :meth:`allocate`, :meth:`free`) and tells it which tokens are committed (:meth:`commit`)."""
+
+    def __init__(self, cfg: KVManagerConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.clock = cfg, clock
+        self.events: list[KvEvent] = []  # drained by whoever publishes them (the async engine)
+        self.pools = [BlockPool(cfg.num_blocks, cfg.block_size, dp, self.events.append) for dp in range(cfg.dp_size)]
+        self.requests: dict[str, RequestBlocks] = {}
+        self.prompt_tokens = self.cached_tokens = 0  # admissions' prompt tokens, and those served from the cache
+
+    # ---- lookups -----------------------------------------------------------------------------------------
+    def prefix_hashes(self, tokens: list[int]) -> list[int]:
+        """Chained hashes of the full blocks of ``tokens`` that a hit may cover: never the block holding the last
+        token, whose logits must be computed."""
+        bs, out, parent = self.cfg.block_size, [], NO_PARENT
+        for i in range((len(tokens) - 1) // bs):
+            parent = chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]), self.cfg.namespace)
+            out.append(parent)
+        return out
+
+    def cached_blocks(self, dp: int, hashes: list[int]) -> int:
+        """Blocks of ``hashes`` that ``dp``'s pool holds, from the first (0 with prefix caching off)."""
+        return len(self.pools[dp].cached_prefix(hashes)) if self.cfg.prefix_caching else 0
+
+    # ---- admission and growth ------------------------------------------------------------------------------
+    def admit(self, request_id: str, dp: int, tokens: list[int], hashes: list[int], reserve: int,
+              retain: bool = False) -> int | None:
+        """Starts ``request_id`` on ``dp``: takes its cached prefix and allocates what makes ``reserve`` token
+        slots. Returns the tokens served from the cache, or None (nothing taken) when the blocks are not free."""
+        pool = self.pools[dp]
+        hit = pool.cached_prefix(hashes) if self.cfg.prefix_caching else []
+        need = max(blocks_for(reserve, self.cfg.block_size) - len(hit), 0)
+        pool.take(hit)
+        fresh = pool.allocate(need, self.clock())
+        if fresh is None:
+            pool.release(hit, None)
+            return None
+        self.requests[request_id] = RequestBlocks(hit + fresh, list(hashes[:len(hit)]), retain)
+        cached = len(hit) * self.cfg.block_size
+        self.prompt_tokens += len(tokens)
+        self.cached_tokens += cached
+        return cached
+
+    def allocate(self, request_id: str, dp: int, slots: int) -> bool:
+        """Grows the request's table to ``slots`` token slots; False (nothing taken) when the blocks are not free."""
+        table = self.requests[request_id].table
+        need = blocks_for(slots, self.cfg.block_size) - len(table)
+        if need <= 0:
+            return True
+        fresh = self.pools[dp].allocate(need, self.clock())
+        if fresh is None:
+            return False
+        table += fresh
+        return True
+
+    def commit(self, request_id: str, dp: int, tokens: list[int], committed: int) -> None:
+        """The first ``committed`` of ``tokens`` have their target and drafter KV written: index every full block
+        they complete (prefix caching on)."""
+        req = self.requests.get(request_id)
+        if req is None or not self.cfg.prefix_caching:
+            return
+        bs, pool = self.cfg.block_size, self.pools[dp]
+        for i in range(len(req.hashes), min(committed // bs, len(req.table))):
+            parent = req.hashes[-1] if req.hashes else NO_PARENT
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, block_tokens, self.cfg.namespace)
+            req.hashes.append(h)
+            if req.table[i] not in pool.hash_of:
+                pool.store(req.table[i], h, parent, block_tokens)
+
+    def free(self, request_id: str, dp: int) -> None:
+        """Drops the request's blocks (end, abort, preemption): committed full blocks stay cached."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            retain = self.clock() + self.cfg.retention_s if req.retain and self.cfg.retention_s > 0 else None
+            self.pools[dp].release(req.table, retain)
+
+    def table(self, request_id: str) -> list[int]:
+        return self.requests[request_id].table
+
+    def retain(self, request_id: str) -> None:
+        """Keep this request's blocks past plain LRU when it is freed (an agent turn that ended in a tool call)."""
+        if request_id in self.requests:
+            self.requests[request_id].retain = True
+
+    # ---- admin and accounting -------------------------------------------------------------------------------
+    def clear(self) -> bool:
+        """Empties every pool's index (``FlushCache``); False, changing nothing, while a request holds blocks."""
+        if any(p.num_used for p in self.pools):
+            return False
+        for pool in self.pools:
+            pool.clear()
+        return True
+
+    def drain_events(self) -> list[KvEvent]:
+        out, self.events[:] = list(self.events), []
+        return out
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens served from the cache over prompt tokens admitted."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def blocks_in_use(self) -> int:
+        """Referenced blocks over every pool (cached unreferenced ones count as free)."""
+        return sum(p.num_used for p in self.pools)
