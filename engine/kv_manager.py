@@ -199,10 +199,15 @@ class KVManager:
 
     def __init__(self, cfg: KVManagerConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
-        self.events: list[KvEvent] = []  # drained by whoever publishes them (the async engine)
-        self.pools = [BlockPool(cfg.num_blocks, cfg.block_size, dp, self.events.append) for dp in range(cfg.dp_size)]
+        self.recording = False  # keep events for a publisher (the server's SubscribeKvEvents) to drain
+        self.events: list[KvEvent] = []
+        self.pools = [BlockPool(cfg.num_blocks, cfg.block_size, dp, self._record) for dp in range(cfg.dp_size)]
         self.requests: dict[str, RequestBlocks] = {}
         self.prompt_tokens = self.cached_tokens = 0  # admissions' prompt tokens, and those served from the cache
+
+    def _record(self, event: KvEvent) -> None:
+        if self.recording:
+            self.events.append(event)
 
     # ---- lookups -----------------------------------------------------------------------------------------
     def prefix_hashes(self, tokens: list[int]) -> list[int]:

@@ -144,6 +144,14 @@ class Scheduler:
         self.cfg, self.dp_size, self.vocab_size, self.eos = cfg, dp_size, vocab_size, set(eos_token_ids)
         self.tokenizer, self.retain_after = tokenizer, retain_after
         self.spec_scratch = spec_scratch
+        if cfg.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len is unset: resolve it with for_model first")
+        need = blocks_for(cfg.max_model_len + spec_scratch, cfg.block_size)
+        if need > cfg.num_blocks:  # vLLM's rule: else a request that fits max_model_len could wait forever
+            raise RequestError(f"engine.num_blocks={cfg.num_blocks} (blocks of {cfg.block_size} tokens) cannot hold "
+                               f"one max_model_len={cfg.max_model_len} request plus its speculative scratch of "
+                               f"{spec_scratch} slots: it needs {need} blocks; raise engine.num_blocks or lower "
+                               "engine.max_model_len")
         self.kv = KVManager(KVManagerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, dp_size=dp_size,
                                             prefix_caching=cfg.prefix_caching, retention_s=cfg.kv_retention_s,
                                             namespace=namespace))

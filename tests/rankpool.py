@@ -15,6 +15,7 @@ import queue
 import socket
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -26,6 +27,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PROGRESS_WINDOW_S, PROGRESS_CPU_S = 10.0, 0.5  # progress: the ranks used >= 0.5 CPU-seconds in a 10 s window
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -81,6 +85,7 @@ class RankPool:
             p.start()
 
     def run(self, fn, *args) -> list:
+        ForkingPickler.dumps((fn, args))  # a job that does not pickle fails here, not silently in a queue's thread
         for box in self.inboxes:
             box.put((fn, args))
         results, errors = [None] * self.world_size, []
@@ -99,7 +104,8 @@ class RankPool:
 
     def _next_result(self) -> tuple[int, bool, object]:
         """The next rank's ``(rank, ok, value)``; raises RuntimeError when a rank died or all of them stalled."""
-        last_cpu, last_progress = self._cpu() or 0.0, time.monotonic()
+        last_cpu, last_check = self._cpu() or 0.0, time.monotonic()
+        last_progress = last_check
         while True:
             try:
                 return self.outbox.get(timeout=1.0)
@@ -110,9 +116,11 @@ class RankPool:
                 self.close()
                 raise RuntimeError(f"rank pool: ranks {dead} died")
             cpu, now = self._cpu(), time.monotonic()
-            if cpu is not None and cpu > last_cpu + 0.01:
-                last_cpu, last_progress = cpu, now
-            elif now - last_progress > self.stall_s:
+            if now - last_check >= PROGRESS_WINDOW_S:  # working ranks use CPU; waiting ones only a trickle
+                if cpu is not None and cpu - last_cpu >= PROGRESS_CPU_S:
+                    last_progress = now
+                last_cpu, last_check = cpu if cpu is not None else last_cpu, now
+            if now - last_progress > self.stall_s:
                 self.close()
                 raise RuntimeError(f"rank pool stalled: no rank used CPU for {self.stall_s:.0f}s (hung in a "
                                    "collective?)")

@@ -1,0 +1,257 @@
+"""Prefix caching, on-demand blocks and recompute preemption (``engine/kv_manager.py``, ``engine/scheduler.py``).
+
+- The manager by hand: chained hashes, a hit never covering the prompt's last token, LRU eviction tail-first,
+  retention, flush refused while blocks are referenced, the events that describe the index.
+- Bit-exact warm turns: with ``engine.batch_invariant`` and static steps, a turn that re-sends an earlier turn's
+  prompt and output (a hit on generated, DDTree-accepted tokens) and one that shares part of a prompt (a hit
+  inside the prompt) give the tokens and log-probs of a cold engine, bit for bit, under single, tp8 and dp8_ep8, for
+  plain decoding, DFlash and DDTree; each asserts its warm turn reported cached tokens, and DFlash's τ warm = cold.
+- A preemption storm on a pool of 3 max-length requests: every request completes (or is aborted) with the tokens of
+  an unconstrained run, preemptions happen, and afterwards no block is referenced or leaked.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from layouts import layout
+
+from engine.engine import Engine, make_runner, worker_loop
+from engine.kv_manager import NO_PARENT, KVManager, KVManagerConfig, chain_hash
+from engine.sampler import SamplingParams
+from engine.scheduler import RequestError, SchedulerConfig
+from model.loader import load_model
+from parallelism.comm import build_groups
+from spec_decode.config import SpecConfig
+from spec_decode.speculation import load_speculation
+
+ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
+
+
+# ----------------------------------------------------------------------------------------------- the manager
+
+
+def manager(num_blocks=8, block_size=4, retention_s=0.0, clock=None):
+    kv = KVManager(KVManagerConfig(num_blocks=num_blocks, block_size=block_size, dp_size=1, retention_s=retention_s,
+                                   namespace=b"test"), **({"clock": clock} if clock else {}))
+    kv.recording = True
+    return kv
+
+
+def take(kv, n, now=0.0):
+    return kv.pools[0].allocate(n, now)
+
+
+def test_hashes_chain_and_a_hit_stops_before_the_last_prompt_tokens_block():
+    kv = manager()
+    tokens = list(range(10))  # blocks [0..3], [4..7], and 8, 9 in a third
+    hashes = kv.prefix_hashes(tokens)
+    assert hashes == [chain_hash(NO_PARENT, (0, 1, 2, 3), b"test"),
+                      chain_hash(hashes[0], (4, 5, 6, 7), b"test")]
+    assert len(kv.prefix_hashes(list(range(8)))) == 1  # 8 tokens: token 7 sits in block 1, whose logits we need
+    assert chain_hash(NO_PARENT, (0, 1, 2, 3), b"other") != hashes[0]  # another namespace, another hash
+    assert kv.admit("a", 0, tokens, hashes, 10) == 0
+    kv.commit("a", 0, tokens, 9)  # 9 committed: two full blocks
+    assert [e.kind for e in kv.drain_events()] == ["stored", "stored"]
+    assert kv.pools[0].num_cached == 2 and kv.cached_blocks(0, hashes) == 2
+    kv.free("a", 0)
+    assert kv.blocks_in_use() == 0 and kv.pools[0].num_free == 8 and kv.pools[0].consistent()
+    assert kv.admit("b", 0, tokens, hashes, 10) == 8  # the two cached blocks, then one fresh
+    assert kv.table("b")[:2] == kv.pools[0].cached_prefix(hashes) and kv.hit_rate == 8 / 20
+
+
+def test_eviction_takes_empty_blocks_first_then_lru_tail_first():
+    kv = manager(num_blocks=4)
+    tokens = list(range(13))
+    kv.admit("a", 0, tokens, kv.prefix_hashes(tokens), 13)  # all 4 blocks
+    kv.commit("a", 0, tokens, 12)  # 3 full blocks cached
+    table = list(kv.table("a"))
+    kv.free("a", 0)
+    kv.drain_events()
+    assert take(kv, 1) == [table[3]]  # the uncached block first
+    got = take(kv, 2)  # then evictions: the request's tail block first
+    assert got == [table[2], table[1]]
+    assert [(e.kind, e.hashes) for e in kv.drain_events()] == [("removed", (kv.prefix_hashes(tokens)[2],)),
+                                                               ("removed", (kv.prefix_hashes(tokens)[1],))]
+
+
+def test_retained_blocks_outlive_plain_lru_until_their_deadline():
+    now = [0.0]
+    kv = manager(num_blocks=4, retention_s=10.0, clock=lambda: now[0])
+    for rid, first in (("tool", 100), ("plain", 200)):
+        tokens = list(range(first, first + 5))
+        kv.admit(rid, 0, tokens, kv.prefix_hashes(tokens), 5)  # 2 blocks each, 1 full committed
+        kv.commit(rid, 0, tokens, 4)
+    kv.retain("tool")
+    kv.free("tool", 0)
+    kv.free("plain", 0)
+    cached = {b for b in range(4) if b in kv.pools[0].hash_of}
+    got = take(kv, 3)  # 2 empty, then the plain LRU block: the retained one survives
+    assert len(set(got) & cached) == 1 and kv.pools[0].num_cached == 1
+    kv.pools[0].release(got, None)
+    now[0] = 11.0  # past its deadline it is an LRU block like any other
+    take(kv, 4, now[0])
+    assert kv.pools[0].num_cached == 0
+
+
+def test_flush_is_refused_while_blocks_are_referenced():
+    kv = manager()
+    tokens = list(range(9))
+    kv.admit("a", 0, tokens, kv.prefix_hashes(tokens), 9)
+    kv.commit("a", 0, tokens, 8)
+    assert not kv.clear() and kv.pools[0].num_cached == 2
+    kv.free("a", 0)
+    kv.drain_events()
+    assert kv.clear() and kv.pools[0].num_cached == 0 and kv.pools[0].num_free == 8
+    assert [e.kind for e in kv.drain_events()] == ["cleared"]
+
+
+def test_a_pool_smaller_than_one_max_length_request_is_refused():
+    with pytest.raises(RequestError, match="cannot hold one max_model_len=512 request"):
+        from engine.scheduler import Scheduler
+        Scheduler(SchedulerConfig(max_model_len=512, block_size=16, num_blocks=20), 1, 203, (1,), spec_scratch=17)
+
+
+# ----------------------------------------------------------------------------------------------- bit-exact turns
+
+
+def _drive(engine, requests):
+    """{rid: (tokens, logprobs, cached_tokens)} of ``requests`` submitted together."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    out = {rid: ([], [], 0) for rid, _, _ in requests}
+    while engine.has_work():
+        for o in engine.step():
+            toks, lps, _ = out[o.request_id]
+            out[o.request_id] = (toks + o.new_tokens, lps + o.new_logprobs, o.num_cached_tokens)
+    return out
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)
+
+
+def first_turn(prompts):
+    return [("a0", prompts[0], GREEDY), ("a1", prompts[1], SEEDED)]
+
+
+def second_turn(prompts, outputs):
+    """The agents' next turns (history + their output + new text) and a prompt sharing 40 tokens with one."""
+    return [("b0", prompts[0] + outputs["a0"] + prompts[2][:7], GREEDY),
+            ("b1", prompts[1] + outputs["a1"] + prompts[2][7:12], SEEDED),
+            ("c0", prompts[0][:40] + prompts[2][:20], GREEDY)]
+
+
+def _turns_job(ctx, lay, arms, prompts, cfg):
+    """Per arm: a warm engine runs the first turn then the second; a cold one (prefix caching off) does the same,
+    re-prefilling everything. Rank 0 returns per arm and mode (second turn, its τ, blocks in use)."""
+    import dataclasses
+
+    if lay.world_size == 1 and ctx.rank != 0:
+        return None
+    model = load_model(ZOO / "target", ctx.groups(lay) if lay.world_size > 1 else build_groups(lay), torch.bfloat16)
+    out = []
+    for spec in arms:
+        speculation = load_speculation(spec, model)
+        for caching in (True, False):
+            arm_cfg = dataclasses.replace(cfg, prefix_caching=caching)
+            if ctx.rank != 0:
+                worker_loop(make_runner(model, arm_cfg, speculation))
+                continue
+            engine = Engine(model, arm_cfg, speculation=speculation)
+            turn1 = _drive(engine, first_turn(prompts))
+            s = engine.stats
+            steps, tokens = s.spec_request_steps, s.spec_tokens
+            turn2 = _drive(engine, second_turn(prompts, {rid: o[0] for rid, o in turn1.items()}))
+            tau = (s.spec_tokens - tokens) / max(s.spec_request_steps - steps, 1)
+            out.append((turn2, tau, engine.scheduler.blocks_in_use()))
+            engine.shutdown()
+    return out if ctx.rank == 0 else None
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
+@pytest.mark.parametrize("preset", ["single", "tp8", "dp8_ep8"])
+def test_warm_turns_are_bit_identical_to_cold_ones(pool, preset):
+    drafter = str(ZOO / "drafter")
+    arms = [SpecConfig(), SpecConfig("dflash", drafter_path=drafter),
+            SpecConfig("ddtree", budget=16, drafter_path=drafter)]
+    prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:3]]
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, block_size=16,
+                          num_blocks=256, static_steps="on", batch_invariant=True)
+    out = pool.run(_turns_job, layout(preset), arms, prompts, cfg)[0]
+    for i, spec in enumerate(arms):
+        (warm, tau_warm, used_warm), (cold, tau_cold, used_cold) = out[2 * i], out[2 * i + 1]
+        for rid in warm:
+            assert warm[rid][:2] == cold[rid][:2], (spec.method, rid)  # tokens and log-probs, bit for bit
+            assert warm[rid][2] > 0 and cold[rid][2] == 0, (spec.method, rid, warm[rid][2])
+        assert warm["b0"][2] > len(prompts[0]) and warm["c0"][2] == 32  # generated tokens hit; 2 prompt blocks
+        assert tau_warm == tau_cold and used_warm == used_cold == 0
+
+
+def test_without_the_flag_a_warm_turn_still_gives_hfs_greedy_tokens(tiny_ckpts):
+    from rpc_helpers import hf_greedy
+
+    path = tiny_ckpts["tiny_deepseek"]
+    model = load_model(path, build_groups(layout("single")))
+    engine = Engine(model, SchedulerConfig(max_num_batched_tokens=16, block_size=4, num_blocks=256))
+    first = [5, 17, 3, 99, 150, 7, 64, 31, 2, 4, 6]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = _drive(engine, [("a", first, greedy)])["a"][0]
+    second = first + out + [77, 90]
+    got = _drive(engine, [("b", second, greedy)])["b"]
+    assert got[2] >= 16 and got[0] == hf_greedy(path, [second], 8)[0]
+    engine.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------- preemption
+
+
+def _storm(model, cfg, requests, abort_at, spec=None):
+    """Runs ``requests`` (24 at once) with aborts ``{rid: step}``; returns ({rid: tokens}, preemptions, blocks used,
+    pools consistent)."""
+    engine = Engine(model, cfg, speculation=load_speculation(spec, model) if spec else None)
+    tokens, steps = {rid: [] for rid, _, _ in requests}, 0
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    while engine.has_work():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_tokens
+        steps += 1
+        for rid, at in abort_at.items():
+            if at == steps and rid in engine.scheduler.requests:
+                engine.abort(rid)
+    sched = engine.scheduler
+    result = tokens, sched.preemptions, sched.blocks_in_use(), all(p.consistent() for p in sched.kv.pools)
+    engine.shutdown()
+    return result
+
+
+@pytest.mark.parametrize("mode", ["plain", "overlap", "ddtree"])
+def test_a_preemption_storm_loses_and_repeats_nothing(tiny_ckpts, random_drafter, mode):
+    import dataclasses
+    import random
+
+    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
+    rng = random.Random(0)
+    requests = []
+    for i in range(24):
+        prompt = [rng.randrange(2, 203) for _ in range(rng.randrange(8, 40))]
+        params = SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=rng.randrange(8, 40),
+                                ignore_eos=True)
+        requests.append((f"r{i}", prompt, params))
+    aborts = {"r3": 4, "r11": 9}  # ~10 % cancelled mid-stream
+    spec = SpecConfig("ddtree", budget=8, block_size=5, drafter_path=random_drafter) if mode == "ddtree" else None
+    base = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=64, max_model_len=96, block_size=8,
+                           static_steps="off", batch_invariant=True, overlap="on" if mode == "overlap" else "off")
+    free_run, *_ = _storm(model, dataclasses.replace(base, num_blocks=1024), requests, {}, spec)
+    scratch = 8 if spec else 0  # a pool for 3 max-length requests (and their trees)
+    tight = dataclasses.replace(base, num_blocks=3 * -(-(96 + scratch) // 8))
+    got, preemptions, used, consistent = _storm(model, tight, requests, aborts, spec)
+    assert preemptions > 0 and used == 0 and consistent
+    for rid, toks in got.items():
+        if rid in aborts:
+            assert toks == free_run[rid][:len(toks)], rid
+        else:
+            assert toks == free_run[rid], rid
