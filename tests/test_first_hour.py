@@ -298,4 +298,4 @@ def test_request_end_and_rejection_lines(server):
     [cancelled] = log_lines(srv, "request fh-long ")
     assert "CANCELLED: prompt 3 tokens" in cancelled
     [kv] = log_lines(srv, "KV cache: ")
-    assert "512 blocks of 16 tokens" in kv and "maximum concurrency for 512 tokens per request: 16.00x" in kv
+    assert "512 blocks of 16 tokens" in kv and "maximum concurrency for 1024 tokens per request: 8.00x" in kv
