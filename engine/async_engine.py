@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine import Engine
+from engine.kv_manager import KvEvent
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestError
+from engine.scheduler import RequestError, Scheduler
 from engine.step import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -50,22 +51,61 @@ class EngineFailure:
     reason: str
 
 
-@dataclass(frozen=True)
-class Loads:
-    """A snapshot published by the engine thread after every step and command batch."""
+@dataclass(frozen=True, kw_only=True)
+class RankLoad:
+    """One attention-DP rank's share of a :class:`Loads` snapshot. ``blocks_used``: referenced (non-evictable);
+    ``blocks_cached``: in the prefix index (referenced or not); cached unreferenced blocks count as free. The
+    unpinned waiting requests (one queue) are reported on rank 0."""
 
     running: int = 0
     waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 1
+    blocks_used: int = 0
+    blocks_cached: int = 0
+    blocks_total: int = 1
+    waiting_uncached_tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loads:
+    """A snapshot published by the engine thread after every step and command batch."""
+
+    per_dp: tuple[RankLoad, ...] = (RankLoad(),)
     block_size: int = 1
-    per_dp: tuple[tuple[int, int, int], ...] = ()  # (running, waiting, kv blocks used) per attention-DP rank
     gen_tokens_per_s: float = 0.0
     steps: int = 0
+    cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens admitted
+
+    @property
+    def running(self) -> int:
+        return sum(r.running for r in self.per_dp)
+
+    @property
+    def waiting(self) -> int:
+        return sum(r.waiting for r in self.per_dp)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return sum(r.blocks_used for r in self.per_dp)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return sum(r.blocks_total for r in self.per_dp)
 
     @property
     def kv_usage(self) -> float:
+        """Referenced blocks over all blocks (vLLM's rule: cached unreferenced blocks are free)."""
         return self.kv_blocks_used / self.kv_blocks_total
+
+
+def rank_loads(sched: Scheduler) -> tuple[RankLoad, ...]:
+    """Per attention-DP rank: requests and blocks (unpinned waiting requests on rank 0)."""
+    waiting = [sum(r.pinned_dp == dp for r in sched.waiting) for dp in range(sched.dp_size)]
+    waiting[0] += sum(r.pinned_dp is None for r in sched.waiting)
+    uncached = sched.waiting_uncached_tokens() if sched.waiting else 0
+    return tuple(RankLoad(running=len(sched.running[dp]), waiting=waiting[dp], blocks_used=pool.num_used,
+                          blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
+                          waiting_uncached_tokens=uncached if dp == 0 else 0)
+                 for dp, pool in enumerate(sched.kv.pools))
 
 
 class RequestStream:
@@ -79,9 +119,13 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, capacity: int, step_timeout_s: float, heartbeat_s: float,
-                 on_fatal: Callable[[str], None] | None = None, throughput_window_s: float = 10.0):
-        """``capacity``: most requests (running + waiting) in the engine; one more is :class:`Overloaded`."""
+                 on_fatal: Callable[[str], None] | None = None, throughput_window_s: float = 10.0,
+                 on_kv_events: Callable[[list[KvEvent]], None] | None = None):
+        """``capacity``: most requests (running + waiting) in the engine; one more is :class:`Overloaded`.
+        ``on_kv_events``: called on the event loop with each step's prefix-index changes (the KV event stream)."""
         self.engine, self.capacity = engine, capacity
+        self.on_kv_events = on_kv_events
+        engine.scheduler.kv.recording = on_kv_events is not None
         self.step_timeout_s, self.heartbeat_s = step_timeout_s, heartbeat_s
         self.on_fatal = on_fatal or (lambda reason: None)
         self.window_s = throughput_window_s
@@ -110,14 +154,16 @@ class AsyncEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
-    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
-        """Adds a request; raises RequestError/SamplingError (bad input), Overloaded or EngineDead."""
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
+                     retain_kv: bool = False) -> RequestStream:
+        """Adds a request; raises RequestError/SamplingError (bad input), Overloaded or EngineDead. ``dp_rank``,
+        ``retain_kv``: as :meth:`Engine.add_request`."""
         if request_id in self._streams:
             raise RequestError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            await self._command("add", request_id, prompt, params)
+            await self._command("add", request_id, prompt, params, dp_rank, retain_kv)
         except BaseException:  # bad input, overload, or the caller went away while the add was queued
             self._streams.pop(request_id, None)
             stream.finished = True
@@ -187,6 +233,9 @@ class AsyncEngine:
             now = time.monotonic()
             self._emitted.append((now, sum(len(o.new_tokens) for o in outputs)))
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        events = self.engine.scheduler.kv.drain_events() if self.on_kv_events is not None else []
+        if events:
+            self._loop.call_soon_threadsafe(self.on_kv_events, events)
 
     def _timed(self, what: str, fn: Callable[[], Any]) -> Any:
         self._busy = (what, time.monotonic())
@@ -212,6 +261,7 @@ class AsyncEngine:
                 self._reply(fut, args[0](self.engine))
             except Exception as err:  # noqa: BLE001 - a failed read-only call is the caller's error only
                 self._reply(fut, error=err)
+            self._emit([])  # a call may change the prefix index (FlushCache)
             return True
         sched = self.engine.scheduler
         try:
@@ -258,13 +308,9 @@ class AsyncEngine:
         sched, cutoff = self.engine.scheduler, time.monotonic() - self.window_s
         while self._emitted and self._emitted[0][0] < cutoff:
             self._emitted.popleft()
-        per_dp = tuple((len(r), len(w), a.num_used)
-                       for r, w, a in zip(sched.running, sched.waiting, sched.allocators, strict=True))
-        self.loads = Loads(
-            running=sched.num_running(), waiting=sched.num_waiting(), kv_blocks_used=sched.blocks_in_use(),
-            kv_blocks_total=sum(a.num_blocks for a in sched.allocators), block_size=sched.cfg.block_size,
-            per_dp=per_dp, gen_tokens_per_s=sum(n for _, n in self._emitted) / self.window_s,
-            steps=self.engine.stats.steps)
+        self.loads = Loads(per_dp=rank_loads(sched), block_size=sched.cfg.block_size,
+                           gen_tokens_per_s=sum(n for _, n in self._emitted) / self.window_s,
+                           steps=self.engine.stats.steps, cache_hit_rate=sched.kv.hit_rate)
 
     # ---- watchdog --------------------------------------------------------------------------------
     def _watch(self) -> None:

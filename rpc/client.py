@@ -163,11 +163,22 @@ class Client:
         return doc
 
     def loads(self, timeout: float = 10.0) -> dict:
-        """The (single) SchedulerLoad as a dict with every field, plus ``kv_usage`` = token_usage."""
+        """Every attention-DP rank's SchedulerLoad summed (requests, tokens; ``kv_usage`` = used / total tokens),
+        with the records themselves under ``per_rank``."""
         resp = self.stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=timeout)
-        load = MessageToDict(resp.loads[0], preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-        load["kv_usage"] = resp.loads[0].token_usage
+        ranks = [MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                 for r in resp.loads]
+        load = {k: sum(r[k] for r in ranks) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
+                                                     "num_used_tokens", "max_total_num_tokens",
+                                                     "num_waiting_uncached_tokens")}
+        load.update(kv_usage=load["num_used_tokens"] / max(load["max_total_num_tokens"], 1),
+                    cache_hit_rate=ranks[0]["cache_hit_rate"], per_rank=ranks)
         return load
+
+    def flush_cache(self, timeout_s: float = 0.0, timeout: float = 30.0) -> tuple[bool, str]:
+        """FlushCache: (success, message)."""
+        resp = self.stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=timeout_s), timeout=timeout)
+        return resp.success, resp.message
 
     def tokenizer_files(self, timeout: float = 30.0) -> dict[str, bytes]:
         """GetTokenizer: the ZIP's files by name, after checking the sha256 on the last chunk."""

@@ -11,6 +11,7 @@ INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
@@ -96,6 +97,23 @@ def generate_request(req: pb.GenerateRequest, limits: Limits) -> tuple[list[int]
     )
 
 
+def kv_hints(req: pb.GenerateRequest) -> tuple[int | None, bool]:
+    """``(data_parallel_rank or None, retain_kv)``. ``kv_transfer_params_json`` (connector parameters; this engine has
+    no KV connector) may carry Switchyard's one hint, ``{"retain_kv": true}``: keep this request's blocks past plain
+    LRU when it ends, for ``engine.kv_retention_s`` (an agent about to come back after a tool call)."""
+    retain = False
+    if req.HasField("kv_transfer_params_json") and req.kv_transfer_params_json.strip():
+        try:
+            params = json.loads(req.kv_transfer_params_json)
+        except json.JSONDecodeError as err:
+            raise InvalidRequest(f"kv_transfer_params_json: not JSON ({err})") from None
+        if not isinstance(params, dict) or set(params) - {"retain_kv"}:
+            raise InvalidRequest(f"kv_transfer_params_json: only {{\"retain_kv\": bool}} is supported (no KV "
+                                 f"connector), got {req.kv_transfer_params_json[:200]!r}")
+        retain = bool(params.get("retain_kv", False))
+    return (req.data_parallel_rank if req.HasField("data_parallel_rank") else None), retain
+
+
 def output_logprobs(logprobs: list[float], tokens: list[int], top: list[list[tuple[int, float]]]) -> pb.OutputLogProbs:
     return pb.OutputLogProbs(
         token_logprobs=logprobs, token_ids=tokens,
@@ -107,7 +125,7 @@ def chunk(outs: list[RequestOutput], want_logprobs: bool) -> pb.GenerateResponse
     """One stream chunk carrying the new tokens of ``outs`` (consecutive outputs of one request)."""
     tokens = [t for o in outs for t in o.new_tokens]
     msg = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=outs[-1].num_prompt_tokens,
-                                 completion_tokens=len(tokens), index=0)
+                                 completion_tokens=len(tokens), cached_tokens=outs[-1].num_cached_tokens, index=0)
     if want_logprobs:
         msg.output_logprobs.CopyFrom(output_logprobs([lp for o in outs for lp in o.new_logprobs], tokens,
                                                      [t for o in outs for t in o.new_top_logprobs]))
@@ -118,7 +136,8 @@ def complete(last: RequestOutput, all_tokens: list[int], stream: bool,
              logprobs: pb.OutputLogProbs | None) -> pb.GenerateResponse:
     """The final message: finish reason and usage; all ids (and logprobs) unless the tokens were streamed."""
     msg = pb.GenerateComplete(output_ids=[] if stream else all_tokens, finish_reason=last.finish_reason or "abort",
-                              prompt_tokens=last.num_prompt_tokens, completion_tokens=len(all_tokens), index=0)
+                              prompt_tokens=last.num_prompt_tokens, completion_tokens=len(all_tokens),
+                              cached_tokens=last.num_cached_tokens, index=0)
     if last.finish_reason == "stop" and isinstance(last.stop_reason, str):
         msg.matched_stop_str = last.stop_reason
     elif last.finish_reason == "stop" and all_tokens:

@@ -32,6 +32,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from rpc import info
 from rpc.health import Health
+from rpc.kv_events import KvEventHub
 from rpc.servicer import SERVICE_NAME, ModelFacts, Servicer
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,13 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
     host = socket.gethostname()
     workers = [r["pid"] for r in ranks if r["rank"] != 0 and r["host"] == host]
     capacity = engine.scheduler.cfg.max_num_seqs * engine.groups.layout.attn_dp + cfg.max_queue
+    sched = engine.scheduler
+    kv_events = KvEventHub(sched.cfg.block_size, lambda: aengine.loads, max_running=sched.cfg.max_num_seqs)
     aengine = AsyncEngine(engine, capacity, cfg.step_timeout_s, cfg.heartbeat_s,
-                          on_fatal=_fatal_exit(loop, health, cfg.fatal_grace_s, workers))
+                          on_fatal=_fatal_exit(loop, health, cfg.fatal_grace_s, workers),
+                          on_kv_events=kv_events.publish)
     facts = ModelFacts.read(model_dir, cfg.served_model_name, engine)
-    servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity))
+    servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pbg.add_VllmEngineServicer_to_server(servicer, server)

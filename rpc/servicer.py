@@ -31,11 +31,13 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 from smg_grpc_proto.generated import common_pb2
 
-from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Overloaded
+from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Loads, Overloaded
 from engine.engine import Engine
+from engine.kv_manager import wire_hash
 from engine.step import RequestOutput
 from model.tokenizer import tiktoken_file
 from rpc import convert, info
+from rpc.kv_events import KvEventHub, index_digest
 from rpc.request_log import RequestLog
 from rpc.unsupported import UnsupportedRPCs
 
@@ -67,6 +69,7 @@ class ModelFacts:
     attention: str
     block_size: int
     max_num_seqs: int  # running slots over all attention-DP ranks
+    dp_size: int  # attention-DP ranks
 
     @staticmethod
     def read(model_dir: str, served_model_name: str | None, engine: Engine) -> ModelFacts:
@@ -82,7 +85,13 @@ class ModelFacts:
             eos_token_ids=tuple(cfg.eos_token_ids), bos_token_id=int(raw.get("bos_token_id") or 0),
             pad_token_id=int(pad if pad is not None else 0), dtype=str(engine.model.dtype),
             attention="mla" if cfg.mla is not None else "gqa", block_size=sched.block_size,
-            max_num_seqs=sched.max_num_seqs * dp)
+            max_num_seqs=sched.max_num_seqs * dp, dp_size=dp)
+
+
+def _flush(engine: Engine) -> tuple[bool, int]:
+    """On the engine thread: (flushed, requests in the engine)."""
+    busy = engine.scheduler.num_running() + engine.scheduler.num_waiting()
+    return (not engine.has_work() and engine.scheduler.kv.clear()), busy
 
 
 def engine_info(engine: Engine) -> dict:
@@ -105,7 +114,24 @@ def engine_info(engine: Engine) -> dict:
         "warmup": {"seconds": s.warmup_s, "shapes": s.warmup_shapes},
         "spec_decode": _spec_info(engine),
         "scheduler": asdict(engine.scheduler.cfg),
+        "kv": _kv_info(engine),
     }
+
+
+def _kv_info(engine: Engine) -> dict:
+    """The KV manager's state: settings, prefix-cache counters, and per attention-DP rank blocks used (referenced),
+    cached (indexed) and free (empty or evictable), with a digest of the index's block hashes."""
+    sched, cfg = engine.scheduler, engine.scheduler.cfg
+    kv, pools = sched.kv, sched.kv.pools
+    used, total = sum(p.num_used for p in pools), sum(p.num_blocks for p in pools)
+    return {"prefix_caching": cfg.prefix_caching, "allocation": cfg.kv_allocation, "block_size": cfg.block_size,
+            "retention_s": cfg.kv_retention_s, "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
+            "hit_rate": kv.hit_rate, "evictions": sum(p.evictions for p in pools), "preemptions": sched.preemptions,
+            "blocks_used": used, "blocks_total": total, "usage": used / total,
+            "index_digest": index_digest(wire_hash(h) for p in pools for h in p.index),
+            "per_dp": [{"running": len(sched.running[dp]), "blocks_used": p.num_used, "blocks_cached": p.num_cached,
+                        "blocks_free": p.num_free, "index_digest": index_digest(wire_hash(h) for h in p.index)}
+                       for dp, p in enumerate(pools)]}
 
 
 def _graph_info(engine: Engine) -> dict:
@@ -134,18 +160,22 @@ def _spec_info(engine: Engine) -> dict:
     return doc
 
 
-def _snapshot(loads, max_running: int) -> pb.SchedulerLoad:
-    tokens_total = loads.kv_blocks_total * loads.block_size
+def _snapshot(loads: Loads, dp: int, max_running: int) -> pb.SchedulerLoad:
+    """DP rank ``dp``'s GetLoads record: cached unreferenced blocks count as free (vLLM's rule)."""
+    r = loads.per_dp[dp]
+    usage = r.blocks_used / r.blocks_total
     return pb.SchedulerLoad(
-        dp_rank=0, num_running_reqs=loads.running, num_waiting_reqs=loads.waiting,
-        num_total_reqs=loads.running + loads.waiting, num_used_tokens=loads.kv_blocks_used * loads.block_size,
-        max_total_num_tokens=tokens_total, token_usage=loads.kv_usage, gen_throughput=loads.gen_tokens_per_s,
-        utilization=loads.kv_usage, max_running_requests=max_running)
+        dp_rank=dp, num_running_reqs=r.running, num_waiting_reqs=r.waiting, num_total_reqs=r.running + r.waiting,
+        num_used_tokens=r.blocks_used * loads.block_size, max_total_num_tokens=r.blocks_total * loads.block_size,
+        token_usage=usage, gen_throughput=loads.gen_tokens_per_s, cache_hit_rate=loads.cache_hit_rate,
+        utilization=usage, max_running_requests=max_running, num_waiting_uncached_tokens=r.waiting_uncached_tokens)
 
 
 class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
-    def __init__(self, engine: AsyncEngine, facts: ModelFacts, ranks: list[dict], server_facts: dict):
+    def __init__(self, engine: AsyncEngine, facts: ModelFacts, ranks: list[dict], server_facts: dict,
+                 kv_events: KvEventHub):
         self.engine, self.facts, self.ranks, self.server_facts = engine, facts, ranks, server_facts
+        self.kv_events = kv_events
         self.limits = convert.Limits(facts.vocab_size, facts.max_model_len)
         self.draining = False
         self.started = time.time()
@@ -185,7 +215,8 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
             try:
                 req.prompt_tokens = len(request.tokenized.input_ids)
                 prompt, params = convert.generate_request(request, self.limits)
-                stream = await self.engine.submit(rid, prompt, params)
+                dp_rank, retain_kv = convert.kv_hints(request)
+                stream = await self.engine.submit(rid, prompt, params, dp_rank, retain_kv)
             except ValueError as err:  # InvalidRequest, SamplingError, RequestError
                 req.reject("INVALID_ARGUMENT", str(err))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -261,15 +292,40 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
         f = self.facts
         return pb.GetServerInfoResponse(
             active_requests=self.engine.num_streams, is_paused=self.draining, last_receive_timestamp=self.last_receive,
-            uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
+            uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=f.dp_size,
             kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.block_size,
             attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs)
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
-        other_rank = request.HasField("dp_rank") and request.dp_rank != 0
-        loads = [] if other_rank else [_snapshot(self.engine.loads, self.facts.max_num_seqs)]
+        """One record per attention-DP rank (or the one ``dp_rank`` asks for)."""
+        f, loads = self.facts, self.engine.loads
+        ranks = [request.dp_rank] if request.HasField("dp_rank") else range(f.dp_size)
+        records = [_snapshot(loads, dp, f.max_num_seqs // f.dp_size) for dp in ranks if 0 <= dp < f.dp_size]
         return pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version="switchyard",
-                                   dp_rank_count=1, loads=loads)
+                                   dp_rank_count=f.dp_size, loads=records)
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest, context) -> common_pb2.FlushCacheResponse:
+        """Empties the prefix cache once the engine is idle, waiting up to ``timeout_s``; ``success=false`` with the
+        reason while requests still hold KV blocks."""
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        while True:
+            try:
+                done, busy = await self.engine.call(_flush)
+            except EngineDead as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
+            if done:
+                log.info("FlushCache: OK (prefix cache emptied)")
+                return common_pb2.FlushCacheResponse(success=True, message="prefix cache emptied")
+            if time.monotonic() >= deadline:
+                why = f"{busy} request(s) still hold KV blocks after {request.timeout_s:g} s; nothing was flushed"
+                log.info("FlushCache: not done (%s)", why)
+                return common_pb2.FlushCacheResponse(success=False, message=why)
+            await asyncio.sleep(0.05)
+
+    async def SubscribeKvEvents(self, request, context):
+        """The prefix index's changes, numbered (``rpc/kv_events.py``)."""
+        async for batch in self.kv_events.subscribe(request, context):
+            yield batch
 
     async def GetTokenizer(self, request, context):
         root = Path(self.facts.model_dir)
@@ -301,12 +357,8 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
         except Exception as err:  # noqa: BLE001 - reported to the caller; the engine is fine
             log.exception("GetEngineInfo failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"engine info failed: {type(err).__name__}: {err}")
-        loads = self.engine.loads
         doc.update(ranks=self.ranks, server=dict(self.server_facts, draining=self.draining,
-                                                 active_streams=self.engine.num_streams),
-                   kv={"blocks_used": loads.kv_blocks_used, "blocks_total": loads.kv_blocks_total,
-                       "usage": loads.kv_usage, "per_dp": [dict(zip(("running", "waiting", "blocks_used"), d,
-                                                                    strict=True)) for d in loads.per_dp]})
+                                                 active_streams=self.engine.num_streams))
         return info.GetEngineInfoResponse(json=json.dumps(doc))
 
     def engine_info_handler(self) -> grpc.GenericRpcHandler:

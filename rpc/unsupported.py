@@ -1,8 +1,7 @@
 """The ``VllmEngine`` RPCs this engine does not serve: one log line each, never a traceback.
 
 The generated base servicer raises ``NotImplementedError``, which grpc.aio logs with a full traceback on every
-call; these answer ``UNIMPLEMENTED`` with the reason instead. ``FlushCache`` succeeds: there is no prefix cache
-(every request's KV blocks are freed when it ends), so there is nothing to flush.
+call; these answer ``UNIMPLEMENTED`` with the reason instead.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import logging
 
 import grpc
-from smg_grpc_proto.generated import common_pb2
 
 log = logging.getLogger("rpc.requests")
 
@@ -34,10 +32,3 @@ class UnsupportedRPCs:
 
     async def StopProfile(self, request, context):
         await _unimplemented(context, "StopProfile", NO_PROFILER)
-
-    async def SubscribeKvEvents(self, request, context):
-        await _unimplemented(context, "SubscribeKvEvents", "no prefix cache, so no KV events")
-
-    async def FlushCache(self, request, context) -> common_pb2.FlushCacheResponse:
-        log.info("FlushCache: OK (no prefix cache; nothing to flush)")
-        return common_pb2.FlushCacheResponse(success=True, message="no prefix cache: nothing to flush")
