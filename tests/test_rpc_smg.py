@@ -101,3 +101,22 @@ def test_get_tokenizer_streams_the_files(gateway):
     files = client.tokenizer_files()  # the sha256 on the last chunk is checked by the client
     assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(files)
     assert files["tokenizer.json"] == (ckpt / "tokenizer.json").read_bytes()
+
+
+def test_cached_tokens_reach_openai_usage(gateway):
+    """A second chat turn that re-sends the first (the agent pattern): the worker's ``cached_tokens`` come through
+    smg as ``usage.prompt_tokens_details.cached_tokens``, streamed and not."""
+    from openai import OpenAI
+
+    base, _, _ = gateway
+    oai = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    history = [{"role": "system", "content": "You are a terse assistant that answers in one line."},
+               {"role": "user", "content": "List three prime numbers below twenty, please."}]
+    first = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And three more?"}]
+    second = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0, second.usage
+    streamed = list(oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 0
