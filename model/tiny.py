@@ -8,11 +8,18 @@ Weights use a wide init (std 0.2) so logits differ clearly between tokens.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-PRESETS = ("tiny_deepseek", "tiny_qwen3_moe")
+PRESETS = ("tiny_deepseek", "tiny_qwen3_moe", "tiny_agent")
+# tiny_agent: tiny_deepseek with an 8192-token context and a character tokenizer, for agent sessions whose history
+# reaches thousands of tokens (scripts/bench_agentic.py)
+LONG_CONTEXT = {"tiny_agent": 8192}
+SPECIALS = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 0..6; eos = 1
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def _deepseek_config(**overrides):
@@ -54,7 +61,9 @@ def write_tiny(preset: str, out_dir: str | Path, seed: int = 0, **overrides) -> 
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny preset {preset!r}; known: {PRESETS}")
     torch.manual_seed(seed)
-    if preset == "tiny_deepseek":
+    if preset in LONG_CONTEXT:
+        overrides = {"max_position_embeddings": LONG_CONTEXT[preset], **overrides}
+    if preset in ("tiny_deepseek", *LONG_CONTEXT):
         model = DeepseekV3ForCausalLM(_deepseek_config(**overrides))
         with torch.no_grad():
             for layer in model.model.layers[model.config.first_k_dense_replace:]:
@@ -63,7 +72,34 @@ def write_tiny(preset: str, out_dir: str | Path, seed: int = 0, **overrides) -> 
         model = Qwen3MoeForCausalLM(_qwen3_config(**overrides))
     out_dir = Path(out_dir)
     model.eval().save_pretrained(out_dir)
+    if preset in LONG_CONTEXT:
+        write_char_tokenizer(out_dir, model.config.vocab_size, LONG_CONTEXT[preset])
     return out_dir
+
+
+def write_char_tokenizer(ckpt_dir: str | Path, vocab_size: int = 203, max_length: int = 512) -> None:
+    """A character-level tokenizer over exactly ``vocab_size`` ids, built in code (HF ``tokenizers``): ids 0-6
+    :data:`SPECIALS` (bos 0, eos 1, as in the tiny configs), then printable ASCII and newline, then two-letter pieces
+    that only decoding uses. Writes tokenizer.json and tokenizer_config.json (with a chat template)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    pieces = [a + b for a in letters for b in letters]
+    vocab = {}
+    for tok in SPECIALS + chars + pieces:
+        if len(vocab) == vocab_size:
+            break
+        vocab.setdefault(tok, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.decoder = decoders.Fuse()
+    assert tok.get_vocab_size() == vocab_size
+    ckpt_dir = Path(ckpt_dir)
+    tok.save(str(ckpt_dir / "tokenizer.json"))
+    (ckpt_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": False, "model_max_length": max_length, "chat_template": CHAT_TEMPLATE}, indent=1))
 
 
 def preset_dir(preset: str, cache_root: str | Path | None = None) -> Path:

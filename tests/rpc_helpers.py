@@ -8,7 +8,6 @@ Run as a script to give a checkpoint dir a tokenizer (for trying smg by hand):
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -23,9 +22,7 @@ from patience import patience
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SPECIALS = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 0..6; eos = 1
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+from model.tiny import write_char_tokenizer  # noqa: E402 - after the path insert
 
 
 def free_port() -> int:
@@ -34,36 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_tokenizer(ckpt_dir: str | Path, vocab_size: int = 203) -> None:
-    """A character-level tokenizer over exactly ``vocab_size`` ids, built in code (HF ``tokenizers``): ids 0-6 the
-    special tokens above (bos 0, eos 1, as in the tiny configs), then printable ASCII and newline, then two-letter
-    pieces that only decoding uses. Writes tokenizer.json and tokenizer_config.json (with a chat template)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    letters = "etaoinshrdlcumwfgypbvkjxqz"
-    pieces = [a + b for a in letters for b in letters]
-    vocab = {}
-    for tok in SPECIALS + chars + pieces:
-        if len(vocab) == vocab_size:
-            break
-        vocab.setdefault(tok, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    tok.decoder = decoders.Fuse()
-    assert tok.get_vocab_size() == vocab_size
-    ckpt_dir = Path(ckpt_dir)
-    tok.save(str(ckpt_dir / "tokenizer.json"))
-    (ckpt_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": False, "model_max_length": 512, "chat_template": CHAT_TEMPLATE}, indent=1))
-
-
 def with_tokenizer(src: str | Path, dst: str | Path) -> Path:
-    """A copy of checkpoint ``src`` at ``dst`` with :func:`write_tokenizer`'s files."""
+    """A copy of checkpoint ``src`` at ``dst`` with :func:`model.tiny.write_char_tokenizer`'s files."""
     dst = Path(dst)
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    write_tokenizer(dst)
+    write_char_tokenizer(dst)
     return dst
 
 
