@@ -39,6 +39,7 @@ class Result:
     completion_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     matched_stop: int | str | None = None  # finish_reason "stop": the stop string, or the token id that matched
+    cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache
 
 
 def matched_stop(complete: pb.GenerateComplete) -> int | str | None:
@@ -78,6 +79,7 @@ class Stream:
             else:
                 c = resp.complete
                 self.result.finish_reason, self.result.matched_stop = c.finish_reason, matched_stop(c)
+                self.result.cached_tokens = c.cached_tokens
                 self.result.prompt_tokens, self.result.completion_tokens = c.prompt_tokens, c.completion_tokens
 
     def cancel(self) -> None:
@@ -136,12 +138,15 @@ class Client:
             if resp.HasField("complete"):
                 c = resp.complete
                 result = Result(list(c.output_ids), c.finish_reason, c.prompt_tokens, c.completion_tokens,
-                                list(c.output_logprobs.token_logprobs), matched_stop(c))
+                                list(c.output_logprobs.token_logprobs), matched_stop(c), c.cached_tokens)
         return result
 
     def stream(self, prompt: list[int], request_id: str | None = None, timeout: float | None = None,
-               **sampling) -> Stream:
+               retain_kv: bool = False, **sampling) -> Stream:
+        """Streaming Generate; ``retain_kv``: ask the worker to keep this request's KV past plain LRU."""
         req = generate_request(prompt, True, request_id, **sampling)
+        if retain_kv:
+            req.kv_transfer_params_json = '{"retain_kv": true}'
         return Stream(self.stub.Generate(req, timeout=timeout), req.request_id)
 
     def abort(self, *request_ids: str, timeout: float = 10.0) -> None:

@@ -1,0 +1,199 @@
+"""Agent sessions at cache speed, one run (``bench/agentic.py``): the built-in ``tiny_agent`` model (random weights,
+8192-token context) served by ``scripts/serve.py`` on loopback, with
+
+1. S sessions × T turns through gRPC, the prefix cache on and then off: per-turn TTFT p50/p99, prompt tokens
+   computed, hit rate against the block-aligned ideal, output tokens/s, preemptions;
+2. ``engine.kv_allocation`` on_demand vs reserve on one pool: the most requests running at once when ``max_tokens``
+   is unset and outputs are short;
+3. retention: agent turns that wait on a tool while other traffic churns the pool, with ``retain_kv`` and without;
+4. two workers behind ``smg --policy cache_aware``: which worker each session's turns land on, and where the sessions
+   of a worker go after its ``FlushCache``.
+
+    python scripts/bench_agentic.py --out outputs/agentic [--sessions 4 --turns 6 ...] [--skip smg,retention]
+
+Writes ``agentic.json`` and ``agentic.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import REPO  # noqa: E402
+from bench.agentic import (  # noqa: E402
+    Workload,
+    compare,
+    peak_running,
+    retention_probe,
+    run_sessions,
+    smg_sessions,
+    summarize,
+)
+from bench.run import Server  # noqa: E402
+from model.tiny import preset_dir  # noqa: E402
+from model.tokenizer import load_tokenizer  # noqa: E402
+from parallelism.launch import free_port  # noqa: E402
+
+log = logging.getLogger("bench_agentic")
+BASE = ["model=tiny_agent", "parallel=single", "engine.block_size=16", "engine.max_num_batched_tokens=2048",
+        "engine.warm_up=false"]
+
+
+def serve(out: Path, name: str, *overrides: str) -> Server:
+    return Server([*BASE, *overrides], out / f"{name}.log", timeout_s=300)
+
+
+def cache_on_off(out: Path, w: Workload) -> dict:
+    runs = {}
+    for caching in ("true", "false"):
+        srv = serve(out, f"sessions_cache_{caching}", f"engine.prefix_caching={caching}", "engine.num_blocks=4096",
+                    f"engine.max_num_seqs={max(w.concurrency, 4)}")
+        try:
+            with tqdm(total=w.sessions * w.turns, desc=f"sessions, prefix cache {caching}") as bar:
+                t0 = time.perf_counter()
+                records = run_sessions(srv.client, w, bar=bar)
+                summary = summarize(records, time.perf_counter() - t0)
+            kv = srv.client.engine_info()["kv"]
+            summary.update(preemptions=kv["preemptions"], evictions=kv["evictions"], engine_hit_rate=kv["hit_rate"],
+                           records=[asdict(r) for r in records])
+            runs["on" if caching == "true" else "off"] = summary
+        finally:
+            srv.stop()
+    return {**runs, "on_vs_off": compare(runs["on"], runs["off"])}
+
+
+def allocation(out: Path, requests: int) -> dict:
+    res = {}
+    for alloc in ("on_demand", "reserve"):
+        srv = serve(out, f"alloc_{alloc}", f"engine.kv_allocation={alloc}", "engine.num_blocks=1100",
+                    "engine.max_num_seqs=64", "engine.max_num_batched_tokens=4096")
+        try:
+            res[alloc] = peak_running(srv.client, requests, prompt_tokens=400, min_tokens=60)
+        finally:
+            srv.stop()
+    res["ratio"] = res["on_demand"]["peak_running"] / max(res["reserve"]["peak_running"], 1)
+    res["pool"] = "1100 blocks of 16 tokens; max_model_len 8192 (reserve takes 512 blocks per request)"
+    return res
+
+
+def retention(out: Path, w: Workload) -> dict:
+    res = {}
+    probe = replace(w, sessions=4, turns=2)
+    for retain in (True, False):
+        srv = serve(out, f"retention_{retain}", "engine.num_blocks=320", "engine.max_model_len=4096",
+                    "engine.kv_retention_s=120")
+        try:
+            res["retain" if retain else "plain_lru"] = retention_probe(srv.client, probe, noise_requests=16,
+                                                                      noise_tokens=700, retain=retain)
+        finally:
+            srv.stop()
+    res["pool"] = ("320 blocks of 16 tokens (max_model_len 4096); 4 sessions' first turns (~55 blocks each), "
+                   "then 16 unrelated 700-token prompts")
+    return res
+
+
+def two_workers(out: Path, w: Workload) -> dict:
+    ckpt = preset_dir("tiny_agent")
+    tok = load_tokenizer(ckpt)
+    workers = [serve(out, f"worker{i}", "engine.num_blocks=4096") for i in range(2)]
+    port, metrics = free_port(), free_port()
+    smg = subprocess.Popen([str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
+                            *[f"grpc://127.0.0.1:{s.port}" for s in workers], "--model-path", str(ckpt),
+                            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                            "--prometheus-port", str(metrics), "--policy", "cache_aware", "--block-size", "16",
+                            "--log-level", "warn"], stdout=open(out / "smg.log", "w"), stderr=subprocess.STDOUT,
+                           cwd=REPO)
+    try:
+        import urllib.request
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)).get("data"):
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or smg.poll() is not None:
+                raise RuntimeError(f"smg did not come up; see {out / 'smg.log'}")
+            time.sleep(0.5)
+        time.sleep(2.0)  # the KV event subscriptions open
+        return smg_sessions(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics",
+                            [s.client for s in workers], replace(w, tenants=max(w.tenants, 2)),
+                            flush_after_turn=w.turns // 2, decode=tok.decode)
+    finally:
+        smg.kill()
+        smg.wait()
+        for s in workers:
+            s.stop()
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode, style in (("on", "-o"), ("off", "--s")):
+        turns = doc["sessions"][mode]["per_turn"]
+        x = [t["turn"] for t in turns]
+        a.plot(x, [1e3 * t["ttft_p50_s"] for t in turns], style, label=f"cache {mode} p50")
+        a.plot(x, [1e3 * t["ttft_p99_s"] for t in turns], style, alpha=0.4, label=f"cache {mode} p99")
+        b.plot(x, [t["computed_tokens"] for t in turns], style, label=f"cache {mode}")
+    a.set(xlabel="turn", ylabel="TTFT (ms)", title="time to first token per turn")
+    b.set(xlabel="turn", ylabel="prompt tokens computed", title="prefill work per turn")
+    for ax in (a, b):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="outputs/agentic")
+    for f in ("sessions", "turns", "system_tokens", "first_user_tokens", "new_tokens_per_turn", "output_tokens",
+              "concurrency", "tenants"):
+        parser.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Workload(), f))
+    parser.add_argument("--think-s", type=float, default=Workload().think_s)
+    parser.add_argument("--alloc-requests", type=int, default=32)
+    parser.add_argument("--skip", default="", help="comma list of: sessions, allocation, retention, smg")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    w = Workload(**{f: getattr(args, f) for f in ("sessions", "turns", "system_tokens", "first_user_tokens",
+                                                  "new_tokens_per_turn", "output_tokens", "concurrency", "think_s",
+                                                  "tenants")})
+    skip = set(filter(None, args.skip.split(",")))
+    doc = {"workload": asdict(w), "command": " ".join(sys.argv)}
+    if "sessions" not in skip:
+        doc["sessions"] = cache_on_off(out, w)
+    if "allocation" not in skip:
+        doc["allocation"] = allocation(out, args.alloc_requests)
+    if "retention" not in skip:
+        doc["retention"] = retention(out, w)
+    if "smg" not in skip:
+        doc["two_workers_smg"] = two_workers(out, w)
+    (out / "agentic.json").write_text(json.dumps(doc, indent=1))
+    if "sessions" in doc:
+        plot(doc, out / "agentic.png")
+    slim = {k: ({kk: vv for kk, vv in v.items() if kk != "records"} if isinstance(v, dict) else v)
+            for k, v in doc.items()}
+    print(json.dumps({k: v for k, v in slim.items() if k != "sessions"}, indent=1))
+    if "sessions" in doc:
+        print(json.dumps({m: {k: v for k, v in doc["sessions"][m].items() if k != "records"}
+                          for m in ("on", "off", "on_vs_off")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
