@@ -155,6 +155,7 @@ ROW_CASES: dict[str, Builder] = {
         x=_randn((r, d.heads, d.head_dim), g, dt, dev),
         w=_randn((d.heads, d.head_dim, d.latent), g, dt, dev, d.head_dim ** -0.5)), r),
     "silu_and_mul": lambda r, d, g, dt, dev: RowCase(dict(gate_up=_randn((r, 2 * d.inter), g, dt, dev)), r),
+    "sigmoid": lambda r, d, g, dt, dev: RowCase(dict(x=_randn((r, d.experts), g, dt, dev)), r, positional=True),
     "masked_attention": _masked_attention,
     "w4a16_linear": _w4a16_linear,
     "fp8_linear": _fp8_linear,
