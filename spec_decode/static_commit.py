@@ -94,7 +94,7 @@ class CommitGraphs(CapturedGraphs):
     def run(self, tree: DraftTree, picks: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
             start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`StaticCommit.load` then the replay (or the eager run) → ``path [B, L]``, ``count [B]``."""
-        key = tuple(tree.tokens.shape)
+        key = (tree.tokens.shape[0], tree.tree_size)
         commit = self.commit(*key)
         commit.load(tree, picks, feats, slots, start)
         _, outputs = self._replay_or_run(key, commit.run)
