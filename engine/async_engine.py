@@ -58,7 +58,7 @@ class Loads:
     waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 1
-    block_size: int = 1
+    kv_block_size: int = 1  # tokens per KV-cache block
     per_dp: tuple[tuple[int, int, int], ...] = ()  # (running, waiting, kv blocks used) per attention-DP rank
     gen_tokens_per_s: float = 0.0
     steps: int = 0
@@ -262,7 +262,7 @@ class AsyncEngine:
                        for r, w, a in zip(sched.running, sched.waiting, sched.allocators, strict=True))
         self.loads = Loads(
             running=sched.num_running(), waiting=sched.num_waiting(), kv_blocks_used=sched.blocks_in_use(),
-            kv_blocks_total=sum(a.num_blocks for a in sched.allocators), block_size=sched.cfg.block_size,
+            kv_blocks_total=sum(a.num_blocks for a in sched.allocators), kv_block_size=sched.cfg.block_size,
             per_dp=per_dp, gen_tokens_per_s=sum(n for _, n in self._emitted) / self.window_s,
             steps=self.engine.stats.steps)
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.blocks import blocks_for
 from engine.kv_cache import BlockAllocator
 from engine.sampler import SamplingParams
 from engine.step import RequestOutput, SeqWork, StepPlan, StepResult
@@ -106,25 +106,25 @@ class Request:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 spec_scratch: int = 0, tokenizer: Detokenize | None = None):
-        """``spec_scratch`` > 0 turns speculative decoding on: decodes become draft + verify steps and each
+                 spec_reserve_slots: int = 0, tokenizer: Detokenize | None = None):
+        """``spec_reserve_slots`` > 0 turns speculative decoding on: decodes become draft + verify steps and each
         request reserves that many extra KV slots for its tree. ``tokenizer`` detokenizes outputs for stop strings
         (without one, a request with stop strings is refused)."""
         self.cfg, self.dp_size, self.vocab_size, self.eos = cfg, dp_size, vocab_size, set(eos_token_ids)
         self.tokenizer = tokenizer
-        self.spec_scratch = spec_scratch
+        self.spec_reserve_slots = spec_reserve_slots
         self.allocators = [BlockAllocator(cfg.num_blocks) for _ in range(dp_size)]
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_size)]
         self.running: list[list[Request]] = [[] for _ in range(dp_size)]
         self.requests: dict[str, Request] = {}
-        self.overlap = cfg.overlap == "on" and spec_scratch == 0  # a verify's next start needs its accepted count
+        self.overlap = cfg.overlap == "on" and spec_reserve_slots == 0  # a verify's next start needs its accepted count
         self._scheduled: dict[int, dict[str, Request]] = {}  # step id → the requests it feeds, until its update
         self._steps = itertools.count()
 
     # ---- admission -------------------------------------------------------------------------------
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
-        tokens = min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_scratch
-        return math.ceil(tokens / self.cfg.block_size)
+        tokens = min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_reserve_slots
+        return blocks_for(tokens, self.cfg.block_size)
 
     def validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Raises RequestError naming the field when the request can never run."""
@@ -184,7 +184,7 @@ class Scheduler:
                 budget -= n
                 done = req.num_computed + n == total
                 decode = req.num_computed >= len(req.prompt)
-                spec = decode and self.spec_scratch > 0
+                spec = decode and self.spec_reserve_slots > 0
                 tokens = req.tokens[req.num_computed:req.num_computed + n]
                 prev_row = -1
                 if len(tokens) < n:  # the last one is in flight: the device takes it from the previous step

@@ -65,7 +65,7 @@ class ModelFacts:
     pad_token_id: int
     dtype: str
     attention: str
-    block_size: int
+    kv_block_size: int  # tokens per KV-cache block (engine.block_size)
     max_num_seqs: int  # running slots over all attention-DP ranks
 
     @staticmethod
@@ -81,7 +81,7 @@ class ModelFacts:
             model_type=raw.get("model_type", cfg.model_type), architectures=tuple(raw.get("architectures") or ()),
             eos_token_ids=tuple(cfg.eos_token_ids), bos_token_id=int(raw.get("bos_token_id") or 0),
             pad_token_id=int(pad if pad is not None else 0), dtype=str(engine.model.dtype),
-            attention="mla" if cfg.mla is not None else "gqa", block_size=sched.block_size,
+            attention="mla" if cfg.mla is not None else "gqa", kv_block_size=sched.block_size,
             max_num_seqs=sched.max_num_seqs * dp)
 
 
@@ -121,24 +121,25 @@ def _graph_info(engine: Engine) -> dict:
 
 
 def _spec_info(engine: Engine) -> dict:
-    spec, s = engine.speculation.config if engine.speculation is not None else None, engine.stats
-    enabled = bool(getattr(spec, "enabled", False))
-    tau = getattr(s, "acceptance_length", 0.0) or None
-    doc = {"enabled": enabled, "method": getattr(spec, "method", "none"), "acceptance_length": tau,
-           "request_steps": getattr(s, "spec_request_steps", 0), "committed_tokens": getattr(s, "spec_tokens", 0)}
-    if not enabled:
+    """The speculation's facts (``engine.speculation.SpeculationFacts``, names as in docs/GLOSSARY.md) and its
+    acceptance so far."""
+    s = engine.stats
+    tau = s.acceptance_length or None
+    doc = {"enabled": engine.speculation is not None, "method": "none", "acceptance_length": tau,
+           "request_steps": s.spec_request_steps, "committed_tokens": s.spec_tokens}
+    if engine.speculation is None:
         doc["summary"] = "spec-decode acceptance: none yet (speculative decoding off)"
     else:
-        doc.update(budget=spec.budget, block_size=spec.block_size,
+        doc.update(asdict(engine.speculation.facts),
                    summary=f"spec-decode acceptance length: {tau:.2f}" if tau else "spec-decode acceptance: none yet")
     return doc
 
 
 def _snapshot(loads, max_running: int) -> pb.SchedulerLoad:
-    tokens_total = loads.kv_blocks_total * loads.block_size
+    tokens_total = loads.kv_blocks_total * loads.kv_block_size
     return pb.SchedulerLoad(
         dp_rank=0, num_running_reqs=loads.running, num_waiting_reqs=loads.waiting,
-        num_total_reqs=loads.running + loads.waiting, num_used_tokens=loads.kv_blocks_used * loads.block_size,
+        num_total_reqs=loads.running + loads.waiting, num_used_tokens=loads.kv_blocks_used * loads.kv_block_size,
         max_total_num_tokens=tokens_total, token_usage=loads.kv_usage, gen_throughput=loads.gen_tokens_per_s,
         utilization=loads.kv_usage, max_running_requests=max_running)
 
@@ -262,7 +263,7 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
         return pb.GetServerInfoResponse(
             active_requests=self.engine.num_streams, is_paused=self.draining, last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
-            kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.block_size,
+            kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.kv_block_size,
             attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs)
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
@@ -305,8 +306,9 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
         doc.update(ranks=self.ranks, server=dict(self.server_facts, draining=self.draining,
                                                  active_streams=self.engine.num_streams),
                    kv={"blocks_used": loads.kv_blocks_used, "blocks_total": loads.kv_blocks_total,
-                       "usage": loads.kv_usage, "per_dp": [dict(zip(("running", "waiting", "blocks_used"), d,
-                                                                    strict=True)) for d in loads.per_dp]})
+                       "kv_block_size": loads.kv_block_size, "usage": loads.kv_usage,
+                       "per_dp": [dict(zip(("running", "waiting", "blocks_used"), d, strict=True))
+                                  for d in loads.per_dp]})
         return info.GetEngineInfoResponse(json=json.dumps(doc))
 
     def engine_info_handler(self) -> grpc.GenericRpcHandler:
