@@ -70,7 +70,7 @@ class Loads:
     """A snapshot published by the engine thread after every step and command batch."""
 
     per_dp: tuple[RankLoad, ...] = (RankLoad(),)
-    block_size: int = 1
+    kv_block_size: int = 1  # tokens per KV-cache block
     gen_tokens_per_s: float = 0.0
     steps: int = 0
     cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens admitted
@@ -308,7 +308,7 @@ class AsyncEngine:
         sched, cutoff = self.engine.scheduler, time.monotonic() - self.window_s
         while self._emitted and self._emitted[0][0] < cutoff:
             self._emitted.popleft()
-        self.loads = Loads(per_dp=rank_loads(sched), block_size=sched.cfg.block_size,
+        self.loads = Loads(per_dp=rank_loads(sched), kv_block_size=sched.cfg.block_size,
                            gen_tokens_per_s=sum(n for _, n in self._emitted) / self.window_s,
                            steps=self.engine.stats.steps, cache_hit_rate=sched.kv.hit_rate)
 

@@ -18,12 +18,10 @@ from typing import TypeVar
 
 import torch
 
+from engine.step import StepKind
 from parallelism.comm import Comm
 
 T = TypeVar("T")
-
-# draft and commit: the drafter step and the walk + KV compaction of a verify step
-STEP_KINDS = ("prefill", "decode", "verify", "mixed", "draft", "commit")
 
 
 def capture_blocker(model) -> str:
@@ -74,17 +72,17 @@ SAMPLING_BYTES_PER_LOGIT = 4 * 3 + 4 + 8 + 4 + 8
 MEMORY_RESERVE = 0.1  # of the free memory, kept back for the allocator's fragmentation and NCCL/DeepEP buffers
 
 
-def static_step_bytes(*, batch: int, nodes: int, vocab: int, hidden: int, intermediate: int, dtype_bytes: int,
+def static_step_bytes(*, batch: int, tree_size: int, vocab: int, hidden: int, intermediate: int, dtype_bytes: int,
                       feature_width: int = 0, draft_rows: int = 0) -> int:
-    """Upper estimate of the device bytes one static step of ``batch × nodes`` rows allocates beyond weights and
-    KV (which exist already): the logits ``[B·N, V]`` fp32 and sampling's temporaries per logit (they grow as
-    batch × nodes × vocab), the activations (hidden- and intermediate-wide, ``dtype_bytes`` each), the drafter
-    features ``[B·N, feature_width]`` and the tree masks; with drafting, the draft logits ``[B, draft_rows, V]``
-    fp32 and their log-softmax."""
-    rows = batch * nodes
+    """Upper estimate of the device bytes one static step of ``batch × tree_size`` rows (a decode: tree size 1)
+    allocates beyond weights and KV (which exist already): the logits ``[B·N, V]`` fp32 and sampling's temporaries
+    per logit (they grow as batch × tree size × vocab), the activations (hidden- and intermediate-wide,
+    ``dtype_bytes`` each), the drafter features ``[B·N, feature_width]`` and the tree masks; with drafting, the
+    draft logits ``[B, draft_rows, V]`` fp32 and their log-softmax (``SpeculationFacts.draft_rows``)."""
+    rows = batch * tree_size
     logits = rows * vocab * (4 + SAMPLING_BYTES_PER_LOGIT)
     activations = rows * (8 * hidden + 3 * intermediate + feature_width) * dtype_bytes
-    masks = 2 * batch * nodes * nodes
+    masks = 2 * batch * tree_size * tree_size
     draft = batch * draft_rows * vocab * 4 * 2
     return logits + activations + masks + draft
 
@@ -118,20 +116,21 @@ def eager_reason(model, static_steps: str) -> str:
 
 @dataclass
 class GraphCoverage:
-    """Per step kind (:data:`STEP_KINDS`): steps run, steps that replayed a graph, the last reason one ran eager."""
+    """Per step kind (:class:`engine.step.StepKind`): steps run, steps that replayed a graph, the last reason one
+    ran eager."""
 
-    steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
-    replays: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
-    reasons: dict[str, str] = field(default_factory=dict)
+    steps: dict[StepKind, int] = field(default_factory=lambda: dict.fromkeys(StepKind, 0))
+    replays: dict[StepKind, int] = field(default_factory=lambda: dict.fromkeys(StepKind, 0))
+    reasons: dict[StepKind, str] = field(default_factory=dict)
 
-    def record(self, kind: str, replayed: bool, reason: str = "") -> None:
+    def record(self, kind: StepKind, replayed: bool, reason: str = "") -> None:
         self.steps[kind] += 1
         if replayed:
             self.replays[kind] += 1
         elif reason:
             self.reasons[kind] = reason
 
-    def summary(self) -> dict[str, dict]:
+    def summary(self) -> dict[StepKind, dict]:
         """``{kind: {"replays": r, "steps": n, "coverage": r/n, "eager_reason": str}}`` for kinds that ran."""
         return {k: {"replays": self.replays[k], "steps": n, "coverage": self.replays[k] / n,
                     "eager_reason": self.reasons.get(k, "")}

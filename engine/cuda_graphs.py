@@ -1,12 +1,12 @@
-"""CUDA graphs for decode and tree verify: one static step per (batch, nodes) shape, captured once, replayed.
+"""CUDA graphs for decode and tree verify: one static step per (batch, tree size) shape, captured once, replayed.
 
 A :class:`StaticStep` owns every input of a target forward in a preallocated buffer of fixed shape — token
 ids and positions ``[B*N]``, KV write slots ``[B*N]``, block tables ``[B, max_blocks]``, context lengths
 ``[B]`` and, for tree verify, the ancestor mask ``[B, N, N]`` — and the forward reads nothing else:
 attention goes through the paged kernels on the cache (:class:`TablesKV`, ``KVContext.tables``), the experts
 through the kernel set's ``moe_experts``. With the Triton kernels selected nothing in that forward waits on
-the host, so :class:`GraphRunner` can capture it per shape (decode: N = 1 per batch size; verify:
-N = budget + 1 per (batch size, budget)) and replay it after copying a step's inputs into the buffers. A
+the host, so :class:`GraphRunner` can capture it per shape (decode: tree size N = 1 per batch size; verify:
+the speculation's tree size per batch size) and replay it after copying a step's inputs into the buffers. A
 batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
 scratch blocks. Shapes that cannot be captured run the same static step eagerly, with the reason
 recorded in :class:`engine.capture.GraphCoverage` (a capture that fails in a job of several ranks stops the job
@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.blocks import scratch_table, token_slots
 from engine.capture import CapturedGraphs, GraphCoverage, token_limit_blocker
 from engine.kv_cache import PagedKVCache
 from engine.staging import copy_in
+from engine.step import StepKind
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
 from parallelism.deepep import before_graph_replay
@@ -34,20 +36,20 @@ from parallelism.deepep import before_graph_replay
 
 @dataclass(frozen=True)
 class StepShape:
-    """``batch`` sequences of ``nodes`` query tokens each (1: decode; budget + 1: tree verify)."""
+    """``batch`` sequences of a ``tree_size``-node tree each (1: a decode's one token; more: a tree verify)."""
 
     batch: int
-    nodes: int
+    tree_size: int
 
     @property
-    def kind(self) -> str:
-        return "decode" if self.nodes == 1 else "verify"
+    def kind(self) -> StepKind:
+        return StepKind.DECODE if self.tree_size == 1 else StepKind.VERIFY
 
 
 @dataclass
 class SeqLayout:
     """Where one sequence's share of a static step lives in the cache (host values): the KV ``write_slots`` of
-    its ``nodes`` new tokens and a ``block_table`` covering ``context_len`` keys (the new ones last)."""
+    its tree's new tokens and a ``block_table`` covering ``context_len`` keys (the new ones last)."""
 
     write_slots: list[int]
     block_table: list[int]
@@ -57,7 +59,7 @@ class SeqLayout:
 @dataclass
 class StaticSeq(SeqLayout):
     """A :class:`SeqLayout` with its inputs, all on the host (copied into the buffers by ``StaticStep.load``):
-    ``token_ids``/``positions`` of ``nodes`` entries and, for verify, ``tree_mask [nodes, nodes]`` bool."""
+    ``token_ids``/``positions`` of tree-size N entries and, for verify, ``tree_mask [N, N]`` bool."""
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     positions: list[int] = dataclasses.field(default_factory=list)
@@ -85,34 +87,31 @@ class TablesKV:
 class StaticStep:
     """The buffers and the forward of one :class:`StepShape` (see the module docstring).
 
-    ``run()`` → logits ``[B*N, V]`` on every attention-TP rank and, with ``capture`` layer ids, the drafter
-    features ``[B*N, len(capture)*H]``; both are buffers that the next ``run()`` overwrites."""
+    ``run()`` → logits ``[B*N, V]`` on every attention-TP rank and, with ``feature_layers`` (layer ids), the
+    drafter features ``[B*N, len(feature_layers)*H]``; both are buffers that the next ``run()`` overwrites."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, shape: StepShape, max_blocks: int,
-                 scratch_blocks: tuple[int, ...], capture: tuple[int, ...] = ()):
-        self.model, self.cache, self.shape, self.capture = model, cache, shape, capture
+                 scratch_blocks: tuple[int, ...], feature_layers: tuple[int, ...] = ()):
+        self.model, self.cache, self.shape, self.feature_layers = model, cache, shape, feature_layers
         self.max_blocks, self.scratch_blocks = max_blocks, scratch_blocks
         dev = cache.device
-        t = shape.batch * shape.nodes
+        t = shape.batch * shape.tree_size
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
         self.write_slots = torch.zeros(t, dtype=torch.int64, device=dev)
-        tree = None if shape.nodes == 1 else torch.zeros(shape.batch, shape.nodes, shape.nodes, dtype=torch.bool,
-                                                         device=dev)
+        n = shape.tree_size
+        tree = None if n == 1 else torch.zeros(shape.batch, n, n, dtype=torch.bool, device=dev)
         tables = PagedTables(torch.zeros(shape.batch, max_blocks, dtype=torch.int32, device=dev),
-                             torch.zeros(shape.batch, dtype=torch.int32, device=dev), tree, cache.block_size)
+                             torch.zeros(shape.batch, dtype=torch.int32, device=dev), tree, cache.kv_block_size)
         self.tables = tables
-        self.batch = ForwardBatch(self.input_ids, self.positions, [shape.nodes] * shape.batch,
+        self.batch = ForwardBatch(self.input_ids, self.positions, [n] * shape.batch,
                                   TablesKV(cache, self.write_slots, tables))
 
     def padding_seq(self) -> StaticSeq:
         """A dummy sequence living entirely in the scratch blocks: positions 0..N-1, context N."""
-        n, bs = self.shape.nodes, self.cache.block_size
-        need = -(-n // bs)
-        if need > len(self.scratch_blocks):
-            raise ValueError(f"{n} nodes need {need} scratch blocks of {bs} slots, {len(self.scratch_blocks)} reserved")
-        table = list(self.scratch_blocks[:need])
-        slots = [table[p // bs] * bs + p % bs for p in range(n)]
+        n, bs = self.shape.tree_size, self.cache.kv_block_size
+        table = scratch_table(self.scratch_blocks, n, bs)
+        slots = token_slots(table, 0, n, bs)
         mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
         return StaticSeq(slots, table, n, [0] * n, list(range(n)), mask)
 
@@ -120,7 +119,7 @@ class StaticStep:
         """Copies ``seqs`` (at most ``batch``; none for an idle attention-DP rank) into the buffers, padding the
         rest with :meth:`padding_seq`."""
         seqs = self.load_layout(seqs)
-        if any(len(s.token_ids) != self.shape.nodes for s in seqs):
+        if any(len(s.token_ids) != self.shape.tree_size for s in seqs):
             raise ValueError(f"a sequence's token count does not fit shape {self.shape}")
         copy_in(self.input_ids, [v for s in seqs for v in s.token_ids])  # host → buffer copies, asynchronous
         copy_in(self.positions, [v for s in seqs for v in s.positions])
@@ -130,7 +129,7 @@ class StaticStep:
     def load_layout(self, seqs: list[SeqLayout]) -> list[SeqLayout]:
         """Copies ``seqs``' write slots, block tables and context lengths (padded with :meth:`padding_seq`) into
         the buffers; returns the padded list."""
-        b, n = self.shape.batch, self.shape.nodes
+        b, n = self.shape.batch, self.shape.tree_size
         if len(seqs) > b:
             raise ValueError(f"a {b}-sequence static step got {len(seqs)} sequences")
         seqs = seqs + [self.padding_seq()] * (b - len(seqs))
@@ -154,8 +153,8 @@ class StaticStep:
 
     @torch.no_grad()
     def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.capture:
-            hidden, feats = self.model(self.batch, capture=self.capture)
+        if self.feature_layers:
+            hidden, feats = self.model(self.batch, capture=self.feature_layers)
         else:
             hidden, feats = self.model(self.batch), None
         return self.model.logits_everywhere(hidden), feats
@@ -164,29 +163,29 @@ class StaticStep:
 class GraphRunner(CapturedGraphs):
     """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
 
-    ``run(seqs, nodes, batch)`` picks the smallest batch size ≥ ``max(len(seqs), batch)``, captures that shape
+    ``run(seqs, tree_size, batch)`` picks the smallest batch size ≥ ``max(len(seqs), batch)``, captures that shape
     on its first use, loads the inputs, replays (or runs eagerly, recording why) and returns the real rows'
     logits ``[len(seqs)*N, V]`` and features."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
-                 batch_sizes: tuple[int, ...] = (1, 2, 4, 8), capture: tuple[int, ...] = (),
+                 batch_sizes: tuple[int, ...] = (1, 2, 4, 8), feature_layers: tuple[int, ...] = (),
                  coverage: GraphCoverage | None = None, blocker: str = ""):
         super().__init__(blocker, model.groups.control)
         self.model, self.cache, self.max_blocks, self.scratch_blocks = model, cache, max_blocks, scratch_blocks
-        self.batch_sizes, self.capture_layers = tuple(sorted(batch_sizes)), capture
+        self.batch_sizes, self.feature_layers = tuple(sorted(batch_sizes)), feature_layers
         self.coverage = coverage or GraphCoverage()
         self.steps: dict[StepShape, StaticStep] = {}
 
-    def shape_for(self, batch: int, nodes: int) -> StepShape:
+    def shape_for(self, batch: int, tree_size: int) -> StepShape:
         fits = [b for b in self.batch_sizes if b >= batch]
         if not fits:
             raise ValueError(f"batch {batch} exceeds the largest static batch size {self.batch_sizes[-1]}")
-        return StepShape(fits[0], nodes)
+        return StepShape(fits[0], tree_size)
 
     def step(self, shape: StepShape) -> StaticStep:
         if shape not in self.steps:
             self.steps[shape] = StaticStep(self.model, self.cache, shape, self.max_blocks, self.scratch_blocks,
-                                           self.capture_layers)
+                                           self.feature_layers)
         return self.steps[shape]
 
     def capture(self, shape: StepShape) -> str:
@@ -194,27 +193,27 @@ class GraphRunner(CapturedGraphs):
         during capture, so the warm-up and capture launches touch just the scratch block."""
         step = self.step(shape)
         return self._capture(shape, self.cache.device, lambda: step.load([step.padding_seq()]),
-                             step.run, lambda: token_limit_blocker(self.model, shape.batch * shape.nodes))
+                             step.run, lambda: token_limit_blocker(self.model, shape.batch * shape.tree_size))
 
-    def run(self, seqs: list[StaticSeq], nodes: int, batch: int = 0,
+    def run(self, seqs: list[StaticSeq], tree_size: int, batch: int = 0,
             fill: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``batch`` > ``len(seqs)`` pads to that shape (attention-DP ranks run one shape; an idle rank pads
         everything). ``fill(input_ids)`` runs after the host inputs are loaded: it sets ids that are still on the
         device (overlap: tokens the previous step sampled)."""
-        shape = self.shape_for(max(len(seqs), batch, 1), nodes)
+        shape = self.shape_for(max(len(seqs), batch, 1), tree_size)
         self.capture(shape)  # first use of a shape: capture it (or learn why not) before loading inputs
         self.step(shape).load(seqs)
         if fill is not None:
             fill(self.step(shape).input_ids)
         logits, feats = self._launch(shape)
-        rows = len(seqs) * nodes
+        rows = len(seqs) * tree_size
         return logits[:rows], None if feats is None else feats[:rows]
 
-    def load_tree_layout(self, seqs: list[SeqLayout], batch: int, nodes: int) -> StepShape:
-        """First half of a tree verify fed by a static draft: captures the ``(batch, nodes)`` shape on its first
+    def load_tree_layout(self, seqs: list[SeqLayout], batch: int, tree_size: int) -> StepShape:
+        """First half of a tree verify fed by a static draft: captures the ``(batch, tree_size)`` shape on its first
         use and loads ``seqs`` (the first rows; the rest pad) — the cache layout, all host values. ``batch``
         must be a static batch size (the draft's)."""
-        shape = self.shape_for(batch, nodes)
+        shape = self.shape_for(batch, tree_size)
         if shape.batch != batch:
             raise ValueError(f"a tree batch of {batch} is not a static batch size {self.batch_sizes}")
         self.capture(shape)
@@ -229,7 +228,7 @@ class GraphRunner(CapturedGraphs):
         step = self.step(shape)
         step.load_inputs(token_ids, positions, tree_mask)
         logits, feats = self._launch(shape)
-        return logits, feats, step.write_slots.view(shape.batch, shape.nodes)
+        return logits, feats, step.write_slots.view(shape.batch, shape.tree_size)
 
     def _launch(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor | None]:
         if shape in self.captured:

@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass, field
 
 from engine.capture import GraphCoverage, eager_reason
+from engine.cuda_graphs import StepShape
 from engine.runner import Launched, ModelRunner
 from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation import Speculation
-from engine.step import RequestOutput, StepPlan, StepResult
+from engine.step import RequestOutput, StepKind, StepPlan, StepResult
 from engine.stop_strings import Detokenize
 from model.kernel_select import launch_kernels
 from model.transformer import CausalLM
@@ -38,10 +39,10 @@ DRAIN = "drain"  # overlap: nothing new to launch; read back and gather the step
 
 @dataclass(frozen=True)
 class WarmUpShape:
-    """Broadcast by :meth:`Engine.warm_up`: every rank runs (captures) static shape ``(batch, nodes)`` once."""
+    """Broadcast by :meth:`Engine.warm_up`: every rank runs (captures) static shape ``(batch, tree_size)`` once."""
 
     batch: int
-    nodes: int
+    tree_size: int
 
 
 STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engine.max_num_seqs)
@@ -54,11 +55,12 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    step_kinds: dict[str, int] = field(default_factory=dict)
+    step_kinds: dict[StepKind, int] = field(default_factory=dict)  # a speculative step counts as VERIFY
     spec_request_steps: int = 0  # (request, target forward) pairs that verified a tree
     spec_tokens: int = 0  # tokens those committed, bonus included
     warmup_s: float = 0.0  # Engine.warm_up: every static shape run (captured on CUDA) before serving
-    warmup_shapes: list[dict] = field(default_factory=list)  # per shape: kind, batch, nodes, seconds, graph, reason
+    # per static shape: kind, batch, tree_size, seconds, graph, skipped, reason (the prefill: tokens, not tree_size)
+    warmup_shapes: list[dict] = field(default_factory=list)
     # rank 0's host seconds per phase of Engine.step: schedule, launch (broadcast + queue the step; off CUDA it
     # computes there), readback (wait for the step's tokens + gather them), update (scheduler, outputs)
     host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("schedule", "launch", "readback",
@@ -83,7 +85,7 @@ class Engine:
         self.speculation = speculation
         self.runner = make_runner(model, cfg, speculation)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
-                                   spec_scratch=speculation.scratch_slots if speculation is not None else 0,
+                                   spec_reserve_slots=speculation.facts.spec_reserve_slots if speculation else 0,
                                    tokenizer=tokenizer, namespace=cache_namespace(model, speculation),
                                    retain_after=retain_after_ids(tokenizer))
         self.stats = EngineStats()
@@ -117,20 +119,20 @@ class Engine:
             log.info("warm-up: no static shapes to run (%s)", self.runner.eager_reason)
             return 0.0
         t_all = time.perf_counter()
-        for i, (batch, nodes) in enumerate(shapes):
+        for i, (batch, tree_size) in enumerate(shapes):
             t0 = time.perf_counter()
-            self.plane.broadcast_object(WarmUpShape(batch, nodes))
-            replayed, reason = self.runner.warm_up(batch, nodes)
+            self.plane.broadcast_object(WarmUpShape(batch, tree_size))
+            replayed, reason = self.runner.warm_up(batch, tree_size)
             self.plane.gather_objects(None)
             dt = time.perf_counter() - t0
-            kind, skipped = "decode" if nodes == 1 else "verify", (batch, nodes) in self.runner.skipped
-            self.stats.warmup_shapes.append({"kind": kind, "batch": batch, "nodes": nodes, "seconds": dt,
+            kind, skipped = StepShape(batch, tree_size).kind, (batch, tree_size) in self.runner.skipped
+            self.stats.warmup_shapes.append({"kind": kind, "batch": batch, "tree_size": tree_size, "seconds": dt,
                                              "graph": replayed, "skipped": skipped, "reason": reason})
             done = (i + 1) * 20 // len(shapes)
             what = "captured" if replayed else f"skipped ({reason})" if skipped else f"eager ({reason})"
-            (log.warning if skipped else log.info)("warm-up |%s%s| %d/%d %s batch %d x %d nodes: %s in %.2f s",
+            (log.warning if skipped else log.info)("warm-up |%s%s| %d/%d %s batch %d x tree size %d: %s in %.2f s",
                                                    "#" * done, "." * (20 - done), i + 1, len(shapes), kind, batch,
-                                                   nodes, what, dt)
+                                                   tree_size, what, dt)
         self._warm_prefill()
         self.stats.warmup_s = time.perf_counter() - t_all
         log.info("warm-up: %d static shapes and a prefill in %.2f s; KV blocks in use %d", len(shapes),
@@ -143,7 +145,7 @@ class Engine:
         seed stream is untouched; its steps, stats and coverage are dropped; its blocks are released."""
         cfg, sched = self.scheduler.cfg, self.scheduler
         tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1,
-                     cfg.num_blocks * cfg.block_size - sched.spec_scratch - 1)
+                     cfg.num_blocks * cfg.block_size - sched.spec_reserve_slots - 1)
         t0, warm = time.perf_counter(), self.stats
         params = SamplingParams(temperature=0.0, max_tokens=1, seed=0)
         for dp in range(sched.dp_size):
@@ -154,8 +156,9 @@ class Engine:
         self.stats, self.coverage = EngineStats(warmup_shapes=warm.warmup_shapes), GraphCoverage()
         self.runner.timing = dict.fromkeys(self.runner.timing, 0.0)
         dt = time.perf_counter() - t0
-        self.stats.warmup_shapes.append({"kind": "prefill", "batch": sched.dp_size, "nodes": tokens, "seconds": dt,
-                                         "graph": False, "skipped": False, "reason": "dynamic shapes: not captured"})
+        self.stats.warmup_shapes.append({"kind": StepKind.PREFILL, "batch": sched.dp_size, "tokens": tokens,
+                                         "seconds": dt, "graph": False, "skipped": False,
+                                         "reason": "dynamic shapes: not captured"})
         log.info("warm-up prefill: %d tokens on each of %d attention-DP ranks in %.2f s", tokens, sched.dp_size, dt)
 
     def has_work(self) -> bool:
@@ -221,11 +224,11 @@ class Engine:
         spec = [w for w in items if w.spec]
         s.spec_request_steps += len(spec)
         s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
-        kind = plan.kind
+        kind = plan.kind  # the runner's coverage records the same kind (engine.step.step_kind)
         s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
         s.prefill_tokens += prefill
         s.decode_tokens += decode
-        if kind == "decode":
+        if kind in (StepKind.DECODE, StepKind.VERIFY):
             s.decode_s += dt
         else:
             s.prefill_s += dt
@@ -251,7 +254,7 @@ def cache_namespace(model: CausalLM, speculation: Speculation | None) -> bytes:
     config), the drafter (its context K/V sits in the same blocks), the KV dtype, the numerics mode (batch-invariant
     or not, kernel backend) and the attention layout."""
     lay = model.groups.layout
-    parts = (repr(model.cfg), repr(speculation.config) if speculation is not None else "no drafter", str(model.dtype),
+    parts = (repr(model.cfg), repr(speculation.facts) if speculation is not None else "no drafter", str(model.dtype),
              f"batch_invariant={model.kernels.batch_invariant} backend={model.kernels.backend}",
              f"attn_tp={lay.attn_tp} attn_dp={lay.attn_dp}")
     return "|".join(parts).encode()
@@ -305,7 +308,7 @@ def worker_loop(runner: ModelRunner) -> None:
             plane.gather_objects(None)
             continue
         if isinstance(plan, WarmUpShape):
-            runner.warm_up(plan.batch, plan.nodes)
+            runner.warm_up(plan.batch, plan.tree_size)
             plane.gather_objects(None)
             continue
         launched = None if plan == DRAIN else runner.launch(plan.work[groups.coords.attn_dp_rank], plan.work)

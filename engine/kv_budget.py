@@ -3,15 +3,14 @@ name and rule), elsewhere ``engine.num_blocks``; the count and the maximum concu
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from engine.kv_cache import KVSpec
 from engine.scheduler import SchedulerConfig
+from engine.speculation import Speculation
 from model.transformer import CausalLM
 
 log = logging.getLogger("engine.kv")
@@ -27,15 +26,13 @@ def blocks_for_memory(free_bytes: int, total_bytes: int, bytes_per_block: int, u
     return max(int(budget // bytes_per_block), 0)
 
 
-def bytes_per_block(model: CausalLM, block_size: int, drafter_path: str | None = None) -> int:
-    """This rank's KV bytes for one block of ``block_size`` tokens, the DFlash drafter's context cache included
-    (it has as many blocks as the target's)."""
+def bytes_per_block(model: CausalLM, kv_block_size: int, speculation: Speculation | None = None) -> int:
+    """This rank's KV bytes for one block of ``kv_block_size`` tokens, the drafter's context cache included (it has
+    as many blocks as the target's; ``SpeculationFacts.drafter_kv_bytes_per_token``)."""
     per_token = KVSpec.for_model(model).bytes_per_token()
-    if drafter_path:
-        raw = json.loads((Path(drafter_path) / "config.json").read_text())
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-        per_token += 2 * raw["num_key_value_heads"] * head_dim * raw["num_hidden_layers"] * model.dtype.itemsize
-    return per_token * block_size
+    if speculation is not None:
+        per_token += speculation.facts.drafter_kv_bytes_per_token
+    return per_token * kv_block_size
 
 
 def max_concurrency(num_blocks: int, cfg: SchedulerConfig) -> float:
@@ -43,13 +40,13 @@ def max_concurrency(num_blocks: int, cfg: SchedulerConfig) -> float:
     return num_blocks * cfg.block_size / cfg.max_model_len
 
 
-def size_kv_cache(model: CausalLM, cfg: SchedulerConfig, drafter_path: str | None = None) -> SchedulerConfig:
+def size_kv_cache(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None) -> SchedulerConfig:
     """``cfg`` with ``num_blocks`` sized from free device memory on CUDA (every rank measures, all take the
     smallest count); unchanged elsewhere or with ``cfg.gpu_memory_utilization=None``. Call on every rank after the
     weights are loaded. Logs blocks, bytes and maximum concurrency on rank 0. ``max_model_len`` unset becomes the
     model's context length (:meth:`SchedulerConfig.for_model`)."""
     cfg = cfg.for_model(model.cfg.max_position_embeddings)
-    per_block = bytes_per_block(model, cfg.block_size, drafter_path)
+    per_block = bytes_per_block(model, cfg.block_size, speculation)
     how, utilization = "engine.num_blocks", cfg.gpu_memory_utilization
     if model.device.type == "cuda" and utilization is not None:
         torch.cuda.synchronize(model.device)

@@ -1,9 +1,9 @@
 """Paged KV cache: fixed-size blocks, per-sequence block tables, exact block accounting.
 
-Per layer the cache holds one flat tensor per KV entry kind, ``[num_blocks * block_size, *entry_shape]``:
+Per layer the cache holds one flat tensor per KV entry kind, ``[num_blocks * kv_block_size, *entry_shape]``:
 MLA stores the normed latent ``[kv_lora]`` and the roped key ``[rope_dim]`` once per token (replicated
 over attention-TP ranks); GQA stores K and V ``[local_kv_heads, head_dim]``. Token ``p`` of a sequence
-lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+lives in slot ``block_table[p // kv_block_size] * kv_block_size + p % kv_block_size`` (``engine.blocks``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.blocks import token_slot_tensor, token_slots
 from engine.staging import to_device
 from model.batch import PaddedContext
 from model.transformer import CausalLM
@@ -44,10 +45,10 @@ class KVSpec:
 class PagedKVCache:
     """The cache tensors of one rank."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
-        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+    def __init__(self, spec: KVSpec, num_blocks: int, kv_block_size: int, device: torch.device | str = "cpu"):
+        self.spec, self.num_blocks, self.kv_block_size = spec, num_blocks, kv_block_size
         self.device = torch.device(device)
-        slots = num_blocks * block_size
+        slots = num_blocks * kv_block_size
         self.layers = [tuple(torch.zeros(slots, *shape, dtype=spec.dtype, device=device)
                              for shape in spec.entry_shapes) for _ in range(spec.num_layers)]
 
@@ -59,17 +60,12 @@ class PagedKVCache:
         return stores
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Slot ids of token positions ``[start, end)`` of a sequence (host ints: cheap for step planning)."""
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        """Slot ids of token positions ``[start, end)`` of a sequence, host ints (:func:`engine.blocks.token_slots`)."""
+        return token_slots(block_table, start, end, self.kv_block_size)
 
     def slot_tensor(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """:meth:`slots` as an int64 tensor ``[end - start]`` on the cache's device, computed there (long
-        contexts: no per-token host loop)."""
-        bs, dev = self.block_size, self.device
-        table = torch.tensor(block_table[:-(-end // bs)], dtype=torch.int64, device=dev)
-        pos = torch.arange(start, end, device=dev)
-        return table[pos // bs] * bs + pos % bs
+        """:meth:`slots` as an int64 tensor ``[end - start]`` on the cache's device, computed there."""
+        return token_slot_tensor(block_table, start, end, self.kv_block_size, self.device)
 
 
 @dataclass

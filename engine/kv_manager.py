@@ -20,12 +20,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.blocks import blocks_for
+
 NO_PARENT = 0
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """Blocks that hold ``tokens`` token slots."""
-    return -(-tokens // block_size)
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...], namespace: bytes) -> int:
@@ -67,8 +64,8 @@ class RequestBlocks:
 class BlockPool:
     """One attention-DP rank's blocks. Pure bookkeeping (rank 0 keeps one per attention-DP rank)."""
 
-    def __init__(self, num_blocks: int, block_size: int, dp_rank: int, emit: Callable[[KvEvent], None]):
-        self.num_blocks, self.block_size, self.dp_rank, self.emit = num_blocks, block_size, dp_rank, emit
+    def __init__(self, num_blocks: int, kv_block_size: int, dp_rank: int, emit: Callable[[KvEvent], None]):
+        self.num_blocks, self.kv_block_size, self.dp_rank, self.emit = num_blocks, kv_block_size, dp_rank, emit
         self.refs = [0] * num_blocks
         self.hash_of: dict[int, int] = {}  # block → its hash, for cached blocks (referenced or not)
         self.index: dict[int, int] = {}  # hash → block
@@ -186,7 +183,7 @@ class BlockPool:
 @dataclass(frozen=True, kw_only=True)
 class KVManagerConfig:
     num_blocks: int
-    block_size: int
+    kv_block_size: int
     dp_size: int
     prefix_caching: bool = True
     retention_s: float = 0.0  # how long a retained request's blocks outlive plain LRU
@@ -201,7 +198,7 @@ class KVManager:
         self.cfg, self.clock = cfg, clock
         self.recording = False  # keep events for a publisher (the server's SubscribeKvEvents) to drain
         self.events: list[KvEvent] = []
-        self.pools = [BlockPool(cfg.num_blocks, cfg.block_size, dp, self._record) for dp in range(cfg.dp_size)]
+        self.pools = [BlockPool(cfg.num_blocks, cfg.kv_block_size, dp, self._record) for dp in range(cfg.dp_size)]
         self.requests: dict[str, RequestBlocks] = {}
         self.prompt_tokens = self.cached_tokens = 0  # admissions' prompt tokens, and those served from the cache
 
@@ -213,7 +210,7 @@ class KVManager:
     def prefix_hashes(self, tokens: list[int]) -> list[int]:
         """Chained hashes of the full blocks of ``tokens`` that a hit may cover: never the block holding the last
         token, whose logits must be computed."""
-        bs, out, parent = self.cfg.block_size, [], NO_PARENT
+        bs, out, parent = self.cfg.kv_block_size, [], NO_PARENT
         for i in range((len(tokens) - 1) // bs):
             parent = chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]), self.cfg.namespace)
             out.append(parent)
@@ -230,14 +227,14 @@ class KVManager:
         slots. Returns the tokens served from the cache, or None (nothing taken) when the blocks are not free."""
         pool = self.pools[dp]
         hit = pool.cached_prefix(hashes) if self.cfg.prefix_caching else []
-        need = max(blocks_for(reserve, self.cfg.block_size) - len(hit), 0)
+        need = max(blocks_for(reserve, self.cfg.kv_block_size) - len(hit), 0)
         pool.take(hit)
         fresh = pool.allocate(need, self.clock())
         if fresh is None:
             pool.release(hit, None)
             return None
         self.requests[request_id] = RequestBlocks(hit + fresh, list(hashes[:len(hit)]), retain)
-        cached = len(hit) * self.cfg.block_size
+        cached = len(hit) * self.cfg.kv_block_size
         self.prompt_tokens += len(tokens)
         self.cached_tokens += cached
         return cached
@@ -245,7 +242,7 @@ class KVManager:
     def allocate(self, request_id: str, dp: int, slots: int) -> bool:
         """Grows the request's table to ``slots`` token slots; False (nothing taken) when the blocks are not free."""
         table = self.requests[request_id].table
-        need = blocks_for(slots, self.cfg.block_size) - len(table)
+        need = blocks_for(slots, self.cfg.kv_block_size) - len(table)
         if need <= 0:
             return True
         fresh = self.pools[dp].allocate(need, self.clock())
@@ -260,7 +257,7 @@ class KVManager:
         req = self.requests.get(request_id)
         if req is None or not self.cfg.prefix_caching:
             return
-        bs, pool = self.cfg.block_size, self.pools[dp]
+        bs, pool = self.cfg.kv_block_size, self.pools[dp]
         for i in range(len(req.hashes), min(committed // bs, len(req.table))):
             parent = req.hashes[-1] if req.hashes else NO_PARENT
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])

@@ -1,5 +1,6 @@
-"""Runs one rank's share of a step: paged-KV forward, logits for the sampling rows, sampling;
-speculative items (``SeqWork.spec``) are drafted, verified as trees in the same forward, and walked.
+"""Runs one rank's share of a step: paged-KV forward, logits for the sampling rows, sampling. Speculative items
+(``SeqWork.spec``) go to the speculator (``engine.speculation.Speculator``), which drafts, verifies their trees
+through the target forward this runner lends it (in the step's one forward), samples, walks and commits them.
 
 With static steps on (``engine.static_steps``), a step that is all plain decodes or all tree verifies of at
 most the largest static batch size runs through :class:`engine.cuda_graphs.GraphRunner` (a CUDA-graph
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.blocks import blocks_for
 from engine.capture import (
     GraphCoverage,
     capture_blocker,
@@ -22,17 +24,15 @@ from engine.capture import (
     no_host_sync,
     static_step_bytes,
 )
-from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq
+from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.sampler import SamplingBatch, sample
-from engine.speculation import Speculation
+from engine.speculation import Record, Speculation, StaticLayout, TreeRows
 from engine.staging import Readback, to_device
-from engine.step import RunnerOutput, SeqWork, StepResult, step_kind
+from engine.step import RunnerOutput, SeqWork, StepKind, StepResult, step_kind
 from model.batch import ForwardBatch
 from model.expert_tally import ExpertTally
 from model.transformer import CausalLM
-
-Record = tuple[bool, str]  # a coverage record: (replayed, why not)
 
 
 @dataclass
@@ -42,68 +42,78 @@ class Launched:
     which :meth:`ModelRunner.finish` waits for."""
 
     results: dict[str, StepResult] | None
-    coverage: dict[str, Record]
+    coverage: dict[StepKind, Record]
     sampled: tuple[list[SeqWork], Readback | None] | None = None
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, speculation: Speculation | None = None,
+    def __init__(self, model: CausalLM, num_blocks: int, kv_block_size: int, speculation: Speculation | None = None,
                  static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0,
                  eager_reason: str = "static steps off", overlap: bool = False, expert_tally: bool = False):
         """``speculation`` (from spec_decode) builds the rank's speculator when spec decoding is on.
         ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
-        the ``num_blocks`` the scheduler hands out, enough for a padding tree of ``speculation.scratch_slots``
-        nodes. ``eager_reason``: why no step replays when static steps are off. ``overlap`` (``engine.overlap``):
+        the ``num_blocks`` the scheduler hands out, enough for a padding sequence of ``spec_reserve_slots``
+        slots. ``eager_reason``: why no step replays when static steps are off. ``overlap`` (``engine.overlap``):
         every attention-TP rank samples, so the next step's inputs can take tokens from this one on the device.
         ``expert_tally`` (``engine.expert_tally``): :attr:`tally` counts the experts of decode and verify steps."""
         self.model, self.overlap = model, overlap
         self.tally = ExpertTally(model) if expert_tally else None  # before any capture: graphs then hold its ops
         self.reports = model.groups.attn_tp.rank == 0  # holds the group's results (the others: None)
         self.last_tokens: torch.Tensor | None = None  # the last step's plainly sampled tokens, on the device
-        max_nodes = speculation.scratch_slots if speculation is not None else 1
-        scratch = -(-max_nodes // block_size) if static_batch_sizes else 0
+        # KV slots one step writes per request past its next position: a decode's token or a speculative step's
+        step_slots = speculation.facts.spec_reserve_slots if speculation is not None else 1
+        scratch = blocks_for(step_slots, kv_block_size) if static_batch_sizes else 0
         device = model.device
         self.device = device
-        self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, block_size, device=device)
+        self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, kv_block_size, device=device)
+        static = StaticLayout(batch_sizes=tuple(sorted(static_batch_sizes)),
+                              max_blocks=blocks_for(max_model_len + step_slots, kv_block_size),
+                              scratch_blocks=tuple(range(num_blocks, num_blocks + scratch))
+                              ) if static_batch_sizes else None
         self.speculation = speculation
-        self.speculator = speculation.build(model, self.cache) if speculation is not None else None
+        self.speculator = speculation.build(model, self.cache, static) if speculation is not None else None
+        self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         self.timing = {"draft_s": 0.0, "verify_s": 0.0}
-        self.static = self.drafts = self.commits = None
-        if static_batch_sizes:
-            max_blocks = -(-(max_model_len + max_nodes) // block_size)
-            capture = self.speculator.capture if self.speculator else ()
-            scratch_blocks = tuple(range(num_blocks, num_blocks + scratch))
-            self.static = GraphRunner(model, self.cache, max_blocks, scratch_blocks, static_batch_sizes, capture,
-                                      blocker=capture_blocker(model))
-            if self.speculator is not None:
-                self.drafts, self.commits = speculation.static_graphs(self.speculator, max_blocks, scratch_blocks,
-                                                                      static_batch_sizes)
+        self.static = None
+        if static is not None:
+            self.static = GraphRunner(model, self.cache, static.max_blocks, static.scratch_blocks, static.batch_sizes,
+                                      self.feature_layers, blocker=capture_blocker(model))
         self.eager_reason = eager_reason
         self.skipped: dict[tuple[int, int], str] = {}  # static shapes the memory guard turned away (warm_up)
         self.strict_sync = False  # static verify steps raise on a host sync between draft and commit (gpu_check)
 
-    def _batch(self, work: list[SeqWork], trees: dict) -> ForwardBatch:
+    @property
+    def tree_size(self) -> int:
+        """Rows per request of a decode step: the speculation's tree size, or 1 (plain decoding)."""
+        return self.speculation.facts.tree_size if self.speculation is not None else 1
+
+    def _forward(self, work: list[SeqWork], trees: list[TreeRows]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                            list[int]]:
+        """The dynamic forward over ``work``: each plain item's fed tokens, each speculative item's tree (``trees``,
+        in order). Returns the hidden states ``[T, H]``, the drafter features ``[T, k*H]`` (None without
+        speculation) and where each item's rows start (``T`` last)."""
         ids, pos, seqs = [], [], []
+        remaining = iter(trees)
         for w in work:
             if w.spec:
-                tokens, positions, slots = self.speculator.verify_slots(w, trees[w.request_id])
+                tree = next(remaining)
+                tokens, positions, slots = tree.token_ids, tree.positions, tree.slots
             else:
                 tokens, positions = w.token_ids, list(range(w.start, w.start + len(w.token_ids)))
                 slots = SeqSlots(w.block_table, w.start, len(tokens))
             ids += tokens
             pos += positions
             seqs.append(slots)
-        ids_t = to_device(ids, torch.int64, self.device)
-        self._take_previous(ids_t, [(rows[-1], w.prev_row) for w, rows in zip(work, self._ends(seqs), strict=True)
-                                    if w.prev_row >= 0])
-        pos_t = to_device(pos, torch.int64, self.device)
-        return ForwardBatch(ids_t, pos_t, [s.query_len for s in seqs], PagedKV(self.cache, seqs))
-
-    @staticmethod
-    def _ends(seqs: list[SeqSlots]) -> list[range]:
-        """Each sequence's rows in the flattened batch."""
         starts = [0, *itertools.accumulate(s.query_len for s in seqs)]
-        return [range(a, b) for a, b in itertools.pairwise(starts)]
+        ids_t = to_device(ids, torch.int64, self.device)
+        self._take_previous(ids_t, [(starts[i + 1] - 1, w.prev_row) for i, w in enumerate(work) if w.prev_row >= 0])
+        batch = ForwardBatch(ids_t, to_device(pos, torch.int64, self.device), [s.query_len for s in seqs],
+                             PagedKV(self.cache, seqs))
+        if self.feature_layers:
+            hidden, feats = self.model(batch, capture=self.feature_layers)
+        else:
+            hidden, feats = self.model(batch), None
+        return hidden, feats, starts
 
     def _take_previous(self, ids: torch.Tensor, refs: list[tuple[int, int]]) -> None:
         """Fills placeholder token ids ``(index in ids, previous step's sampled row)`` on the device, from the
@@ -118,7 +128,7 @@ class ModelRunner:
         ``dp_work``: every attention-DP rank's work this step (the whole plan; default ``[work]``), from which
         all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
         holds the logits (None on the others) and the step's coverage records, the target step's under its
-        kind (prefill, decode, verify, mixed). :meth:`launch` then :meth:`finish`."""
+        kind (:func:`engine.step.step_kind`). :meth:`launch` then :meth:`finish`."""
         return self.finish(self.launch(work, dp_work))
 
     def finish(self, step: Launched) -> RunnerOutput:
@@ -138,74 +148,66 @@ class ModelRunner:
         """Queues the step on the device (:meth:`execute` without the readback of plainly sampled tokens).
         Speculative items are walked and read back here: the next step's start depends on them."""
         dp_work = [work] if dp_work is None else dp_work
-        items = [w for per_rank in dp_work for w in per_rank]
-        kind = step_kind(items)
-        kind = "verify" if kind == "decode" and any(w.spec for w in items) else kind
+        kind = step_kind(w for per_rank in dp_work for w in per_rank)
         if self.tally is not None:
-            self.tally.armed = kind in ("decode", "verify")
+            self.tally.armed = kind in (StepKind.DECODE, StepKind.VERIFY)
         shape, why = self._static_shape(dp_work)
-        if shape is not None and shape[1] > 1:
-            results, target, parts = self._verify_static(work, shape[0])
+        if shape is not None and shape.kind is StepKind.VERIFY:
+            results, target, parts = self._verify_static(work, shape.batch)
             return Launched(results, {kind: target, **parts})
         t0 = time.perf_counter()
-        spec_items = [w for w in work if w.spec]
-        trees = self.speculator.propose(spec_items) if spec_items else {}
-        t1 = time.perf_counter()
         if shape is None:
-            (results, sampled), target = self._execute_dynamic(work, trees), (False, why)
+            results, sampled, verify_started = self._execute_dynamic(work)
+            target = (False, why)
         else:
-            results, sampled, target = self._decode_static(work, shape[0])
-        self.timing["draft_s"] += t1 - t0
-        self.timing["verify_s"] += time.perf_counter() - t1
+            (results, sampled, target), verify_started = self._decode_static(work, shape.batch), t0
+        self.timing["draft_s"] += verify_started - t0
+        self.timing["verify_s"] += time.perf_counter() - verify_started
         # a dynamic step's draft and commit do not run statically, for the step's reason
-        parts = dict.fromkeys(("draft", "commit"), (False, why)) if spec_items else {}
+        parts = dict.fromkeys((StepKind.DRAFT, StepKind.COMMIT), (False, why)) if any(w.spec for w in work) else {}
         return Launched(results, {kind: target, **parts}, sampled)
 
     def static_shapes(self) -> list[tuple[int, int]]:
-        """Every configured static shape ``(batch, nodes)``: a decode (nodes 1) per static batch size, or, with
-        speculation on (every decode is then a tree verify), a verify of ``num_nodes`` nodes per batch size —
-        each a draft, a verify and a commit."""
+        """Every configured static shape ``(batch, tree_size)``: a decode (tree size 1) per static batch size, or,
+        with speculation on (every decode is then a tree verify), a verify of the speculation's tree size per batch
+        size — each a draft, a verify and a commit."""
         if self.static is None:
             return []
-        nodes = self.speculation.num_nodes if self.speculator is not None else 1
-        return [(b, nodes) for b in self.static.batch_sizes]
+        return [(b, self.tree_size) for b in self.static.batch_sizes]
 
     @torch.no_grad()
-    def warm_up(self, batch: int, nodes: int) -> tuple[bool, str]:
-        """Runs static shape ``(batch, nodes)`` once on an all-padding batch — capturing it on CUDA (the
+    def warm_up(self, batch: int, tree_size: int) -> tuple[bool, str]:
+        """Runs static shape ``(batch, tree_size)`` once on an all-padding batch — capturing it on CUDA (the
         capture's own warm-up runs compile the Triton kernels) — as an idle attention-DP rank would: only the
         scratch blocks are written. Collective: every rank warms the same shape. Counts no coverage and no
         timing. Returns the target step's ``(replayed, why not)``."""
-        reason = self._memory_guard(batch, nodes)
+        reason = self._memory_guard(batch, tree_size)
         if reason:
-            self.skipped[batch, nodes] = reason
+            self.skipped[batch, tree_size] = reason
             return False, reason
         if self.tally is not None:
             self.tally.armed = True  # a static shape is a decode or a verify, and its capture holds the count
-        holders = [g for g in (self.static, self.drafts, self.commits) if g is not None]
-        saved = [g.coverage for g in holders], dict(self.timing)
-        for g in holders:
-            g.coverage = GraphCoverage()
+        saved = self.static.coverage, dict(self.timing)
+        self.static.coverage = GraphCoverage()
         try:
-            if nodes == 1:
+            if tree_size == 1:
                 return self._decode_static([], batch)[2]
-            _, record, _ = self._verify_static([], batch)
-            self.commits.warm_up(batch, nodes)  # an idle rank's verify does not commit
-            return record
+            target = _StaticTarget(self)
+            self.speculator.warm_up_static(batch, target)  # its draft and commit count no coverage either
+            return self.static.status(target.shape)
         finally:
-            for g, coverage in zip(holders, saved[0], strict=True):
-                g.coverage = coverage
-            self.timing = saved[1]
+            self.static.coverage, self.timing = saved
 
-    def _memory_guard(self, batch: int, nodes: int) -> str:
-        """"" when static shape ``(batch, nodes)``'s buffers fit in free device memory on every rank, else why not
-        (:func:`engine.capture.memory_blocker`). Collective over the control group, so every rank skips alike."""
-        cfg, spec = self.model.cfg, self.speculation
-        need = static_step_bytes(batch=batch, nodes=nodes, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
+    def _memory_guard(self, batch: int, tree_size: int) -> str:
+        """"" when static shape ``(batch, tree_size)``'s buffers fit in free device memory on every rank, else why
+        not (:func:`engine.capture.memory_blocker`). Collective over the control group, so every rank skips
+        alike."""
+        cfg, facts = self.model.cfg, self.speculation.facts if self.speculation is not None else None
+        need = static_step_bytes(batch=batch, tree_size=tree_size, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
                                  intermediate=max(cfg.intermediate_size, cfg.moe.intermediate_size * cfg.moe.top_k),
                                  dtype_bytes=self.model.dtype.itemsize,
-                                 feature_width=len(self.speculator.capture) * cfg.hidden_size if spec else 0,
-                                 draft_rows=spec.scratch_slots if spec else 0)
+                                 feature_width=len(self.feature_layers) * cfg.hidden_size,
+                                 draft_rows=facts.draft_rows if facts is not None else 0)
         reason = memory_blocker(need, free_device_memory(self.device))
         control = self.model.groups.control
         if control is None or control.size == 1:
@@ -214,8 +216,9 @@ class ModelRunner:
         rank = next((r for r, why in enumerate(reasons) if why), None)
         return "" if rank is None else f"rank {control.ranks[rank]}: {reasons[rank]}"
 
-    def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[tuple[int, int] | None, str]:
-        """``((batch, nodes), "")`` when this step runs as a static step on every rank, else ``(None, why not)``.
+    def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[StepShape | None, str]:
+        """``(StepShape(batch, tree_size), "")`` when this step runs as a static step on every rank (``batch``: the
+        busiest rank's item count, before rounding up to a static batch size), else ``(None, why not)``.
 
         Decided from every attention-DP rank's work, so all ranks agree without a collective: each busy rank
         must hold only plain decodes or only tree verifies (the same kind everywhere), the batch is the busiest
@@ -232,9 +235,9 @@ class ModelRunner:
         if batch > sizes[-1]:
             return None, f"batch {batch} above the largest static batch size {sizes[-1]}"
         if all(verify) or all(decode):
-            nodes = self.speculation.num_nodes if all(verify) else 1
-            skipped = self.skipped.get((self.static.shape_for(batch, nodes).batch, nodes))
-            return (None, f"static shape skipped: {skipped}") if skipped else ((batch, nodes), "")
+            tree_size = self.tree_size if all(verify) else 1
+            skipped = self.skipped.get((self.static.shape_for(batch, tree_size).batch, tree_size))
+            return (None, f"static shape skipped: {skipped}") if skipped else (StepShape(batch, tree_size), "")
         return None, "prefill or mixed step (variable shapes)"
 
     def _decode_static(self, work: list[SeqWork], batch: int):
@@ -245,73 +248,52 @@ class ModelRunner:
         logits, feats = self.static.run(seqs, 1, batch, fill=lambda ids: self._take_previous(ids, refs))
         record = self.static.status(self.static.shape_for(batch, 1))
         if self.speculator is not None:  # plain decodes extend the drafter's context
-            for i, w in enumerate(work):
-                self.speculator.add_context(w, feats[i:i + 1], w.start)
+            self.speculator.features_computed(work, feats)
         # like the dynamic path: results live on attention-TP rank 0 (with overlap every rank samples)
         sampled = self._sample_plain(work, logits) if self.reports or self.overlap else None
         return ({} if self.reports else None), sampled, record
 
     def _verify_static(self, work: list[SeqWork], batch: int
-                       ) -> tuple[dict[str, StepResult] | None, Record, dict[str, Record]]:
-        """A static tree verify: every input goes into the draft's and the verify's buffers first (host values);
-        then draft → verify → walk and KV compaction run on the device, the trees read where the draft left
-        them (``strict_sync``: any host synchronisation in there raises); one readback at the end. Every rank
-        walks its trees (and compacts its KV shard). Returns the results, the verify's coverage record and the
-        draft's and (with work) the commit's."""
-        spec = self.speculator
-        n = self.speculation.num_nodes
-        seqs = [SeqLayout(self.cache.slots(w.block_table, w.start, w.start + n), w.block_table, w.start + n)
-                for w in work]
-        t0 = time.perf_counter()
-        size = self.drafts.load(work, batch)
-        shape = self.static.load_tree_layout(seqs, size, n)
-        self.commits.prepare(size, n)
-        sampling = spec.node_sampling(work, n, self.device)
-        with no_host_sync(self.strict_sync):
-            tree, start = self.drafts.launch(size)
-            t1 = time.perf_counter()
-            logits, feats, slots = self.static.run_tree(shape, *spec.verify_inputs(tree, start))
-            committed = spec.walk_and_commit(tree, logits, feats, slots, start, sampling, self.commits.run) \
-                if work else None
-        results = committed.results(work) if work else []
-        parts = {"draft": self.drafts.status(size), **({"commit": self.commits.status((size, n))} if work else {})}
-        self.timing["draft_s"] += t1 - t0
-        self.timing["verify_s"] += time.perf_counter() - t1
-        record = self.static.status(shape)
+                       ) -> tuple[dict[str, StepResult] | None, Record, dict[StepKind, Record]]:
+        """A static speculative step, run by the speculator through the static tree verify lent to it
+        (:class:`_StaticTarget`; ``strict_sync``: any host synchronisation between its draft and its commit
+        raises). Every rank walks its trees (and compacts its KV shard). Returns the results, the verify's
+        coverage record and the draft's and (with work) the commit's."""
+        target, t0 = _StaticTarget(self), time.perf_counter()
+        out = self.speculator.speculate_static(work, batch, target)
+        self.timing["draft_s"] += target.verify_started - t0
+        self.timing["verify_s"] += time.perf_counter() - target.verify_started
+        record = self.static.status(target.shape)
         if self.model.groups.attn_tp.rank != 0:
-            return None, record, parts
-        return {w.request_id: r for w, r in zip(work, results, strict=True)}, record, parts
+            return None, record, out.coverage
+        return {w.request_id: r for w, r in zip(work, out.results, strict=True)}, record, out.coverage
 
-    def _execute_dynamic(self, work: list[SeqWork], trees: dict):
-        """→ ``(results, sampled)``: the speculative items' results (None on ranks that do not report) and the
-        plainly sampled rows."""
-        spec = self.speculator
-        batch = self._batch(work, trees)
-        if spec is not None:
-            hidden, feats = self.model(batch, capture=spec.capture)
+    def _execute_dynamic(self, work: list[SeqWork]):
+        """→ ``(results, sampled, verify_started)``: the speculative items' results (None on ranks that do not
+        report), the plainly sampled rows, and when the target forward started (the speculator drafts before)."""
+        spec_items = [w for w in work if w.spec]
+        target = _DynamicTarget(self, work)
+        results = {}
+        if spec_items:
+            results = dict(zip((w.request_id for w in spec_items), self.speculator.speculate(spec_items, target),
+                               strict=True))
+            if target.hidden is None:
+                raise RuntimeError("the speculator returned without running the step's target forward")
         else:
-            hidden, feats = self.model(batch), None
-        starts = [0, *torch.tensor(batch.query_lens, dtype=torch.int64).cumsum(0).tolist()]
-        results = self._speculative(work, trees, hidden, feats, starts) if trees else {}
-        if spec is not None:  # prefill chunks extend the drafter's context
-            for i, w in enumerate(work):
-                if not w.spec:
-                    spec.add_context(w, feats[starts[i]:starts[i + 1]], w.start)
-        plain = [i for i, w in enumerate(work) if w.sample and not w.spec]
-        ends = to_device([starts[i + 1] - 1 for i in plain], torch.int64, self.device)
+            target.forward([])
+        hidden, feats, starts = target.hidden, target.feats, target.starts
+        plain = [i for i, w in enumerate(work) if not w.spec]
+        if self.speculator is not None and plain:  # prefill chunks extend the drafter's context
+            rows = feats if not spec_items else torch.cat([feats[starts[i]:starts[i + 1]] for i in plain])
+            self.speculator.features_computed([work[i] for i in plain], rows)
+        chosen = [i for i in plain if work[i].sample]
+        ends = to_device([starts[i + 1] - 1 for i in chosen], torch.int64, self.device)
         # overlap: every attention-TP rank samples the same tokens from the same gathered logits
         logits = (self.model.logits_everywhere if self.overlap else self.model.logits)(hidden[ends])
         if logits is None:
-            return None, None
-        return (results if self.reports else None), self._sample_plain([work[i] for i in plain], logits)
-
-    def _speculative(self, work, trees, hidden, feats, starts) -> dict[str, StepResult]:
-        """The dynamic forward's tree rows → one batched walk over this rank's speculative items."""
-        items = [w for w in work if w.spec]
-        index = torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device)
-                           for i, w in enumerate(work) if w.spec])
-        results = self.speculator.accept_rows(items, trees, self.model.logits_everywhere(hidden[index]), feats[index])
-        return {w.request_id: r for w, r in zip(items, results, strict=True)}
+            return None, None, target.verify_started
+        sampled = self._sample_plain([work[i] for i in chosen], logits)
+        return (results if self.reports else None), sampled, target.verify_started
 
     def _sample_plain(self, chosen: list[SeqWork], logits: torch.Tensor
                       ) -> tuple[list[SeqWork], Readback | None] | None:
@@ -320,10 +302,54 @@ class ModelRunner:
         if not chosen:
             return None
         sb = SamplingBatch.build([w.params for w in chosen], [w.seed for w in chosen],
-                                 [w.num_generated for w in chosen], self.model.cfg.eos_token_ids,
-                                 [w.num_generated for w in chosen], device=logits.device)
+                                 [w.num_generated for w in chosen], self.model.cfg.eos_token_ids, device=logits.device)
         out = sample(logits.float(), sb)
         self.last_tokens = out.tokens
         if not self.reports:
             return chosen, None
         return chosen, Readback([out.tokens, out.logprobs, out.top_ids, out.top_logprobs])
+
+
+class _DynamicTarget:
+    """:class:`engine.speculation.TargetForward` of one dynamic step: the step's one forward over every item of
+    ``work``, the speculator's trees among them. The hidden states and features stay here for the plain items."""
+
+    def __init__(self, runner: ModelRunner, work: list[SeqWork]):
+        self.runner, self.work = runner, work
+        self.hidden: torch.Tensor | None = None
+        self.feats: torch.Tensor | None = None
+        self.starts: list[int] = []
+        self.verify_started = time.perf_counter()  # reset when the speculator asks for the forward
+
+    def forward(self, trees: list[TreeRows]) -> None:
+        self.hidden, self.feats, self.starts = self.runner._forward(self.work, trees)
+
+    def verify_trees(self, trees: list[TreeRows]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.verify_started = time.perf_counter()
+        self.forward(trees)
+        index = torch.cat([torch.arange(self.starts[i], self.starts[i + 1], device=self.runner.device)
+                           for i, w in enumerate(self.work) if w.spec])
+        return self.runner.model.logits_everywhere(self.hidden[index]), self.feats[index]
+
+
+class _StaticTarget:
+    """:class:`engine.speculation.StaticTarget` of one static speculative step: the runner's static tree verify
+    (:meth:`engine.cuda_graphs.GraphRunner.load_tree_layout` and :meth:`~engine.cuda_graphs.GraphRunner.run_tree`)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.shape: StepShape | None = None
+        self.verify_started = time.perf_counter()
+
+    def load_tree_layout(self, work: list[SeqWork], batch: int) -> None:
+        cache, n = self.runner.cache, self.runner.tree_size
+        seqs = [SeqLayout(cache.slots(w.block_table, w.start, w.start + n), w.block_table, w.start + n) for w in work]
+        self.shape = self.runner.static.load_tree_layout(seqs, batch, n)
+
+    def verify_trees(self, token_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.verify_started = time.perf_counter()
+        return self.runner.static.run_tree(self.shape, token_ids, positions, tree_mask)
+
+    def no_host_sync(self):
+        return no_host_sync(self.runner.strict_sync)

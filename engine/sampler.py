@@ -1,6 +1,7 @@
 """Token sampling as pure tensor functions: no host sync, no generator state.
 
-Randomness is a counter-based hash of ``(seed, step, token_id)`` (splitmix64 in wrapping int64 torch ops), so a
+Randomness is a counter-based hash of ``(seed, num_generated, token_id)`` (splitmix64 in wrapping int64 torch ops;
+``num_generated`` is the output index of the token drawn: the tokens the request has generated before it), so a
 seeded request draws the same tokens whatever else is in its batch and in whatever order the batch is formed.
 """
 
@@ -81,11 +82,11 @@ class SamplingParams:
 class SamplingBatch:
     """Per-row sampling tensors for B requests, built on the host once per step by :meth:`build`.
 
-    ``temperature, top_p, min_p [B]`` float32; ``top_k, seed, step [B]`` int64 (top_k ``TOP_K_OFF`` = off, step =
-    index of the output token being drawn). ``ban_rows, ban_ids [N]`` int64 are (row, token) pairs whose logit is
-    set to -inf (EOS/stop ids of rows still short of ``min_tokens``) while ``ban_left [N]`` int64 (tokens the row
-    must still produce first) is positive. ``num_logprobs`` is the batch's largest ``logprobs``; ``needs_sort`` /
-    ``all_greedy`` are host flags that let :func:`sample` skip work.
+    ``temperature, top_p, min_p [B]`` float32; ``top_k, seed, num_generated [B]`` int64 (top_k ``TOP_K_OFF`` = off;
+    num_generated: the output index of the token being drawn). ``ban_rows, ban_ids [N]`` int64 are (row, token)
+    pairs whose logit is set to -inf (EOS/stop ids of rows still short of ``min_tokens``) while ``ban_left [N]``
+    int64 (tokens the row must still produce first) is positive. ``num_logprobs`` is the batch's largest
+    ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work.
     """
 
     temperature: Tensor
@@ -93,7 +94,7 @@ class SamplingBatch:
     top_p: Tensor
     min_p: Tensor
     seed: Tensor
-    step: Tensor
+    num_generated: Tensor
     ban_rows: Tensor
     ban_ids: Tensor
     ban_left: Tensor
@@ -106,21 +107,21 @@ class SamplingBatch:
         cls,
         params: list[SamplingParams],
         seeds: list[int],
-        steps: list[int],
+        num_generated: list[int],
         eos_ids: tuple[int, ...],
-        generated_counts: list[int],
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         """``seeds[i]`` is row i's effective seed (``params[i].seed``, or one the engine drew for an unseeded
-        request); ``generated_counts[i]`` the tokens it has produced so far. Banned ids must be < vocab size.
-        While ``generated_count < min_tokens`` stop ids are banned, and EOS ids too unless ``ignore_eos``."""
-        if not len(seeds) == len(steps) == len(generated_counts) == len(params):
+        request); ``num_generated[i]`` the tokens it has produced so far (``SeqWork.num_generated``), i.e. the
+        output index of the token drawn. Banned ids must be < vocab size. While ``num_generated < min_tokens``
+        stop ids are banned, and EOS ids too unless ``ignore_eos``."""
+        if not len(seeds) == len(num_generated) == len(params):
             raise ValueError(
-                f"params, seeds, steps, generated_counts must have equal lengths, got "
-                f"{len(params)}, {len(seeds)}, {len(steps)}, {len(generated_counts)}"
+                f"params, seeds, num_generated must have equal lengths, got "
+                f"{len(params)}, {len(seeds)}, {len(num_generated)}"
             )
         ban_rows, ban_ids, ban_left = [], [], []
-        for row, (p, count) in enumerate(zip(params, generated_counts, strict=True)):
+        for row, (p, count) in enumerate(zip(params, num_generated, strict=True)):
             if count < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
                 ban_rows += [row] * len(banned)
@@ -142,7 +143,7 @@ class SamplingBatch:
             top_p=f32([p.top_p for p in params]),
             min_p=f32([p.min_p for p in params]),
             seed=i64([_int64(s) for s in seeds]),
-            step=i64(steps),
+            num_generated=i64(num_generated),
             ban_rows=i64(ban_rows),
             ban_ids=i64(ban_ids),
             ban_left=i64(ban_left),
@@ -153,10 +154,11 @@ class SamplingBatch:
 
     def advanced(self, by: Tensor) -> SamplingBatch:
         """The same rows ``by [B]`` int64 output tokens later (a tree node at depth ``by`` draws the output index
-        ``step + by``): steps move on and bans lift where a row reaches ``min_tokens``. On the device, without
-        host synchronisation: the speculative walk builds the batch from host values once per request and
-        offsets it by the tree's depths."""
-        return dataclasses.replace(self, step=self.step + by, ban_left=self.ban_left - by[self.ban_rows])
+        ``num_generated + by``): output indices move on and bans lift where a row reaches ``min_tokens``. On the
+        device, without host synchronisation: the speculative walk builds the batch from host values once per
+        request and offsets it by the tree's depths."""
+        return dataclasses.replace(self, num_generated=self.num_generated + by,
+                                   ban_left=self.ban_left - by[self.ban_rows])
 
 
 @dataclass(frozen=True)
@@ -184,14 +186,14 @@ def mix64(x: Tensor) -> Tensor:
     return x ^ _shr(x, 31)
 
 
-def gumbel_noise(seed: Tensor, step: Tensor, vocab_size: int) -> Tensor:
-    """Gumbel(0, 1) noise ``[B, V]`` float32, a pure function of ``(seed[b], step[b], token id)``.
+def gumbel_noise(seed: Tensor, num_generated: Tensor, vocab_size: int) -> Tensor:
+    """Gumbel(0, 1) noise ``[B, V]`` float32, a pure function of ``(seed[b], num_generated[b], token id)``.
 
-    Row key = ``mix64(mix64(seed) + step * GAMMA)``; token t gets the (t+1)-th splitmix64 output from that key.
+    Row key = ``mix64(mix64(seed) + num_generated * GAMMA)``; token t gets the (t+1)-th splitmix64 output from that key.
     The top 23 bits make ``u = (2b + 1) / 2**24``, exact in float32 and strictly inside (0, 1). On the CPU the logs
     are :func:`model.fixed_math.log` (torch's rounds a tensor's scalar tail apart from its body, so a row's noise would
     depend on the batch); on CUDA ``torch.log`` (one routine per element)."""
-    key = mix64(mix64(seed) + step * GAMMA)  # [B]
+    key = mix64(mix64(seed) + num_generated * GAMMA)  # [B]
     ids = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seed.device)
     bits = mix64(key[:, None] + ids * GAMMA)  # [B, V]
     u = (_shr(bits, 41) * 2 + 1).float() * 2.0**-24
@@ -235,7 +237,7 @@ def sample(logits: Tensor, sb: SamplingBatch) -> SampleOutput:
         is_sampled = sb.temperature > 0
         temp = torch.where(is_sampled, sb.temperature, 1.0)
         filtered = filter_logits(banned / temp[:, None], sb)
-        drawn = (filtered + gumbel_noise(sb.seed, sb.step, logits.shape[-1])).argmax(dim=-1)
+        drawn = (filtered + gumbel_noise(sb.seed, sb.num_generated, logits.shape[-1])).argmax(dim=-1)
         tokens = torch.where(is_sampled, drawn, tokens)
     top_logprobs, top_ids = raw.topk(sb.num_logprobs, dim=-1)  # [B, n]
     return SampleOutput(tokens, raw.gather(1, tokens[:, None]).squeeze(1), top_ids, top_logprobs)

@@ -36,7 +36,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_manager import KVManager, KVManagerConfig, blocks_for
+from engine.blocks import blocks_for
+from engine.kv_manager import KVManager, KVManagerConfig
 from engine.sampler import SamplingParams
 from engine.step import RequestOutput, SeqWork, StepPlan, StepResult
 from engine.stop_strings import Detokenize, IncrementalDetokenizer, StopStrings
@@ -135,30 +136,30 @@ class Request:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 spec_scratch: int = 0, tokenizer: Detokenize | None = None, namespace: bytes = b"",
+                 spec_reserve_slots: int = 0, tokenizer: Detokenize | None = None, namespace: bytes = b"",
                  retain_after: frozenset[int] = frozenset()):
-        """``spec_scratch`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing that
-        many KV slots (its tree). ``tokenizer`` detokenizes outputs for stop strings (without one, a request with stop
-        strings is refused). ``namespace``: what the prefix cache's hashes are computed under (model, drafter, KV
+        """``spec_reserve_slots`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing
+        that many KV slots (its tree). ``tokenizer`` detokenizes outputs for stop strings (without one, a request with
+        stop strings is refused). ``namespace``: what the prefix cache's hashes are computed under (model, drafter, KV
         dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV (tool calls)."""
         self.cfg, self.dp_size, self.vocab_size, self.eos = cfg, dp_size, vocab_size, set(eos_token_ids)
         self.tokenizer, self.retain_after = tokenizer, retain_after
-        self.spec_scratch = spec_scratch
+        self.spec_reserve_slots = spec_reserve_slots
         if cfg.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is unset: resolve it with for_model first")
-        need = blocks_for(cfg.max_model_len + spec_scratch, cfg.block_size)
+        need = blocks_for(cfg.max_model_len + spec_reserve_slots, cfg.block_size)
         if need > cfg.num_blocks:  # vLLM's rule: else a request that fits max_model_len could wait forever
-            raise RequestError(f"engine.num_blocks={cfg.num_blocks} (blocks of {cfg.block_size} tokens) cannot hold "
-                               f"one max_model_len={cfg.max_model_len} request plus its speculative scratch of "
-                               f"{spec_scratch} slots: it needs {need} blocks; raise engine.num_blocks or lower "
-                               "engine.max_model_len")
-        self.kv = KVManager(KVManagerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, dp_size=dp_size,
-                                            prefix_caching=cfg.prefix_caching, retention_s=cfg.kv_retention_s,
-                                            namespace=namespace))
+            raise RequestError(f"engine.num_blocks={cfg.num_blocks} (blocks of {cfg.block_size} tokens) cannot "
+                               f"hold one max_model_len={cfg.max_model_len} request plus its speculative scratch of "
+                               f"{spec_reserve_slots} slots: it needs {need} blocks; raise engine.num_blocks or "
+                               "lower engine.max_model_len")
+        self.kv = KVManager(KVManagerConfig(num_blocks=cfg.num_blocks, kv_block_size=cfg.block_size,
+                                            dp_size=dp_size, prefix_caching=cfg.prefix_caching,
+                                            retention_s=cfg.kv_retention_s, namespace=namespace))
         self.waiting: deque[Request] = deque()
         self.running: list[list[Request]] = [[] for _ in range(dp_size)]
         self.requests: dict[str, Request] = {}
-        self.overlap = cfg.overlap == "on" and spec_scratch == 0  # a verify's next start needs its accepted count
+        self.overlap = cfg.overlap == "on" and spec_reserve_slots == 0  # a verify's next start needs its accepted count
         self._scheduled: dict[int, dict[str, Request]] = {}  # step id → the requests it feeds, until its update
         self._steps = itertools.count()
         self._admissions = itertools.count()
@@ -167,7 +168,7 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------------
     def request_slots(self, prompt_len: int, max_tokens: int) -> int:
         """KV slots a whole request may need: prompt + max_tokens (capped at max_model_len) + its tree's scratch."""
-        return min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_scratch
+        return min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_reserve_slots
 
     def validate(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None) -> None:
         """Raises RequestError naming the field when the request can never run."""
@@ -254,8 +255,9 @@ class Scheduler:
                 if n <= 0 or self._ends_in_flight(req):
                     continue
                 decode = self._feeds_last_token(req, total)
-                spec = decode and self.spec_scratch > 0
-                if not self._blocks_for_step(req, req.num_computed + (self.spec_scratch if spec else n), scheduled):
+                spec = decode and self.spec_reserve_slots > 0
+                writes = self.spec_reserve_slots if spec else n  # a tree writes its whole reserve
+                if not self._blocks_for_step(req, req.num_computed + writes, scheduled):
                     continue
                 budget -= n
                 done = req.num_computed + n == total

@@ -1,10 +1,12 @@
 """Step types shared by the scheduler, the runner and spec_decode: what a step feeds (:class:`SeqWork`,
-:class:`StepPlan`) and what it gives back (:class:`StepResult`, :class:`RunnerOutput`, :class:`RequestOutput`)."""
+:class:`StepPlan`), what kind of step it is (:class:`StepKind`) and what it gives back (:class:`StepResult`,
+:class:`RunnerOutput`, :class:`RequestOutput`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from engine.sampler import SamplingParams
 
@@ -28,10 +30,31 @@ class SeqWork:
     prev_row: int = -1
 
 
-def step_kind(items: Iterable[SeqWork]) -> str:
-    """"prefill", "decode" or "mixed": whether a step's items feed prompt tokens, generated tokens or both."""
+class StepKind(StrEnum):
+    """What a step runs. A target step is PREFILL (prompt tokens only), DECODE (generated tokens only, plainly),
+    VERIFY (generated tokens only, speculative items among them: a DFlash chain or DDTree tree per request) or
+    MIXED (prompt and generated tokens). DRAFT and COMMIT are the drafter step and the walk + KV compaction of a
+    verify, counted apart in CUDA-graph coverage. One value per step, from :func:`step_kind`: the engine's step
+    counts (``EngineStats.step_kinds``), its graph coverage and the expert tally agree on it."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+    MIXED = "mixed"
+    DRAFT = "draft"
+    COMMIT = "commit"
+
+
+def step_kind(items: Iterable[SeqWork]) -> StepKind:
+    """A target step's kind from every attention-DP rank's items: PREFILL, DECODE, VERIFY or MIXED. A speculative
+    step is VERIFY (not DECODE) in the step counts as in graph coverage, where its static step is a tree verify."""
+    items = list(items)
     fed = {w.decode for w in items}
-    return "mixed" if len(fed) == 2 else "decode" if fed == {True} else "prefill"
+    if len(fed) == 2:
+        return StepKind.MIXED
+    if fed != {True}:
+        return StepKind.PREFILL
+    return StepKind.VERIFY if any(w.spec for w in items) else StepKind.DECODE
 
 
 @dataclass(frozen=True)
@@ -46,7 +69,7 @@ class StepPlan:
         return sum(len(w.token_ids) for per_rank in self.work for w in per_rank)
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> StepKind:
         """:func:`step_kind` over every attention-DP rank's items."""
         return step_kind(w for per_rank in self.work for w in per_rank)
 
@@ -64,10 +87,10 @@ class StepResult:
 class RunnerOutput:
     """One rank's share of a step (``ModelRunner.execute``): ``results`` per sampling request (None on ranks
     that do not hold the logits) and ``coverage`` ``{kind: (replayed, why not)}`` for the target step and, when
-    this rank speculated, its draft and commit (``engine.capture.STEP_KINDS``)."""
+    this rank speculated, its draft and commit."""
 
     results: dict[str, StepResult] | None
-    coverage: dict[str, tuple[bool, str]]
+    coverage: dict[StepKind, tuple[bool, str]]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,13 @@ class PaddedContext:
         return flat if self.to_padded is None else flat[self.to_padded]
 
 
+def paged_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The paged layout in one line: token position ``p`` of a sequence lives in slot
+    ``block_table[p // block_size] * block_size + p % block_size`` of the flat cache. ``block_tables [..., M]``
+    (one table ``[M]`` or a batch ``[B, M]``), ``positions [L]`` int64 → int64 slots ``[..., L]``."""
+    return block_tables[..., positions // block_size].long() * block_size + positions % block_size
+
+
 @dataclass
 class PagedTables:
     """What the paged-attention kernels read besides the layer's flat cache tensors (``KVContext.store``

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from model import fixed_math
+from model.batch import paged_slots
 from model.quant import reference as qref
 from model.tree_mask import resolve_tree_mask
 from parallelism.dispatch_base import ExpertInput
@@ -162,7 +163,7 @@ def _paged_mask(context_lens: torch.Tensor, tree_mask: torch.Tensor | None, leng
 def _gather_paged(caches: tuple[torch.Tensor, ...], block_tables: torch.Tensor, length: int, block_size: int):
     """Positions ``0..length-1`` of every sequence: each cache ``[num_slots, ...]`` → ``[B, length, ...]``."""
     pos = torch.arange(length, device=block_tables.device)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, length]
+    slots = paged_slots(block_tables, pos, block_size)  # [B, length]
     return tuple(c[slots] for c in caches)
 
 

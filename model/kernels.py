@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model.batch import paged_slots
 from model.tree_mask import resolve_tree_mask
 from parallelism.dispatch_base import ExpertInput
 
@@ -149,8 +150,7 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int, bl
     """The first ``length`` entries of one sequence: ``cache [num_slots, ...]``, ``block_table [max_blocks]``
     → ``[length, ...]``."""
     pos = torch.arange(length, device=cache.device)
-    slots = block_table.to(cache.device)[pos // block_size].long() * block_size + pos % block_size
-    return cache.index_select(0, slots)
+    return cache.index_select(0, paged_slots(block_table.to(cache.device), pos, block_size))
 
 
 def _visible(tree_mask: torch.Tensor, length: int) -> torch.Tensor:

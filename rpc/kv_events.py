@@ -37,8 +37,9 @@ def index_digest(wire_hashes: Iterable[int]) -> str:
 class KvEventHub:
     """Lives on the server's event loop: :meth:`publish` takes the engine's events, :meth:`subscribe` streams them."""
 
-    def __init__(self, block_size: int, loads: Callable[[], Loads], max_running: int, heartbeat_s: float = 2.0):
-        self.block_size, self.loads, self.max_running, self.heartbeat_s = block_size, loads, max_running, heartbeat_s
+    def __init__(self, kv_block_size: int, loads: Callable[[], Loads], max_running: int, heartbeat_s: float = 2.0):
+        self.kv_block_size, self.loads, self.max_running = kv_block_size, loads, max_running
+        self.heartbeat_s = heartbeat_s
         self.seq = 0
         self.log: deque[cpb.KvEventBatch] = deque(maxlen=LOG_BATCHES)
         self.index: dict[int, tuple[int, tuple[int, ...]]] = {}  # wire hash → (parent wire hash, token ids)
@@ -75,7 +76,7 @@ class KvEventHub:
         return self._stored(hashes, e.tokens, wire_hash(e.parent) if e.parent != NO_PARENT else None)
 
     def _stored(self, hashes: list[int], tokens, parent: int | None) -> cpb.KvCacheEvent:
-        blocks = [cpb.KvBlock(block_hash=h, token_ids=list(t), block_size=self.block_size)
+        blocks = [cpb.KvBlock(block_hash=h, token_ids=list(t), block_size=self.kv_block_size)
                   for h, t in zip(hashes, tokens, strict=True)]
         stored = cpb.KvBlocksStored(blocks=blocks, **({"parent_block_hash": parent} if parent is not None else {}))
         return cpb.KvCacheEvent(event_id=self.seq + 1, stored=stored)

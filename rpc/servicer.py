@@ -67,7 +67,7 @@ class ModelFacts:
     pad_token_id: int
     dtype: str
     attention: str
-    block_size: int
+    kv_block_size: int  # tokens per KV-cache block (engine.block_size)
     max_num_seqs: int  # running slots over all attention-DP ranks
     dp_size: int  # attention-DP ranks
 
@@ -84,7 +84,7 @@ class ModelFacts:
             model_type=raw.get("model_type", cfg.model_type), architectures=tuple(raw.get("architectures") or ()),
             eos_token_ids=tuple(cfg.eos_token_ids), bos_token_id=int(raw.get("bos_token_id") or 0),
             pad_token_id=int(pad if pad is not None else 0), dtype=str(engine.model.dtype),
-            attention="mla" if cfg.mla is not None else "gqa", block_size=sched.block_size,
+            attention="mla" if cfg.mla is not None else "gqa", kv_block_size=sched.block_size,
             max_num_seqs=sched.max_num_seqs * dp, dp_size=dp)
 
 
@@ -124,7 +124,7 @@ def _kv_info(engine: Engine) -> dict:
     sched, cfg = engine.scheduler, engine.scheduler.cfg
     kv, pools = sched.kv, sched.kv.pools
     used, total = sum(p.num_used for p in pools), sum(p.num_blocks for p in pools)
-    return {"prefix_caching": cfg.prefix_caching, "allocation": cfg.kv_allocation, "block_size": cfg.block_size,
+    return {"prefix_caching": cfg.prefix_caching, "allocation": cfg.kv_allocation, "kv_block_size": cfg.block_size,
             "retention_s": cfg.kv_retention_s, "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
             "hit_rate": kv.hit_rate, "evictions": sum(p.evictions for p in pools), "preemptions": sched.preemptions,
             "blocks_used": used, "blocks_total": total, "usage": used / total,
@@ -147,15 +147,16 @@ def _graph_info(engine: Engine) -> dict:
 
 
 def _spec_info(engine: Engine) -> dict:
-    spec, s = engine.speculation.config if engine.speculation is not None else None, engine.stats
-    enabled = bool(getattr(spec, "enabled", False))
-    tau = getattr(s, "acceptance_length", 0.0) or None
-    doc = {"enabled": enabled, "method": getattr(spec, "method", "none"), "acceptance_length": tau,
-           "request_steps": getattr(s, "spec_request_steps", 0), "committed_tokens": getattr(s, "spec_tokens", 0)}
-    if not enabled:
+    """The speculation's facts (``engine.speculation.SpeculationFacts``, names as in docs/GLOSSARY.md) and its
+    acceptance so far."""
+    s = engine.stats
+    tau = s.acceptance_length or None
+    doc = {"enabled": engine.speculation is not None, "method": "none", "acceptance_length": tau,
+           "request_steps": s.spec_request_steps, "committed_tokens": s.spec_tokens}
+    if engine.speculation is None:
         doc["summary"] = "spec-decode acceptance: none yet (speculative decoding off)"
     else:
-        doc.update(budget=spec.budget, block_size=spec.block_size,
+        doc.update(asdict(engine.speculation.facts),
                    summary=f"spec-decode acceptance length: {tau:.2f}" if tau else "spec-decode acceptance: none yet")
     return doc
 
@@ -166,7 +167,7 @@ def _snapshot(loads: Loads, dp: int, max_running: int) -> pb.SchedulerLoad:
     usage = r.blocks_used / r.blocks_total
     return pb.SchedulerLoad(
         dp_rank=dp, num_running_reqs=r.running, num_waiting_reqs=r.waiting, num_total_reqs=r.running + r.waiting,
-        num_used_tokens=r.blocks_used * loads.block_size, max_total_num_tokens=r.blocks_total * loads.block_size,
+        num_used_tokens=r.blocks_used * loads.kv_block_size, max_total_num_tokens=r.blocks_total * loads.kv_block_size,
         token_usage=usage, gen_throughput=loads.gen_tokens_per_s, cache_hit_rate=loads.cache_hit_rate,
         utilization=usage, max_running_requests=max_running, num_waiting_uncached_tokens=r.waiting_uncached_tokens)
 
@@ -293,7 +294,7 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
         return pb.GetServerInfoResponse(
             active_requests=self.engine.num_streams, is_paused=self.draining, last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=f.dp_size,
-            kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.block_size,
+            kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.kv_block_size,
             attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs)
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:

@@ -63,8 +63,8 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
               device: DeviceConfig) -> None:
     setup_logging(rank)
     model = load_target(ckpt, build_groups(layout), rank, device)
-    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
     speculation = load_speculation(spec, model)
+    sched_cfg = size_kv_cache(model, sched_cfg, speculation)
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, speculation))
         return

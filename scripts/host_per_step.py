@@ -44,13 +44,14 @@ def phases(spec: str) -> dict[str, tuple[object, str]]:
            "wait + read back": (ModelRunner, "finish"), "update": (Scheduler, "update"),
            "launch (all)": (ModelRunner, "launch")}
     if spec != "none":
-        from spec_decode.speculator import Committed, Speculator
+        from spec_decode.speculation import DFlashSpeculator
+        from spec_decode.speculator import Committed
         from spec_decode.static_commit import CommitGraphs
         from spec_decode.static_draft import StaticDraft
 
         out.update({"stage draft inputs": (StaticDraft, "load"), "stage verify layout": (GraphRunner,
                                                                                           "load_tree_layout"),
-                    "draft": (StaticDraft, "run"), "walk + commit": (Speculator, "walk_and_commit"),
+                    "draft": (StaticDraft, "run"), "walk + commit": (DFlashSpeculator, "commit_static"),
                     "commit graph prepare": (CommitGraphs, "prepare"), "verify readback": (Committed, "results")})
     return out
 

@@ -65,9 +65,9 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups = build_groups(layout)
     model = load_target(ckpt, groups, rank, device)
-    sched_cfg = size_kv_cache(model, sched_cfg, spec.drafter_path if spec.enabled else None)
-    ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     speculation = load_speculation(spec, model)
+    sched_cfg = size_kv_cache(model, sched_cfg, speculation)
+    ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     if rank != 0:
         worker_loop(make_runner(model, sched_cfg, speculation))
         return

@@ -14,8 +14,10 @@ class SpecConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """``dflash``: chain of the drafter's argmax at each of ``block_size - 1`` depths. ``ddtree``: the
-    ``budget`` most probable prefixes over those depths. ``drafter_path``: a z-lab-layout DFlash checkpoint.
+    """The ``spec_decode`` keys as users type them (``docs/GLOSSARY.md``: internally ``block_size`` is the draft
+    block size, the tree has ``tree_size`` nodes). ``dflash``: chain of the drafter's argmax at each of
+    ``block_size - 1`` depths. ``ddtree``: the ``budget`` most probable prefixes over those depths.
+    ``drafter_path``: a z-lab-layout DFlash checkpoint.
     ``tree_temperature``: DDTree ranks prefixes by the drafter's log-probs divided by it (below 1 sharpens them,
     so the tree goes deeper and narrower); it only chooses which candidates are verified, never what is
     accepted, so any value is lossless. ``draft_head_dtype``: the precision of the LM-head matmul over the
@@ -60,12 +62,12 @@ class SpecConfig:
         return self.depth if self.method == "dflash" else min(self.depth, self.budget)
 
     @property
-    def num_nodes(self) -> int:
-        """Tree size including the root."""
+    def tree_size(self) -> int:
+        """Nodes per tree, root included: ``budget + 1`` for DDTree, ``block_size`` for the DFlash chain."""
         return 1 + (self.depth if self.method == "dflash" else self.budget)
 
     @property
-    def scratch_slots(self) -> int:
+    def spec_reserve_slots(self) -> int:
         """KV slots from a request's next position on that one speculative step writes: the tree's nodes (target
         KV) and the drafter's block (static drafting stores the block's drafter K/V at its own positions)."""
-        return max(self.num_nodes, self.block_size)
+        return max(self.tree_size, self.block_size)

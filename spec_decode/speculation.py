@@ -1,30 +1,109 @@
-"""The engine's :class:`engine.speculation.Speculation` built from a :class:`SpecConfig`: how the runner gets
-its speculator and static draft/commit graphs without engine/ importing spec_decode."""
+"""The engine's :class:`engine.speculation.Speculation` built from a :class:`SpecConfig`, and the
+:class:`DFlashSpeculator` it builds per rank: the engine drives speculation through ``engine.speculation``'s
+Protocols without importing spec_decode."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
+from engine.capture import GraphCoverage
 from engine.kv_cache import PagedKVCache
-from engine.speculation import Speculation
+from engine.sampler import SamplingBatch
+from engine.speculation import Speculation, SpeculationFacts, StaticLayout, StaticOutput, StaticTarget, TargetForward
+from engine.step import SeqWork, StepKind, StepResult
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
-from spec_decode.speculator import Speculator
+from spec_decode.speculator import Committed, Speculator, drafter_kv_spec
 from spec_decode.static_commit import CommitGraphs
 from spec_decode.static_draft import DraftGraphs
+from spec_decode.tree import DraftTree
 
 
-def static_graphs(spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
-                  batch_sizes: tuple[int, ...]) -> tuple[DraftGraphs, CommitGraphs]:
-    """``spec``'s static draft per batch size and static commit per verify shape."""
-    return DraftGraphs(spec, max_blocks, scratch_blocks, batch_sizes), CommitGraphs(spec, scratch_blocks)
+class DFlashSpeculator:
+    """One rank's :class:`engine.speculation.Speculator` for a DFlash drafter (chain or DDTree): the arithmetic of
+    ``spec`` (:class:`spec_decode.speculator.Speculator`) and, with a ``static`` layout, its static draft per batch
+    size and static commit per verify shape. Each speculative step runs here from draft to commit."""
+
+    def __init__(self, spec: Speculator, static: StaticLayout | None):
+        self.spec = spec
+        self.feature_layers = spec.feature_layers
+        self.drafts = self.commits = None
+        if static is not None:
+            self.drafts = DraftGraphs(spec, static.max_blocks, static.scratch_blocks, static.batch_sizes)
+            self.commits = CommitGraphs(spec, static.scratch_blocks)
+
+    @torch.no_grad()
+    def speculate(self, work: list[SeqWork], target: TargetForward) -> list[StepResult]:
+        """Drafts ``work``'s trees (one drafter forward), verifies them in the step's target forward, then samples,
+        walks and commits them on the device; one readback."""
+        spec = self.spec
+        trees = spec.propose(work)
+        logits, feats = target.verify_trees([spec.tree_rows(w, trees[w.request_id]) for w in work])
+        return spec.accept_rows(work, trees, logits, feats)
+
+    @torch.no_grad()
+    def speculate_static(self, work: list[SeqWork], batch: int, target: StaticTarget) -> StaticOutput:
+        """Every input goes into the draft's, the verify's and the commit's buffers first (host values, capturing
+        each shape on first use, in the order every rank follows: draft, verify, commit); then draft → verify →
+        sample → walk and KV compaction on the device, the trees read where the draft left them (inside
+        ``target.no_host_sync()``); one readback at the end. Every rank walks its trees (and compacts its KV
+        shard)."""
+        n = self.spec.cfg.tree_size
+        size = self.drafts.load(work, batch)
+        target.load_tree_layout(work, size)
+        self.commits.prepare(size, n)
+        sampling = self.spec.node_sampling(work, self.spec.cache.device)
+        with target.no_host_sync():
+            tree, start = self.drafts.launch(size)
+            logits, feats, slots = target.verify_trees(*self.spec.verify_inputs(tree, start))
+            committed = self.commit_static(tree, logits, feats, slots, start, sampling) if work else None
+        coverage = {StepKind.DRAFT: self.drafts.status(size)}
+        if committed is None:  # an idle rank's padding step commits nothing
+            return StaticOutput([], coverage)
+        coverage[StepKind.COMMIT] = self.commits.status((size, n))
+        return StaticOutput(committed.results(work), coverage)
+
+    def commit_static(self, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
+                      start: torch.Tensor, sampling: SamplingBatch) -> Committed:
+        """:meth:`Speculator.walk_and_commit` with the walk and the KV compaction in the static commit of the whole
+        padded batch (a graph replay on CUDA): ``tree [B, N]``, ``logits [B*N, V]``, ``feats [B*N, k*H]``,
+        ``slots [B, N]``, ``start [B]``; ``sampling`` of the J real requests."""
+        out, picks = self.spec.sample_nodes(tree, logits, sampling)
+        path, count = (t[:picks.shape[0]] for t in self.commits.run(tree, picks, feats, slots, start))
+        return Committed.along(out, picks, path, count)
+
+    def warm_up_static(self, batch: int, target: StaticTarget) -> None:
+        """An idle rank's ``batch`` static step, then the commit it skips, on padding only; coverage untouched."""
+        saved = self.drafts.coverage, self.commits.coverage
+        self.drafts.coverage, self.commits.coverage = GraphCoverage(), GraphCoverage()
+        try:
+            self.speculate_static([], batch, target)
+            self.commits.warm_up(batch, self.spec.cfg.tree_size)
+        finally:
+            self.drafts.coverage, self.commits.coverage = saved
+
+    def features_computed(self, work: list[SeqWork], feats: torch.Tensor) -> None:
+        """Stores the drafter context of ``work``'s fed tokens from their target features ``feats [T, k*H]``."""
+        at = 0
+        for w in work:
+            n = len(w.token_ids)
+            self.spec.add_context(w, feats[at:at + n], w.start)
+            at += n
 
 
-def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache], Speculator]) -> Speculation:
-    """A Speculation whose speculators come from ``build(model, cache)``, shaped by ``spec``."""
-    return Speculation(build=build, static_graphs=static_graphs, num_nodes=spec.num_nodes,
-                       scratch_slots=spec.scratch_slots, config=spec)
+def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache], Speculator],
+                     drafter_kv_bytes_per_token: int = 0) -> Speculation:
+    """A Speculation whose speculators wrap ``build(model, cache)``, shaped by ``spec``; the drafter's context
+    takes ``drafter_kv_bytes_per_token`` per token (0: not counted, for callers that size the KV cache
+    themselves, as the tests and GPU checks do)."""
+    facts = SpeculationFacts(method=spec.method, tree_size=spec.tree_size, draft_block_size=spec.block_size,
+                             draft_rows=spec.draft_rows, spec_reserve_slots=spec.spec_reserve_slots,
+                             drafter_path=spec.drafter_path, drafter_kv_bytes_per_token=drafter_kv_bytes_per_token,
+                             tree_temperature=spec.tree_temperature, draft_head_dtype=spec.draft_head_dtype)
+    return Speculation(facts=facts, build=lambda model, cache, static: DFlashSpeculator(build(model, cache), static))
 
 
 def load_speculation(spec: SpecConfig, model: CausalLM) -> Speculation | None:
@@ -33,4 +112,5 @@ def load_speculation(spec: SpecConfig, model: CausalLM) -> Speculation | None:
     if not spec.enabled:
         return None
     drafter = DFlashDrafter.load(spec.drafter_path).place(model.device)
-    return speculation_from(spec, lambda target, cache: Speculator(target, drafter, spec, cache))
+    return speculation_from(spec, lambda target, cache: Speculator(target, drafter, spec, cache),
+                            drafter_kv_spec(drafter).bytes_per_token())

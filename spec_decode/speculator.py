@@ -1,32 +1,32 @@
-"""Speculative steps on one rank: draft (DFlash chain or DDTree), verify inputs, walk, KV compaction.
+"""The arithmetic of speculative steps on one rank: the drafter's context, drafting (DFlash chain or DDTree),
+verify inputs, sampling the nodes, the walk and the KV compaction. ``spec_decode.speculation`` composes it into
+the engine's :class:`engine.speculation.Speculator`.
 
 Every rank of an attention-DP group runs the same speculative steps on the same inputs, so each
 computes the same tree and the same accepted path and compacts its own KV shard; no extra
 collective is needed beyond the drafter's embedding lookup and LM head (attention-TP group).
 
 Lossless by construction: the pick at each tree node is the target's own choice at that node —
-argmax at T=0, and at T>0 a sample from the counter-based sampler with ``step = num_generated + depth``,
+argmax at T=0, and at T>0 a sample from the counter-based sampler at output index ``num_generated + depth``,
 which is the very draw plain decoding makes for that output index (so the same seed gives the same
 tokens with or without speculation, up to floating-point ties).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.kv_cache import KVSpec, PagedKVCache, SeqSlots
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import SampleOutput, SamplingBatch, sample
+from engine.speculation import TreeRows
 from engine.step import SeqWork, StepResult
 from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
 from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, walk
-
-CommitFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # Speculator.commit_paths' signature
 
 
 def check_drafter_fits(drafter, target, path: str | None) -> None:
@@ -50,16 +50,21 @@ def check_drafter_fits(drafter, target, path: str | None) -> None:
                          f"{target.vocab_size}; {hint}")
 
 
+def drafter_kv_spec(drafter: DFlashDrafter) -> KVSpec:
+    """The drafter context's per-token entries: K and V ``[kv_heads, head_dim]`` per draft layer, in the drafter's
+    dtype (its context store, and its KV bytes per token: ``SpeculationFacts.drafter_kv_bytes_per_token``)."""
+    c = drafter.c
+    return KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers, next(drafter.parameters()).dtype)
+
+
 class Speculator:
     def __init__(self, model: CausalLM, drafter: DFlashDrafter, cfg: SpecConfig, cache: PagedKVCache):
         check_drafter_fits(drafter.c, model.cfg, cfg.drafter_path)
         self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
-        self.capture = tuple(drafter.c.target_layer_ids)
+        self.feature_layers = tuple(drafter.c.target_layer_ids)
         drafter.rotary.reserve(model.model.rotary.num_positions)
-        c = drafter.c
-        self.context = PagedKVCache(KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers,
-                                           next(drafter.parameters()).dtype),
-                                    cache.num_blocks, cache.block_size, device=cache.device)
+        self.context = PagedKVCache(drafter_kv_spec(drafter), cache.num_blocks, cache.kv_block_size,
+                                    device=cache.device)
         self.draft_head = self._draft_head_weight()
 
     def _draft_head_weight(self) -> torch.Tensor | None:
@@ -78,7 +83,7 @@ class Speculator:
     def add_context(self, w: SeqWork, feats: torch.Tensor, start: int) -> None:
         """Stores the drafter K/V of target features ``[n, k*H]`` at positions ``start .. start+n-1`` of ``w``.
 
-        The drafter's context lives in its own paged store (``self.context``) with the target's block size and
+        The drafter's context lives in its own paged store (``self.context``) with the target's KV block size and
         block count, at the slots of the request's block table: it comes and goes with the request's KV
         blocks (nothing to free, nothing to leak) and appending never copies what is already there."""
         n = feats.shape[0]
@@ -135,57 +140,50 @@ class Speculator:
         return self.model.logits_everywhere(hidden, head).float()
 
     @staticmethod
-    def tree_inputs(w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int]]:
-        """Tree tokens (node order) and their positions, start + depth; node i's KV slot is start + i."""
-        return tree.tokens.tolist(), (w.start + tree.depth).tolist()
-
-    @staticmethod
     def verify_inputs(tree: DraftTree, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A batch of trees ``[B, N]`` rooted at positions ``start [B]`` → the static verify's ``token_ids,
         positions [B*N]`` and ``tree_mask [B, N, N]`` (``GraphRunner.run_tree``), on the device."""
         return tree.tokens.reshape(-1), (start[:, None] + tree.depth).reshape(-1), tree.ancestors
 
-    def verify_slots(self, w: SeqWork, tree: DraftTree) -> tuple[list[int], list[int], SeqSlots]:
-        """:meth:`tree_inputs` and the sequence's KV slots with the ancestor-only mask over the paged context."""
-        n = tree.size
+    def tree_rows(self, w: SeqWork, tree: DraftTree) -> TreeRows:
+        """``w``'s tree as dynamic-forward rows: node tokens, their positions ``start + depth`` (node i's KV slot
+        is that of position ``start + i``) and the ancestor-only mask over the paged context."""
+        n = tree.tree_size
         mask = torch.ones(n, w.start + n, dtype=torch.bool, device=tree.ancestors.device)
         mask[:, w.start:] = tree.ancestors
-        tokens, positions = self.tree_inputs(w, tree)
-        return tokens, positions, SeqSlots(w.block_table, w.start, n, mask)
+        positions = (w.start + tree.depth).tolist()
+        return TreeRows(tree.tokens.tolist(), positions, SeqSlots(w.block_table, w.start, n, mask))
 
     # ---- verify ----------------------------------------------------------------------------------------
-    def node_sampling(self, work: list[SeqWork], nodes: int, device: torch.device) -> SamplingBatch:
-        """Sampling rows for ``nodes`` tree nodes of each request, built on the host at depth 0 (``walk_and_commit``
-        offsets them by the nodes' depths on the device)."""
-        rows = [w for w in work for _ in range(nodes)]
-        generated = [w.num_generated for w in rows]
-        return SamplingBatch.build([w.params for w in rows], [w.seed for w in rows], generated,
-                                   self.model.cfg.eos_token_ids, generated, device=device)
+    def node_sampling(self, work: list[SeqWork], device: torch.device) -> SamplingBatch:
+        """Sampling rows for the ``tree_size`` nodes of each request's tree, built on the host at depth 0
+        (:meth:`sample_nodes` offsets them by the nodes' depths on the device)."""
+        rows = [w for w in work for _ in range(self.cfg.tree_size)]
+        return SamplingBatch.build([w.params for w in rows], [w.seed for w in rows], [w.num_generated for w in rows],
+                                   self.model.cfg.eos_token_ids, device=device)
+
+    def sample_nodes(self, tree: DraftTree, logits: torch.Tensor, sampling: SamplingBatch
+                     ) -> tuple[SampleOutput, torch.Tensor]:
+        """Samples every node of the first J trees of a verified batch, on the device without host
+        synchronisation: ``sampling`` is :meth:`node_sampling` of J requests, ``tree`` a batched DraftTree ``[J',
+        N]`` (rows past J pad), ``logits [J'*N, V]`` at its nodes. A node's pick is the draw plain decoding makes
+        for its output index. Returns the draws (rows ``[J*N]``) and the picks ``[J, N]``."""
+        n = tree.tree_size
+        j = sampling.num_generated.shape[0] // n
+        out = sample(logits[:j * n].float(), sampling.advanced(tree.head(j).depth.reshape(-1)))
+        return out, out.tokens.view(j, n)
 
     @torch.no_grad()
     def walk_and_commit(self, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
-                        start: torch.Tensor, sampling: SamplingBatch, commit: CommitFn | None = None) -> Committed:
-        """Samples every node of a batch of verified trees and commits each request's accepted path, on the
-        device with fixed shapes and no host synchronisation.
-
-        ``sampling``: :meth:`node_sampling` of J requests; ``tree``: a batched DraftTree ``[J', N]`` whose first
-        J rows are theirs (rows past J are padding); ``logits [J'*N, V]`` and target features ``feats [J'*N,
-        k*H]`` at its nodes; ``slots [J', N]`` int64 the target KV slots of positions ``start .. start+N-1``;
-        ``start [J']`` the first tree position. A node's pick is the draw plain decoding makes for its output
-        index; :meth:`commit_paths` then walks and moves the KV — over the J rows, or through ``commit`` (the
-        same function over all J' rows, e.g. a captured graph: ``spec_decode.static_commit``)."""
-        n, j = tree.size, sampling.step.shape[0] // tree.size
-        mine = tree.head(j)
-        out = sample(logits[:j * n].float(), sampling.advanced(mine.depth.reshape(-1)))
-        picks = out.tokens.view(j, n)
-        if commit is None:
-            path, count = self.commit_paths(mine, picks, feats[:j * n], slots[:j], start[:j])
-        else:
-            path, count = (t[:j] for t in commit(tree, picks, feats, slots, start))
-        rows = (torch.arange(j, device=path.device)[:, None] * n + path).reshape(-1)  # flat node row of each entry
-        m, length = out.top_ids.shape[-1], path.shape[1]
-        return Committed(count, picks.gather(1, path), out.logprobs.view(j, n).gather(1, path),
-                         out.top_ids[rows].view(j, length, m), out.top_logprobs[rows].view(j, length, m))
+                        start: torch.Tensor, sampling: SamplingBatch) -> Committed:
+        """:meth:`sample_nodes`, then :meth:`commit_paths` over the J sampled requests' rows: each request's
+        accepted path is committed, on the device with fixed shapes and no host synchronisation. ``feats [J'*N,
+        k*H]`` the target features at the nodes; ``slots [J', N]`` int64 the target KV slots of positions ``start
+        .. start+N-1``; ``start [J']`` the first tree position."""
+        out, picks = self.sample_nodes(tree, logits, sampling)
+        j, n = picks.shape
+        path, count = self.commit_paths(tree.head(j), picks, feats[:j * n], slots[:j], start[:j])
+        return Committed.along(out, picks, path, count)
 
     def commit_paths(self, tree: DraftTree, picks: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
                      start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +192,7 @@ class Speculator:
         (``feats [B*N, k*H]``) there; returns ``path [B, L]`` and ``count [B]``. Fixed shapes, L = ``draft_rows +
         1`` entries per row whatever is accepted: past a path they are self-copies and context rows that later
         steps overwrite before reading them. Every launch scales with the layer count, none with acceptance."""
-        b, n, length = picks.shape[0], tree.size, self.cfg.draft_rows + 1
+        b, n, length = picks.shape[0], tree.tree_size, self.cfg.draft_rows + 1
         path, count = path_by_depth(tree, walk(tree, picks), length)  # [B, L], [B]
         src, dst = slots.gather(1, path).reshape(-1), slots[:, :length].reshape(-1)
         for stores in self.cache.layers:
@@ -208,14 +206,14 @@ class Speculator:
     def accept(self, work: list[SeqWork], tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
                slots: torch.Tensor, start: torch.Tensor) -> list[StepResult]:
         """:meth:`walk_and_commit` for ``work`` (its arguments as there), then the one readback of the step."""
-        sampling = self.node_sampling(work, tree.size, logits.device)
+        sampling = self.node_sampling(work, logits.device)
         return self.walk_and_commit(tree, logits, feats, slots, start, sampling).results(work)
 
     def accept_rows(self, work: list[SeqWork], trees: dict[str, DraftTree], logits: torch.Tensor,
                     feats: torch.Tensor) -> list[StepResult]:
         """:meth:`accept` for the dynamic forward's tree rows: ``trees`` by request id (:meth:`propose`), ``logits
         [J*N, V]`` and ``feats [J*N, k*H]`` at the nodes of ``work``'s J trees, in order."""
-        n = self.cfg.num_nodes
+        n = self.cfg.tree_size
         slots = torch.stack([self.cache.slot_tensor(w.block_table, w.start, w.start + n) for w in work])
         start = torch.tensor([w.start for w in work], device=self.cache.device)
         return self.accept(work, DraftTree.stack([trees[w.request_id] for w in work]), logits, feats, slots, start)
@@ -231,6 +229,16 @@ class Committed:
     logprobs: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+
+    @staticmethod
+    def along(out: SampleOutput, picks: torch.Tensor, path: torch.Tensor, count: torch.Tensor) -> Committed:
+        """The draws ``out`` (rows ``[J*N]``) and ``picks [J, N]`` of :meth:`Speculator.sample_nodes` gathered
+        along each request's accepted ``path [J, L]`` (``count [J]`` entries: :meth:`Speculator.commit_paths`)."""
+        j, n = picks.shape
+        rows = (torch.arange(j, device=path.device)[:, None] * n + path).reshape(-1)  # flat node row of each entry
+        m, length = out.top_ids.shape[-1], path.shape[1]
+        return Committed(count, picks.gather(1, path), out.logprobs.view(j, n).gather(1, path),
+                         out.top_ids[rows].view(j, length, m), out.top_logprobs[rows].view(j, length, m))
 
     def results(self, work: list[SeqWork]) -> list[StepResult]:
         """The readback — one device→host copy of every field, the step's one host synchronisation — → one

@@ -14,32 +14,31 @@ from __future__ import annotations
 
 import torch
 
+from engine.blocks import scratch_table
 from engine.capture import CapturedGraphs, GraphCoverage
+from engine.step import StepKind
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree
 
 
 class StaticCommit:
-    """The buffers and the commit of one verify shape: ``batch`` trees of ``nodes`` nodes.
+    """The buffers and the commit of one verify shape: ``batch`` trees of ``tree_size`` nodes.
 
     ``run()`` → ``path [B, L]`` and ``count [B]`` (:meth:`Speculator.commit_paths`), buffers the next run
     overwrites."""
 
-    def __init__(self, spec: Speculator, batch: int, nodes: int, scratch_blocks: tuple[int, ...]):
+    def __init__(self, spec: Speculator, batch: int, tree_size: int, scratch_blocks: tuple[int, ...]):
         self.spec = spec
-        dev = spec.cache.device
-        width = len(spec.capture) * spec.model.cfg.hidden_size
-        self.tree = DraftTree(*(torch.zeros(batch, nodes, dtype=torch.int64, device=dev) for _ in range(3)),
-                              torch.zeros(batch, nodes, dtype=torch.bool, device=dev),
-                              torch.zeros(batch, nodes, nodes, dtype=torch.bool, device=dev))
-        self.picks = torch.zeros(batch, nodes, dtype=torch.int64, device=dev)
-        self.feats = torch.zeros(batch * nodes, width, dtype=spec.model.dtype, device=dev)
-        self.slots = torch.zeros(batch, nodes, dtype=torch.int64, device=dev)
+        dev, n = spec.cache.device, tree_size
+        width = len(spec.feature_layers) * spec.model.cfg.hidden_size
+        self.tree = DraftTree(*(torch.zeros(batch, n, dtype=torch.int64, device=dev) for _ in range(3)),
+                              torch.zeros(batch, n, dtype=torch.bool, device=dev),
+                              torch.zeros(batch, n, n, dtype=torch.bool, device=dev))
+        self.picks = torch.zeros(batch, n, dtype=torch.int64, device=dev)
+        self.feats = torch.zeros(batch * n, width, dtype=spec.model.dtype, device=dev)
+        self.slots = torch.zeros(batch, n, dtype=torch.int64, device=dev)
         self.start = torch.zeros(batch, dtype=torch.int64, device=dev)
-        need = -(-nodes // spec.cache.block_size)
-        if need > len(scratch_blocks):
-            raise ValueError(f"{nodes} nodes need {need} scratch blocks, {len(scratch_blocks)} reserved")
-        self.padding_slots = spec.cache.slot_tensor(list(scratch_blocks), 0, nodes)
+        self.padding_slots = spec.cache.slot_tensor(scratch_table(scratch_blocks, n, spec.cache.kv_block_size), 0, n)
 
     def load_padding(self) -> None:
         """Every row in the scratch blocks at position 0 (the state a capture runs on)."""
@@ -64,9 +63,9 @@ class StaticCommit:
 
 
 class CommitGraphs(CapturedGraphs):
-    """Static commits per verify shape ``(batch, nodes)``, captured as CUDA graphs where possible, with coverage
-    under the "commit" kind. :meth:`prepare` (host half of a step: the capture) then :meth:`run` (device half,
-    a ``commit`` for ``Speculator.walk_and_commit``)."""
+    """Static commits per verify shape ``(batch, tree_size)``, captured as CUDA graphs where possible, with
+    coverage under the COMMIT kind. :meth:`prepare` (host half of a step: the capture) then :meth:`run` (device
+    half: the commit of a static step's sampled trees, ``spec_decode.speculation``)."""
 
     def __init__(self, spec: Speculator, scratch_blocks: tuple[int, ...], coverage: GraphCoverage | None = None):
         super().__init__(control=spec.model.groups.control)
@@ -74,30 +73,30 @@ class CommitGraphs(CapturedGraphs):
         self.coverage = coverage or GraphCoverage()
         self.commits: dict[tuple[int, int], StaticCommit] = {}
 
-    def commit(self, batch: int, nodes: int) -> StaticCommit:
-        if (batch, nodes) not in self.commits:
-            self.commits[batch, nodes] = StaticCommit(self.spec, batch, nodes, self.scratch_blocks)
-        return self.commits[batch, nodes]
+    def commit(self, batch: int, tree_size: int) -> StaticCommit:
+        if (batch, tree_size) not in self.commits:
+            self.commits[batch, tree_size] = StaticCommit(self.spec, batch, tree_size, self.scratch_blocks)
+        return self.commits[batch, tree_size]
 
-    def prepare(self, batch: int, nodes: int) -> str:
-        """Captures the ``(batch, nodes)`` commit on its first use; returns "" or why it runs eagerly."""
-        commit = self.commit(batch, nodes)
-        return self._capture((batch, nodes), commit.slots.device, commit.load_padding, commit.run)
+    def prepare(self, batch: int, tree_size: int) -> str:
+        """Captures the ``(batch, tree_size)`` commit on its first use; returns "" or why it runs eagerly."""
+        commit = self.commit(batch, tree_size)
+        return self._capture((batch, tree_size), commit.slots.device, commit.load_padding, commit.run)
 
-    def warm_up(self, batch: int, nodes: int) -> None:
-        """Captures the ``(batch, nodes)`` commit (CUDA), or runs it once eagerly, on a padding-only state;
+    def warm_up(self, batch: int, tree_size: int) -> None:
+        """Captures the ``(batch, tree_size)`` commit (CUDA), or runs it once eagerly, on a padding-only state;
         records no coverage (``ModelRunner.warm_up``)."""
-        if self.prepare(batch, nodes):
-            commit = self.commit(batch, nodes)
+        if self.prepare(batch, tree_size):
+            commit = self.commit(batch, tree_size)
             commit.load_padding()
             commit.run()
 
     def run(self, tree: DraftTree, picks: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
             start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`StaticCommit.load` then the replay (or the eager run) → ``path [B, L]``, ``count [B]``."""
-        key = tuple(tree.tokens.shape)
+        key = (tree.tokens.shape[0], tree.tree_size)
         commit = self.commit(*key)
         commit.load(tree, picks, feats, slots, start)
         _, outputs = self._replay_or_run(key, commit.run)
-        self.coverage.record("commit", *self.status(key))
+        self.coverage.record(StepKind.COMMIT, *self.status(key))
         return outputs

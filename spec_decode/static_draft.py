@@ -6,7 +6,7 @@ block table, context length and the slots of its block's positions — in buffer
 and its forward reads nothing else: the block's drafter K/V are written into the paged drafter context
 (``Speculator.context``) at the block's own positions, and each layer attends through the kernel set's
 ``tree_verify_gqa`` over the request's block table with an all-ones block mask (non-causal inside the
-block, every context key visible). Those slots lie in the request's reserved KV (``SpecConfig.scratch_slots``)
+block, every context key visible). Those slots lie in the request's reserved KV (``SpecConfig.spec_reserve_slots``)
 and are rewritten with the accepted tokens' context before any later step reads them. The tree is built by
 the vectorised :func:`spec_decode.tree.build_tree` (no host synchronisation). Batches smaller than the shape
 are padded with dummy sequences in the runner's scratch blocks.
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.blocks import scratch_table
 from engine.capture import CapturedGraphs, GraphCoverage, kernel_blocker
-from engine.step import SeqWork
+from engine.step import SeqWork, StepKind
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
@@ -30,7 +31,7 @@ class StaticDraft:
     """The buffers and the forward of one draft batch size (see the module docstring).
 
     ``run()`` → ``(logits [B, D', V], tokens, parents, depth [B, n] int64, valid [B, n] bool, ancestors
-    [B, n, n] bool)`` with ``n`` = ``SpecConfig.num_nodes``; buffers that the next ``run()`` overwrites."""
+    [B, n, n] bool)`` with ``n`` = ``SpecConfig.tree_size``; buffers that the next ``run()`` overwrites."""
 
     def __init__(self, spec: Speculator, batch: int, max_blocks: int, scratch_blocks: tuple[int, ...]):
         self.spec, self.batch, self.max_blocks, self.scratch_blocks = spec, batch, max_blocks, scratch_blocks
@@ -47,12 +48,8 @@ class StaticDraft:
 
     def padding_seq(self) -> SeqWork:
         """A dummy request in the scratch blocks: position 0, no context."""
-        bs = self.spec.cache.block_size
-        need = -(-self.rows // bs)
-        if need > len(self.scratch_blocks):
-            raise ValueError(f"a draft block of {self.rows} rows needs {need} scratch blocks of {bs} slots, "
-                             f"{len(self.scratch_blocks)} reserved")
-        return SeqWork(request_id="", token_ids=[0], start=0, block_table=list(self.scratch_blocks[:need]),
+        table = scratch_table(self.scratch_blocks, self.rows, self.spec.cache.kv_block_size)
+        return SeqWork(request_id="", token_ids=[0], start=0, block_table=table,
                        sample=False, params=None, seed=0, num_generated=0, decode=True, spec=True)
 
     def load(self, work: list[SeqWork]) -> None:
@@ -86,7 +83,7 @@ class StaticDraft:
             spec.context.write(layer, self.block_slots, (bk, bv))
             out = spec.model.kernels.tree_verify_gqa(
                 q.view(b, n, c.num_heads, c.head_dim), k_store, v_store, self.block_tables, self.context_lens,
-                spec.cache.block_size, c.head_dim ** -0.5, tree_mask=self.block_mask)
+                spec.cache.kv_block_size, c.head_dim ** -0.5, tree_mask=self.block_mask)
             return out.reshape(b * n, c.num_heads, c.head_dim).to(q.dtype)
         return attend
 
@@ -145,7 +142,7 @@ class DraftGraphs(CapturedGraphs):
         [B]``, on the device in buffers the next launch overwrites: the step's tree verify reads them there
         (``GraphRunner.run_tree``)."""
         _, (_, *fields) = self._replay_or_run(batch, self.draft(batch).run)
-        self.coverage.record("draft", *self.status(batch))
+        self.coverage.record(StepKind.DRAFT, *self.status(batch))
         return DraftTree(*fields), self.draft(batch).start
 
     def run(self, work: list[SeqWork], batch: int = 0) -> tuple[DraftTree, torch.Tensor]:

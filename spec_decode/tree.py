@@ -41,7 +41,8 @@ class DraftTree:
             object.__setattr__(self, "ancestors", ancestor_mask(self.parents, int(self.depth.max())))
 
     @property
-    def size(self) -> int:
+    def tree_size(self) -> int:
+        """Nodes per tree, root included (N)."""
         return self.tokens.shape[-1]
 
     @staticmethod

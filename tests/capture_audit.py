@@ -219,16 +219,16 @@ def check(run: Callable[[], T], region: str = "") -> T:
 
 
 def region_name(run: Callable) -> str:
-    """``StaticStep(batch=1, nodes=9)``-style label of the callable a capture is handed."""
+    """``StaticStep(verify, batch=1, tree_size=9)``-style label of the callable a capture is handed."""
     owner = getattr(run, "__self__", None)
     if owner is None:
         return getattr(run, "__qualname__", repr(run))
     shape = getattr(owner, "shape", None)
     if shape is not None:
-        return f"{type(owner).__name__}({shape.kind}, batch={shape.batch}, nodes={shape.nodes})"
+        return f"{type(owner).__name__}({shape.kind}, batch={shape.batch}, tree_size={shape.tree_size})"
     if hasattr(owner, "tree"):  # StaticCommit
-        batch, nodes = owner.tree.tokens.shape
-        return f"StaticCommit(batch={batch}, nodes={nodes})"
+        batch, tree_size = owner.tree.tokens.shape
+        return f"StaticCommit(batch={batch}, tree_size={tree_size})"
     return f"{type(owner).__name__}(batch={getattr(owner, 'batch', '?')})"
 
 

@@ -9,6 +9,7 @@ import torch
 from capture_audit import CaptureUnsafe, audit_region, audited_capture, check, stub_triton_launches, triton_kernel_set
 
 from bench.gpu.fixtures import random_model, random_speculator
+from engine.blocks import blocks_for
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.step import SeqWork
@@ -124,7 +125,7 @@ def spec_runner(method: str, budget: int, batch: int, invariant: bool = False,
         spec.cfg = cfg
         return spec
 
-    per_seq = -(-(CTX + 2 + cfg.scratch_slots) // BLOCK)
+    per_seq = blocks_for(CTX + 2 + cfg.spec_reserve_slots, BLOCK)
     runner = ModelRunner(model, batch * per_seq, BLOCK, speculation_from(cfg, factory), static_batch_sizes=(batch,),
                          max_model_len=CTX + 2, expert_tally=expert_tally)
     runner.strict_sync = True  # the region gpu_check's spec_steps runs under CUDA's sync debug mode
@@ -164,12 +165,12 @@ def test_every_static_step_kind_is_capture_safe_batch_invariant(method, budget, 
 
 
 def assert_every_kind_capture_safe(runner: ModelRunner, batch: int) -> None:
-    nodes = runner.speculator.cfg.num_nodes
+    tree_size = runner.speculation.facts.tree_size
     with stub_triton_launches(), audited_capture() as log:
         results = run_every_kind(runner, batch)
-    assert log.regions == [f"StaticStep(decode, batch={batch}, nodes=1)", f"StaticDraft(batch={batch})",
-                           f"StaticStep(verify, batch={batch}, nodes={nodes})",
-                           f"StaticCommit(batch={batch}, nodes={nodes})", "ModelRunner strict_sync region"]
+    assert log.regions == [f"StaticStep(decode, batch={batch}, tree_size=1)", f"StaticDraft(batch={batch})",
+                           f"StaticStep(verify, batch={batch}, tree_size={tree_size})",
+                           f"StaticCommit(batch={batch}, tree_size={tree_size})", "ModelRunner strict_sync region"]
     log.raise_if_unsafe()
     assert len(results) == batch and all(1 <= len(r.tokens) <= BLOCK for r in results.values())
 

@@ -83,7 +83,7 @@ def test_padding_writes_only_scratch_blocks(setup):
     model, cache, seqs = setup
     table, length = seqs[0]
     step = StaticStep(model, cache, StepShape(4, 1), max_blocks=5, scratch_blocks=SCRATCH)
-    bs = cache.block_size
+    bs = cache.kv_block_size
     own = set(cache.slots(table, length, length + 1)) | {b * bs + i for b in SCRATCH for i in range(bs)}
     before = [tuple(t.clone() for t in layer) for layer in cache.layers]
     step.load([static_seq(cache, table, length, [9], [length])])
@@ -149,10 +149,10 @@ def test_gpu_check_shapes_run_on_cpu_at_every_budget():
     for shape in [StepShape(2, 1)] + [StepShape(1, b + 1) for b in (8, 64, 256)]:
         seqs = random_seqs(shape, ctx, cache, gen, 64, len(scratch))
         row = _check_shape(runner, shape, seqs)
-        assert row == {"kind": shape.kind, "batch": shape.batch, "nodes": shape.nodes, "captured": False,
+        assert row == {"kind": shape.kind, "batch": shape.batch, "tree_size": shape.tree_size, "captured": False,
                        "eager_reason": "no CUDA device"}
-        logits, _ = runner.run(seqs, shape.nodes)
-        assert logits.shape == (shape.batch * shape.nodes, 64) and torch.isfinite(logits).all()
+        logits, _ = runner.run(seqs, shape.tree_size)
+        assert logits.shape == (shape.batch * shape.tree_size, 64) and torch.isfinite(logits).all()
 
 
 def test_draft_gpu_check_runs_on_cpu():

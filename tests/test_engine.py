@@ -123,16 +123,19 @@ def test_request_validation_names_the_field(tiny_ckpts):
     assert engine.scheduler.blocks_in_use() == 0 and not engine.has_work()
 
 
-def test_stop_token_and_admission_limits(tiny_ckpts):
+@pytest.mark.parametrize("allocation", ["on_demand", "reserve"])
+def test_stop_token_and_admission_limits(tiny_ckpts, allocation):
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
-    tight = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=12)
+    tight = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48, block_size=4, num_blocks=12,
+                            kv_allocation=allocation)
     engine = Engine(model, tight)
     free_run = run_requests(engine, [("a", PROMPTS[0], GREEDY)])["a"][0]
     stop_at = free_run[5]
     params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, stop_token_ids=(stop_at,))
     res = run_requests(engine, [("b", PROMPTS[0], params)])
     assert res["b"] == (free_run[:free_run.index(stop_at) + 1], "stop")
-    # 4 requests of 9 blocks each with 12 blocks: admitted one at a time, all finish, nothing leaks
+    # 4 requests of 9 blocks each with 12 blocks (reserve: one at a time; on demand: preempting), all finish,
+    # nothing leaks
     many = run_requests(engine, [(f"m{i}", PROMPTS[0], GREEDY) for i in range(4)])
     assert all(v == (free_run, "length") for v in many.values())
     assert engine.scheduler.blocks_in_use() == 0

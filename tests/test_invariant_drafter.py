@@ -50,7 +50,7 @@ def drafts(model, invariant: bool) -> dict[str, list[torch.Tensor]]:
     try:
         spec = SpecConfig("ddtree", budget=16, drafter_path=str(ZOO / "drafter"))
         cache = PagedKVCache(KVSpec.for_model(model), 2 + 16 * MAX_BLOCKS, BLOCK)
-        speculator = load_speculation(spec, model).build(model, cache)
+        speculator = load_speculation(spec, model).build(model, cache, None).spec
         hidden = model.cfg.hidden_size * len(speculator.drafter.c.target_layer_ids)
         feats = [(torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)) * 2).to(torch.bfloat16)
                  for n in CONTEXTS]

@@ -33,7 +33,7 @@ ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 
 
 def manager(num_blocks=8, block_size=4, retention_s=0.0, clock=None):
-    kv = KVManager(KVManagerConfig(num_blocks=num_blocks, block_size=block_size, dp_size=1, retention_s=retention_s,
+    kv = KVManager(KVManagerConfig(num_blocks=num_blocks, kv_block_size=block_size, dp_size=1, retention_s=retention_s,
                                    namespace=b"test"), **({"clock": clock} if clock else {}))
     kv.recording = True
     return kv
@@ -110,7 +110,7 @@ def test_flush_is_refused_while_blocks_are_referenced():
 def test_a_pool_smaller_than_one_max_length_request_is_refused():
     with pytest.raises(RequestError, match="cannot hold one max_model_len=512 request"):
         from engine.scheduler import Scheduler
-        Scheduler(SchedulerConfig(max_model_len=512, block_size=16, num_blocks=20), 1, 203, (1,), spec_scratch=17)
+        Scheduler(SchedulerConfig(max_model_len=512, block_size=16, num_blocks=20), 1, 203, (1,), spec_reserve_slots=17)
 
 
 # ----------------------------------------------------------------------------------------------- bit-exact turns

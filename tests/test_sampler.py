@@ -26,10 +26,10 @@ from engine.sampler import (
 EOS = (7,)
 
 
-def batch(params, seeds=None, steps=None, counts=None, eos=EOS) -> SamplingBatch:
+def batch(params, seeds=None, num_generated=None, eos=EOS) -> SamplingBatch:
     n = len(params)
     seeds = seeds if seeds is not None else [p.seed if p.seed is not None else 0 for p in params]
-    return SamplingBatch.build(params, seeds, steps or [0] * n, eos, counts or [0] * n)
+    return SamplingBatch.build(params, seeds, num_generated or [0] * n, eos)
 
 
 def splitmix64_ref(state: int, n: int) -> list[int]:
@@ -116,7 +116,7 @@ def test_seeded_row_is_batch_and_order_invariant():
     target = torch.randn(V) * 0.5  # flat enough that the draw is far from argmax-determined
     tp = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
     for step in (0, 5, 31):
-        alone = sample(target[None], batch([tp], seeds=[42], steps=[step])).tokens.item()
+        alone = sample(target[None], batch([tp], seeds=[42], num_generated=[step])).tokens.item()
         others = [
             SamplingParams(temperature=0.0),
             SamplingParams(top_k=3, seed=1),
@@ -133,7 +133,7 @@ def test_seeded_row_is_batch_and_order_invariant():
             seeds = [100 + i for i in range(8)]
             seeds[where] = 42
             steps = [step if i == where else 1000 + i for i in range(8)]
-            assert sample(logits, batch(params, seeds=seeds, steps=steps)).tokens[where].item() == alone
+            assert sample(logits, batch(params, seeds=seeds, num_generated=steps)).tokens[where].item() == alone
 
 
 def test_different_seeds_give_different_sequences():
@@ -141,7 +141,7 @@ def test_different_seeds_give_different_sequences():
     p = SamplingParams()
 
     def seq(seed):
-        return sample(logits, batch([p] * 50, seeds=[seed] * 50, steps=list(range(50)))).tokens
+        return sample(logits, batch([p] * 50, seeds=[seed] * 50, num_generated=list(range(50)))).tokens
 
     a, b = seq(1), seq(2)
     assert torch.equal(a, seq(1))
@@ -160,7 +160,7 @@ def test_top_k_1_is_greedy():
 def test_tight_filters_keep_only_the_top_token(p):
     torch.manual_seed(3)
     logits = torch.randn(16, 100)
-    out = sample(logits, batch([p] * 16, seeds=list(range(16)), steps=list(range(16))))
+    out = sample(logits, batch([p] * 16, seeds=list(range(16)), num_generated=list(range(16))))
     assert torch.equal(out.tokens, logits.argmax(-1))
 
 
@@ -206,7 +206,7 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
     q = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,), ignore_eos=True)
     s = SamplingParams(min_tokens=2, stop_token_ids=(3,), top_k=2)  # sampled row: only {5, ...} survive top-2
-    out = sample(logits, batch([p, p, q, s], seeds=[0, 0, 0, 9], counts=[0, 2, 1, 1]))
+    out = sample(logits, batch([p, p, q, s], seeds=[0, 0, 0, 9], num_generated=[0, 2, 1, 1]))
     assert out.tokens.tolist() == [5, 7, 7, out.tokens[3].item()]
     assert out.tokens[3].item() not in (3, 7)
     # log-probs still come from the unmodified logits
@@ -237,9 +237,8 @@ def test_advanced_batch_draws_what_a_batch_built_later_draws():
     for generated in (0, 1):
         seeds = [p.seed or 0 for p in rows]
         later = [generated + int(d) for d in depth]
-        want = sample(logits, SamplingBatch.build(rows, seeds, later, EOS, later)).tokens
-        got = sample(logits, SamplingBatch.build(rows, seeds, [generated] * len(rows), EOS, [generated] * len(rows))
-                     .advanced(depth)).tokens
+        want = sample(logits, SamplingBatch.build(rows, seeds, later, EOS)).tokens
+        got = sample(logits, SamplingBatch.build(rows, seeds, [generated] * len(rows), EOS).advanced(depth)).tokens
         assert torch.equal(got, want)
         greedy = got[:4].tolist()  # request 0: EOS and the stop id banned while generated + d < 3
         assert [t in (EOS[0], 3) for t in greedy] == [generated + d >= 3 for d in range(4)]
@@ -259,7 +258,7 @@ def test_advanced_batch_draws_what_a_batch_built_later_draws():
 def test_sampling_matches_filtered_softmax(p, seed):
     n = 4000
     logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.2])
-    out = sample(logits.expand(n, -1), batch([p] * n, seeds=[seed] * n, steps=list(range(n))))
+    out = sample(logits.expand(n, -1), batch([p] * n, seeds=[seed] * n, num_generated=list(range(n))))
     target = filter_logits(logits[None] / p.temperature, batch([p]))[0].softmax(-1).double()
     support = target > 0
     counts = torch.bincount(out.tokens, minlength=5).double()
@@ -290,4 +289,4 @@ def test_logprobs_of_chosen_and_top_n():
 
 def test_build_rejects_ragged_inputs():
     with pytest.raises(ValueError, match="equal lengths"):
-        SamplingBatch.build([SamplingParams()] * 2, [0], [0, 0], EOS, [0, 0])
+        SamplingBatch.build([SamplingParams()] * 2, [0], [0, 0], EOS)

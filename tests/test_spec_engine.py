@@ -192,7 +192,7 @@ def test_batched_drafting_equals_one_request_at_a_time(tiny_ckpts, random_drafte
     work = []
     for i, n in enumerate((3, 9, 5)):
         w = _work(str(i), 7 + i, n, [3 * i, 3 * i + 1, 3 * i + 2])
-        spec.add_context(w, torch.randn(n, len(spec.capture) * spec.model.cfg.hidden_size, generator=gen), 0)
+        spec.add_context(w, torch.randn(n, len(spec.feature_layers) * spec.model.cfg.hidden_size, generator=gen), 0)
         work.append(w)
     head = spec.draft_head  # draft_head_dtype "auto" on an fp32 target: a bf16 copy iff this CPU has bf16 matmul
     assert (head.dtype if head is not None else None) == (torch.bfloat16 if native_bf16_matmul("cpu") else None)
@@ -211,7 +211,7 @@ def test_drafter_context_follows_the_block_table(tiny_ckpts, random_drafter):
     spec_a, gen = _speculator(tiny_ckpts, random_drafter)
     spec_b, _ = _speculator(tiny_ckpts, random_drafter)
     spec_once, _ = _speculator(tiny_ckpts, random_drafter)
-    width = len(spec_a.capture) * spec_a.model.cfg.hidden_size
+    width = len(spec_a.feature_layers) * spec_a.model.cfg.hidden_size
     feats = torch.randn(9, width, generator=gen)
     alone = _work("a", 11, 9, [2, 0, 6])
     spec_once.add_context(alone, feats, 0)
@@ -240,7 +240,7 @@ def test_static_draft_equals_dynamic_propose(tiny_ckpts, random_drafter, method)
     work = []
     for i, (n, blocks) in enumerate(((3, [4, 9]), (9, [1, 12, 6, 0]), (6, [8, 3, 10]))):
         w = _work(str(i), 20 + i, n, blocks)
-        spec.add_context(w, torch.randn(n, len(spec.capture) * spec.model.cfg.hidden_size, generator=gen), 0)
+        spec.add_context(w, torch.randn(n, len(spec.feature_layers) * spec.model.cfg.hidden_size, generator=gen), 0)
         work.append(w)
     want_logits, want = spec.draft_logits(work), spec.propose(work)
     draft = StaticDraft(spec, batch=4, max_blocks=4, scratch_blocks=(15, 14))
@@ -262,7 +262,7 @@ def test_accept_commits_the_walked_path_and_moves_its_kv(tiny_ckpts, random_draf
     from spec_decode.tree import DraftTree, build_tree_host
 
     spec, gen = _speculator(tiny_ckpts, random_drafter, num_blocks=16)
-    n, vocab = spec.cfg.num_nodes, spec.model.cfg.vocab_size
+    n, vocab = spec.cfg.tree_size, spec.model.cfg.vocab_size
     for stores in spec.cache.layers:
         for store in stores:
             store.copy_(torch.randn(store.shape, generator=gen))
@@ -286,7 +286,7 @@ def test_accept_commits_the_walked_path_and_moves_its_kv(tiny_ckpts, random_draf
     b = trees[1]
     bonus_b = next(t for t in range(vocab) if t not in set(b.tokens[b.parents == 0].tolist()))
     logits[n, bonus_b] = 10.0
-    feats = torch.randn(3 * n, len(spec.capture) * spec.model.cfg.hidden_size, generator=gen)
+    feats = torch.randn(3 * n, len(spec.feature_layers) * spec.model.cfg.hidden_size, generator=gen)
     slots = torch.stack([spec.cache.slot_tensor(w.block_table, w.start, w.start + n) for w in work]
                         + [torch.arange(40, 40 + n)])  # padding: blocks 10..12
     start = torch.tensor([5, 2, 0])
@@ -321,7 +321,8 @@ def test_static_commit_equals_the_eager_commit_outside_the_scratch_blocks(tiny_c
     specs_, gens = zip(*(_speculator(tiny_ckpts, random_drafter, num_blocks=16) for _ in range(2)), strict=True)
     eager, static = specs_
     gen = gens[0]
-    n, vocab, width = eager.cfg.num_nodes, eager.model.cfg.vocab_size, len(eager.capture) * eager.model.cfg.hidden_size
+    n, vocab = eager.cfg.tree_size, eager.model.cfg.vocab_size
+    width = len(eager.feature_layers) * eager.model.cfg.hidden_size
     for a, b in zip(eager.cache.layers + eager.context.layers, static.cache.layers + static.context.layers,
                     strict=True):
         for x, y in zip(a, b, strict=True):
@@ -345,8 +346,8 @@ def test_static_commit_equals_the_eager_commit_outside_the_scratch_blocks(tiny_c
                                                feats[:2 * n], slots[:2], start[:2])
     path, count = graphs.run(tree, picks[:2], feats, slots, start)
     assert torch.equal(path[:2], want_path) and torch.equal(count[:2], want_count) and int(want_count.max()) > 1
-    outside = torch.ones(eager.cache.num_blocks * eager.cache.block_size, dtype=torch.bool)
-    outside[eager.cache.slot_tensor(list(scratch), 0, 3 * eager.cache.block_size)] = False
+    outside = torch.ones(eager.cache.num_blocks * eager.cache.kv_block_size, dtype=torch.bool)
+    outside[eager.cache.slot_tensor(list(scratch), 0, 3 * eager.cache.kv_block_size)] = False
     for a, b in zip(eager.cache.layers + eager.context.layers, static.cache.layers + static.context.layers,
                     strict=True):
         for x, y in zip(a, b, strict=True):

@@ -22,8 +22,8 @@ def test_vectorised_builder_builds_the_heaps_tree(budget):
         for field in ("tokens", "parents", "depth", "valid", "ancestors"):
             assert torch.equal(getattr(tree, field), getattr(heap, field)), field
         assert torch.equal(heap.ancestors, ancestor_mask(heap.parents))
-        assert tree.size == budget + 1 and int(tree.tokens[0]) == 11
-        assert bool((tree.parents[1:] < torch.arange(1, tree.size)).all()), "parents must precede children"
+        assert tree.tree_size == budget + 1 and int(tree.tokens[0]) == 11
+        assert bool((tree.parents[1:] < torch.arange(1, tree.tree_size)).all()), "parents must precede children"
         assert bool((tree.depth[1:] == tree.depth[tree.parents[1:]] + 1).all())
 
 
@@ -74,12 +74,12 @@ def test_walk_follows_matching_children_to_a_dead_end(seed):
     g = torch.Generator().manual_seed(seed)
     tree = build_tree(torch.randn(5, 3, generator=g).log_softmax(-1), 0, budget=12)
     assert torch.equal(tree.ancestors, ancestor_mask(tree.parents, 5))
-    picks = torch.randint(0, 3, (tree.size,), generator=g)
+    picks = torch.randint(0, 3, (tree.tree_size,), generator=g)
     path = walk(tree, picks).nonzero().flatten().tolist()
     assert path[0] == 0 and all(int(tree.parents[b]) == a for a, b in zip(path, path[1:], strict=False))
     assert all(int(tree.tokens[b]) == int(picks[a]) for a, b in zip(path, path[1:], strict=False))
     last = path[-1]
-    children = [c for c in range(tree.size) if int(tree.parents[c]) == last and bool(tree.valid[c])]
+    children = [c for c in range(tree.tree_size) if int(tree.parents[c]) == last and bool(tree.valid[c])]
     assert all(int(tree.tokens[c]) != int(picks[last]) for c in children)
 
 
@@ -127,7 +127,7 @@ def target_logits(path: tuple[int, ...]) -> torch.Tensor:
 def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
     toks, par = tree.tokens.tolist(), tree.parents.tolist()
     out = []
-    for i in range(tree.size):
+    for i in range(tree.tree_size):
         path, j = [], i
         while j > 0:
             path.append(toks[j])
@@ -153,9 +153,9 @@ def first_two_tokens(accept_rule) -> torch.Tensor:
 
 def sample_and_walk(tree, logits, seed, generated):
     """The engine's rule: the pick at each node is the target's sample for that output index."""
-    steps = [generated + int(d) for d in tree.depth]
+    num_generated = [generated + int(d) for d in tree.depth]
     params = SamplingParams(temperature=1.0)
-    sb = SamplingBatch.build([params] * tree.size, [seed] * tree.size, steps, (), steps)
+    sb = SamplingBatch.build([params] * tree.tree_size, [seed] * tree.tree_size, num_generated, ())
     picks = sample(logits, sb).tokens
     path, count = path_by_depth(tree, walk(tree, picks), int(tree.depth.max()) + 1)
     return picks[path[:count]].tolist()  # what Speculator.accept commits
@@ -166,7 +166,7 @@ def greedy_biased_accept(tree, logits, seed, generated):
     probs = logits.softmax(-1)
     path, node = [], 0
     while True:
-        children = [c for c in range(tree.size) if int(tree.parents[c]) == node]
+        children = [c for c in range(tree.tree_size) if int(tree.parents[c]) == node]
         good = [c for c in children if probs[node, tree.tokens[c]] >= 0.3]
         if not good:
             break

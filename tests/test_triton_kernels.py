@@ -310,7 +310,7 @@ def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
                     params=SamplingParams(), seed=0, num_generated=1, decode=True, spec=True)
             for i, (n, t) in enumerate(((7, [3, 5, 1]), (2, [8, 2])))]
     for w in work:
-        spec.add_context(w, torch.randn(w.start, len(spec.capture) * model.cfg.hidden_size, generator=gen(6)), 0)
+        spec.add_context(w, torch.randn(w.start, len(spec.feature_layers) * model.cfg.hidden_size, generator=gen(6)), 0)
     draft = StaticDraft(spec, batch=2, max_blocks=3, scratch_blocks=(11, 10))
     draft.load(work)
     want = [t.clone() for t in draft.run()]

@@ -69,10 +69,11 @@ def test_warm_up_covers_every_shape_and_changes_nothing(pool, tiny_ckpts, random
     spec_list = [specs(random_drafter)[0], specs(random_drafter)[2]]
     out = pool.run(_warm_job, layout(preset), tiny_ckpts["tiny_deepseek"], spec_list)[0]
     dp = layout(preset).attn_dp
-    for (warm, cold), (kind, nodes) in zip(out, (("decode", 1), ("verify", 13)), strict=True):
+    for (warm, cold), (kind, tree_size) in zip(out, (("decode", 1), ("verify", 13)), strict=True):
         res, cov, after_warm, blocks, shapes, static_cov, steps = warm
-        assert [(s["kind"], s["batch"], s["nodes"]) for s in shapes] == [(kind, b, nodes) for b in (1, 2, 4, 8)] + [
-            ("prefill", dp, 64)]  # and one prompt of max_num_batched_tokens per attention-DP rank
+        assert [(s["kind"], s["batch"], s.get("tree_size", s.get("tokens"))) for s in shapes] == [
+            (kind, b, tree_size) for b in (1, 2, 4, 8)] + [("prefill", dp, 64)]  # and one prompt of
+        # max_num_batched_tokens per attention-DP rank
         assert all(s["seconds"] > 0 and not s["graph"] for s in shapes)
         assert all(s["reason"] == "no CUDA device" for s in shapes[:-1])
         assert after_warm == 0 and blocks == 0
@@ -102,11 +103,11 @@ def test_static_step_bytes_and_the_memory_verdict_on_fake_numbers():
     from engine.capture import SAMPLING_BYTES_PER_LOGIT, memory_blocker, static_step_bytes
 
     dims = dict(vocab=163840, hidden=7168, intermediate=18432, dtype_bytes=2)
-    decode = static_step_bytes(batch=1, nodes=1, **dims)
-    verify = static_step_bytes(batch=64, nodes=257, feature_width=3 * 7168, draft_rows=256, **dims)
+    decode = static_step_bytes(batch=1, tree_size=1, **dims)
+    verify = static_step_bytes(batch=64, tree_size=257, feature_width=3 * 7168, draft_rows=256, **dims)
     assert decode == 163840 * (4 + SAMPLING_BYTES_PER_LOGIT) + (8 * 7168 + 3 * 18432) * 2 + 2
     assert 4 * 2**20 < decode < 8 * 2**20
-    assert static_step_bytes(batch=2, nodes=257, **dims) - static_step_bytes(batch=1, nodes=257, **dims) > \
+    assert static_step_bytes(batch=2, tree_size=257, **dims) - static_step_bytes(batch=1, tree_size=257, **dims) > \
         257 * 163840 * 4  # at least a logits row block per sequence
     assert 100 * 2**30 < verify < 200 * 2**30
     gib = 2**30
@@ -138,7 +139,7 @@ def test_shapes_that_do_not_fit_on_one_rank_are_skipped_on_every_rank(pool, tiny
 
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
     cfg = model.cfg
-    need = [static_step_bytes(batch=b, nodes=1, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
+    need = [static_step_bytes(batch=b, tree_size=1, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
                               intermediate=max(cfg.intermediate_size, cfg.moe.intermediate_size * cfg.moe.top_k),
                               dtype_bytes=4) for b in (2, 4)]
     free = int(sum(need) / 2 / 0.9)  # between the batch-2 and batch-4 needs, after the 10 % reserve

@@ -9,6 +9,7 @@ import torch
 
 from bench.gpu.fixtures import GPU_CHECK_CASES, check_setup, random_speculator
 from bench.gpu.harness import check_rows, cuda_time_s
+from engine.blocks import blocks_for
 from engine.step import SeqWork
 from spec_decode.speculator import Speculator
 from spec_decode.static_draft import DraftGraphs
@@ -19,9 +20,8 @@ def check_draft(spec: Speculator, batch: int, ctx: int, scratch: tuple[int, ...]
     """One static draft size on ``batch`` requests with ``ctx`` context rows each (disjoint blocks from
     ``first_block``): eager run, capture, replay on the same inputs — tree agreement, max |Δ logits|, eager and
     replay times (ms). Off CUDA: the eager run and the reason nothing was captured."""
-    bs, n = spec.cache.block_size, spec.cfg.scratch_slots
-    per_seq = -(-(ctx + n) // bs)
-    width = len(spec.capture) * spec.model.cfg.hidden_size
+    per_seq = blocks_for(ctx + spec.cfg.spec_reserve_slots, spec.cache.kv_block_size)
+    width = len(spec.feature_layers) * spec.model.cfg.hidden_size
     work = []
     for b in range(batch):
         token = int(torch.randint(2, spec.model.cfg.vocab_size, (1,), generator=gen))

@@ -29,6 +29,7 @@ from engine.capture import GraphCoverage
 from engine.engine import Engine, EngineStats
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.step import StepKind
 from model.loader import DeviceConfig, load_target
 from parallelism.comm import build_groups
 from parallelism.layout import Layout
@@ -169,7 +170,7 @@ def generate(engine: Engine, groups: list[list[list[int]]], arm: Arm, new_tokens
         for j, prompt in enumerate(group):
             engine.add_request(str(i + j), prompt, arm.params(i + j, new_tokens))
         while engine.has_work():
-            before, ev = engine.stats.step_kinds.get("decode", 0), _events(device)
+            before, ev = _decode_steps(engine), _events(device)
             draft_s, verify_s = timing["draft_s"], timing["verify_s"]
             if ev:
                 ev[0].record()
@@ -178,7 +179,7 @@ def generate(engine: Engine, groups: list[list[list[int]]], arm: Arm, new_tokens
             wall = time.perf_counter() - t0
             if ev:
                 ev[1].record()
-            if engine.stats.step_kinds.get("decode", 0) > before:
+            if _decode_steps(engine) > before:
                 times.walls.append(wall)
                 times.events += [ev] if ev else []
                 times.draft_s += timing["draft_s"] - draft_s
@@ -190,11 +191,17 @@ def generate(engine: Engine, groups: list[list[list[int]]], arm: Arm, new_tokens
     return tokens, times
 
 
+def _decode_steps(engine: Engine) -> int:
+    """Steps that fed generated tokens only: plain decodes and (speculating) tree verifies."""
+    kinds = engine.stats.step_kinds
+    return kinds.get(StepKind.DECODE, 0) + kinds.get(StepKind.VERIFY, 0)
+
+
 def _captures(engine: Engine) -> int:
     """Shapes the engine's runner has captured or given up on so far (a new one during timing costs a capture)."""
-    r = engine.runner
-    return sum(len(g.captured) + len(g.reasons) for g in (getattr(r, n, None) for n in ("static", "drafts", "commits"))
-               if g is not None)
+    r, spec = engine.runner, engine.runner.speculator  # spec: spec_decode.speculation.DFlashSpeculator
+    graphs = [r.static, *((spec.drafts, spec.commits) if spec is not None else ())]
+    return sum(len(g.captured) + len(g.reasons) for g in graphs if g is not None)
 
 
 def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> tuple[dict, list[list[int]]]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import REPO
+from engine.blocks import blocks_for, token_slots
 from engine.cuda_graphs import StaticSeq, StepShape
 from engine.kv_cache import KVSpec, PagedKVCache
 from model.config import parse_config
@@ -54,12 +55,12 @@ def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
 def random_seqs(shape: StepShape, ctx: int, cache: PagedKVCache, gen: torch.Generator, vocab: int, first: int
                 ) -> list[StaticSeq]:
     """``shape.batch`` sequences of ``ctx`` cached keys + N new, on disjoint blocks after the ``first`` ones."""
-    bs, n = cache.block_size, shape.nodes
-    per_seq = -(-(ctx + n) // bs)
+    bs, n = cache.kv_block_size, shape.tree_size
+    per_seq = blocks_for(ctx + n, bs)
     seqs = []
     for b in range(shape.batch):
         table = list(range(first + b * per_seq, first + (b + 1) * per_seq))
-        slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
+        slots = token_slots(table, ctx, ctx + n, bs)
         ancestors, depth = random_tree(n, gen)
         mask = None if n == 1 else ancestors
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
@@ -86,8 +87,8 @@ def check_setup(device: torch.device, context: int = 1024, block_size: int = 16)
                          n_routed_experts=32, kv_lora_rank=256, q_lora_rank=512, num_attention_heads=16,
                          num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
     model.use_kernels(select_kernels(device))
-    scratch = tuple(range(-(-257 // block_size)))
-    per_seq = -(-(context + 257) // block_size)
+    scratch = tuple(range(blocks_for(257, block_size)))
+    per_seq = blocks_for(context + 257, block_size)
     cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + 8 * per_seq, block_size, device=device)
     return CheckSetup(model=model, cache=cache, scratch=scratch, context=context, blocks_per_seq=per_seq)
 

@@ -23,12 +23,13 @@ def gpu_check(device: torch.device, budget_s: float) -> dict:
     shapes = [StepShape(1, 1), StepShape(8, 1)] + [StepShape(1, b + 1) for b in (8, 16, 32, 64, 128, 256)]
     gen = torch.Generator().manual_seed(0)
 
-    def check(batch: int, nodes: int) -> dict:
-        shape = StepShape(batch, nodes)
+    def check(batch: int, tree_size: int) -> dict:
+        shape = StepShape(batch, tree_size)
         return _check_shape(runner, shape, random_seqs(shape, setup.context, cache, gen, model.cfg.vocab_size,
                                                        len(scratch)))
 
-    rows = check_rows([{"batch": s.batch, "nodes": s.nodes} for s in shapes], check, budget_s - (time.time() - t0))
+    rows = check_rows([{"batch": s.batch, "tree_size": s.tree_size} for s in shapes], check,
+                      budget_s - (time.time() - t0))
     return {"kernels": model.kernels.reasons, "model": "random tiny_kimi architecture at hidden 1024, 32 experts, "
             "bf16", "context": setup.context, "shapes": rows, "coverage": runner.coverage.summary()}
 
@@ -39,12 +40,12 @@ def _check_shape(runner: GraphRunner, shape: StepShape, seqs: list[StaticSeq]) -
     step.load(seqs)
     eager = step.run()[0].float().clone()
     reason = runner.capture(shape)
-    row = {"kind": shape.kind, "batch": shape.batch, "nodes": shape.nodes, "captured": not reason,
+    row = {"kind": shape.kind, "batch": shape.batch, "tree_size": shape.tree_size, "captured": not reason,
            "eager_reason": reason}
     if not reason:
-        replay = runner.run(seqs, shape.nodes)[0].float()
+        replay = runner.run(seqs, shape.tree_size)[0].float()
         row["max_abs_diff_vs_eager"] = float((replay - eager).abs().max())
         row["eager_ms"] = 1e3 * cuda_time_s(lambda: (step.load(seqs), step.run()))
-        row["replay_ms"] = 1e3 * cuda_time_s(lambda: runner.run(seqs, shape.nodes))
+        row["replay_ms"] = 1e3 * cuda_time_s(lambda: runner.run(seqs, shape.tree_size))
         row["speedup"] = row["eager_ms"] / row["replay_ms"]
     return row

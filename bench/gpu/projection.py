@@ -17,6 +17,7 @@ import torch
 from bench.gpu.fixtures import random_model, random_seqs
 from bench.gpu.harness import cuda_time_s
 from bench.gpu.roofline import KIMI_SLICE, TINY_SLICE, SliceShape, install_routing
+from engine.blocks import blocks_for
 from engine.cuda_graphs import GraphRunner, StepShape
 from engine.kv_cache import KVSpec, PagedKVCache
 from engine.step import SeqWork
@@ -66,10 +67,10 @@ def slice_drafter(model: CausalLM) -> DFlashDrafter:
 
 def _draft_work(spec: Speculator, context: int, first_block: int, gen: torch.Generator) -> SeqWork:
     """One request of ``context`` tokens (random drafter context) about to draft its next tree."""
-    per_seq = -(-(context + spec.cfg.scratch_slots) // spec.cache.block_size)
+    per_seq = blocks_for(context + spec.cfg.spec_reserve_slots, spec.cache.kv_block_size)
     w = SeqWork(request_id="0", token_ids=[2], start=context, sample=True, params=None, seed=0, num_generated=1,
                 block_table=list(range(first_block, first_block + per_seq)), decode=True, spec=True)
-    width = len(spec.capture) * spec.model.cfg.hidden_size
+    width = len(spec.feature_layers) * spec.model.cfg.hidden_size
     spec.add_context(w, torch.randn(context, width, generator=gen).to(spec.context.device), 0)
     return w
 
@@ -87,11 +88,11 @@ def measure(device: torch.device | str, budgets: tuple[int, ...], budget_s: floa
     model = slice_model(device, shape, dtype)
     drafter, gen = slice_drafter(model), torch.Generator().manual_seed(0)
     bs, most = shape.block_size, max(max(budgets) + 1, DRAFTER_BLOCK)
-    scratch, per_seq = tuple(range(-(-most // bs))), -(-(context + most) // bs)
+    scratch, per_seq = tuple(range(blocks_for(most, bs))), blocks_for(context + most, bs)
     cache = PagedKVCache(KVSpec.for_model(model), len(scratch) + per_seq, bs, device=device)
     layers = tuple(drafter.c.target_layer_ids)
     plain = GraphRunner(model, cache, per_seq, scratch, (1,))
-    spec_runner = GraphRunner(model, cache, per_seq, scratch, (1,), capture=layers)
+    spec_runner = GraphRunner(model, cache, per_seq, scratch, (1,), feature_layers=layers)
     seqs = random_seqs(StepShape(1, 1), context, cache, gen, model.cfg.vocab_size, len(scratch))
     decode_reason = plain.capture(StepShape(1, 1))
     decode_ms = 1e3 * cuda_time_s(lambda: plain.run(seqs, 1), device=device)
@@ -111,11 +112,11 @@ def measure(device: torch.device | str, budgets: tuple[int, ...], budget_s: floa
             graphs = DraftGraphs(spec, per_seq, scratch, (1,))
             work = _draft_work(spec, context, len(scratch), gen)
             draft_reason = graphs.capture(1)
-            tree = StepShape(1, budget + 1)
+            tree = StepShape(1, cfg.tree_size)
             tree_seqs = random_seqs(tree, context, cache, gen, model.cfg.vocab_size, len(scratch))
             verify_reason = spec_runner.capture(tree)
             draft_s = cuda_time_s(lambda g=graphs, w=work: g.run([w]), device=device)
-            verify_s = cuda_time_s(lambda s=tree_seqs, n=budget + 1: spec_runner.run(s, n), device=device)
+            verify_s = cuda_time_s(lambda s=tree_seqs, n=cfg.tree_size: spec_runner.run(s, n), device=device)
             out["rows"].append(dict(budget=budget, draft_ms=1e3 * draft_s, draft_eager_reason=draft_reason,
                                     verify_ms=1e3 * verify_s, verify_eager_reason=verify_reason))
             del spec, graphs

@@ -26,6 +26,7 @@ from bench.cost.floors import floor_bytes
 from bench.gpu.fixtures import random_model, random_seqs
 from bench.gpu.harness import copy_bandwidth, cuda_time_s
 from bench.gpu.power import PowerMeter
+from engine.blocks import blocks_for
 from engine.cuda_graphs import GraphRunner, StepShape
 from engine.kv_cache import KVSpec, PagedKVCache
 from model.expert_tally import ExpertTally
@@ -259,7 +260,7 @@ def run(device: torch.device | str, budget_s: float, shape: SliceShape | None = 
         for routing in routings:
             install_routing(model, shape, routing, device, dtype)
             for context in contexts:
-                per_seq = -(-(context + 1) // shape.block_size)
+                per_seq = blocks_for(context + 1, shape.block_size)
                 scratch = (0,)
                 cache = PagedKVCache(spec, len(scratch) + max(batches) * per_seq, shape.block_size, device=device)
                 runner = GraphRunner(model, cache, max_blocks=per_seq, scratch_blocks=scratch,

@@ -17,6 +17,7 @@ import torch
 
 from bench.gpu.fixtures import GPU_CHECK_CASES, check_setup, random_speculator
 from bench.gpu.harness import check_rows, cuda_time_s
+from engine.blocks import blocks_for
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.step import SeqWork
@@ -29,8 +30,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
 def blocks_per_seq(budget: int, context: int, block_size: int = 16) -> int:
     """KV blocks a request of ``context`` tokens needs for one speculative step at ``budget``."""
-    scratch = SpecConfig("ddtree", budget=budget, block_size=16, drafter_path="random").scratch_slots
-    return -(-(context + scratch) // block_size)
+    reserve = SpecConfig("ddtree", budget=budget, block_size=16, drafter_path="random").spec_reserve_slots
+    return blocks_for(context + reserve, block_size)
 
 
 def spec_runner(model: CausalLM, budget: int, batch: int, context: int, static: bool,
@@ -75,8 +76,8 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
         row["static_ms"] = 1e3 * cuda_time_s(lambda: static.execute(work["static"]))
         row["dynamic_ms"] = 1e3 * cuda_time_s(lambda: dynamic.execute(work["dynamic"]))
         row["speedup"] = row["dynamic_ms"] / row["static_ms"]
-    coverage = {**static.static.coverage.summary(), **static.drafts.coverage.summary(),
-                **static.commits.coverage.summary()}
+    coverage = {**static.static.coverage.summary(), **static.speculator.drafts.coverage.summary(),
+                **static.speculator.commits.coverage.summary()}
     row["replays"] = {kind: f"{c['replays']}/{c['steps']}" for kind, c in coverage.items()}
     row["eager_reason"] = "; ".join(sorted({c["eager_reason"] for c in coverage.values() if c["eager_reason"]}))
     return row
