@@ -10,7 +10,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from rpc_helpers import CHAT_TEMPLATE, ServerProcess, free_port, with_tokenizer
+from rpc_helpers import ServerProcess, free_port, with_tokenizer
+
+from model.tiny import CHAT_TEMPLATE
 
 CKPT = "tiny_deepseek"
 MODEL = "tiny"
