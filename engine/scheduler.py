@@ -204,13 +204,15 @@ class Scheduler:
         return req
 
     def _admit(self) -> None:
-        """Admits from the head of the queue while a rank has room and the blocks its first step needs."""
-        while self.waiting:
-            req = self.waiting[0]
+        """Admits in queue order while a rank has room and the blocks a request's first step needs; a request pinned
+        to a full rank waits without holding up the others, one whose blocks are not free stops admission (FCFS)."""
+        for req in list(self.waiting):
             ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(self.dp_size))
                      if len(self.running[r]) < self.cfg.max_num_seqs]
             if not ranks:
-                return
+                if req.pinned_dp is None:
+                    return
+                continue
             tokens, hashes = req.tokens, self._hashes(req)
             pools = self.kv.pools
             dp = max(ranks, key=lambda r: (self.kv.cached_blocks(r, hashes), pools[r].num_free, -r))
@@ -222,7 +224,7 @@ class Scheduler:
             cached = self.kv.admit(req.request_id, dp, tokens, hashes, reserve, req.retain_kv)
             if cached is None:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.dp_rank, req.num_computed, req.hashes = dp, cached, None
             if req.admitted < 0:
                 req.admitted, req.num_cached = next(self._admissions), cached

@@ -173,11 +173,12 @@ class Client:
         resp = self.stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=timeout)
         ranks = [MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
                  for r in resp.loads]
-        load = {k: sum(r[k] for r in ranks) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
-                                                     "num_used_tokens", "max_total_num_tokens",
-                                                     "num_waiting_uncached_tokens")}
-        load.update(kv_usage=load["num_used_tokens"] / max(load["max_total_num_tokens"], 1),
-                    cache_hit_rate=ranks[0]["cache_hit_rate"], per_rank=ranks)
+        load = dict(ranks[0])  # the engine-wide fields (throughput, hit rate) are the same on every record
+        load.update({k: sum(r[k] for r in ranks) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
+                                                          "num_used_tokens", "max_total_num_tokens",
+                                                          "max_running_requests", "num_waiting_uncached_tokens")})
+        load.update(kv_usage=load["num_used_tokens"] / max(load["max_total_num_tokens"], 1), per_rank=ranks)
+        load["token_usage"] = load["kv_usage"]
         return load
 
     def flush_cache(self, timeout_s: float = 0.0, timeout: float = 30.0) -> tuple[bool, str]:
