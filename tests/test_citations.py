@@ -174,7 +174,7 @@ def resolves(c: Citation, root: Path, names: set[str]) -> bool:
 
 def missing(root: Path) -> list[str]:
     names = {f.name for f in repository_files(root)}
-    return [f"{c.where}: {c.cited}" for c in citations(root) if not resolves(c, root, names)]
+    return sorted({f"{c.where}: {c.cited}" for c in citations(root) if not resolves(c, root, names)})
 
 
 def test_every_cited_file_is_in_the_repository():
