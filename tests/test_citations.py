@@ -8,7 +8,10 @@ values of ``docs/*.json`` (the ``source`` fields of ``docs/kernel_efficiency.jso
   ``docs/kv_cache.md``, ``conf/parallel/``, globs such as ``tests/test_rpc*.py`` — resolved from the repository
   root, or from the citing page's folder for a Markdown link target;
 - a bare ``*.md`` name with no folder (``NOTES.md``), which must be some file of the repository; in Markdown and
-  in ``*.py`` comments and docstrings also a bare ``*.json`` or ``*.yaml`` name (``kernel_efficiency.json``).
+  in ``*.py`` comments and docstrings also a bare ``*.json`` or ``*.yaml`` name (``kernel_efficiency.json``);
+- a path under ``outputs/``: what runs write there is never committed (the folder is git-ignored), so it is accepted
+  only where the text gives it to the command that writes it (``--out outputs/agentic``,
+  ``bench.output_dir=outputs/demo``); anywhere else it cites a file the repository does not have.
 
 Paths of other projects do not start with our names (vLLM's ``v1/core/kv_cache_manager.py``,
 ``python/sglang/...``, ``crates/...``), and a path inside a URL or after another folder is not read as ours.
@@ -28,11 +31,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The repository's top-level names. `outputs/` is not among them on purpose: it holds what runs write (a command
-# such as `scripts/bench_agentic.py --out outputs/agentic` or `make demo`), is git-ignored, and is never committed,
-# so a path under it names a run's product, not a file of the repository.
+# The repository's top-level names, and `outputs/`, where runs write (git-ignored: see WRITTEN_BY_A_COMMAND).
 TOP_LEVEL = ("parallelism", "model", "engine", "spec_decode", "rpc", "bench", "conf", "scripts", "tests", "docs",
-             ".ci")
+             ".ci", "outputs")
+WRITTEN_BY_A_COMMAND = re.compile(r"(?:--out(?:put)?[ =]|output_dir=|--output-dir[ =])$")
 NOT_IN_THE_REPOSITORY = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "outputs", "multirun"}
 # Names of file formats that pages cite as what a Hugging Face checkpoint or tokenizer directory holds (ours has some
 # of them, not all): the format, not a file of this repository.
@@ -56,6 +58,7 @@ class Citation:
     where: str  # citing file and line
     cited: str  # as written
     base: Path  # the folder it resolves from
+    written: bool = False  # handed to a command's output option (outputs/ only)
 
 
 def repository_files(root: Path) -> list[Path]:
@@ -69,18 +72,20 @@ def repository_files(root: Path) -> list[Path]:
     return out
 
 
-def _paths_in(text: str, data_names: bool) -> Iterator[str]:
-    yield from (m.group(1).rstrip(".,") for m in OUR_PATH.finditer(text))
-    yield from (m.group(1) for m in BARE_MD.finditer(text))
+def _paths_in(text: str, data_names: bool) -> Iterator[tuple[str, bool]]:
+    """``(cited, written by a command)`` for each citation in ``text``."""
+    for m in OUR_PATH.finditer(text):
+        yield m.group(1).rstrip(".,"), bool(WRITTEN_BY_A_COMMAND.search(text[:m.start()]))
+    yield from ((m.group(1), False) for m in BARE_MD.finditer(text))
     if data_names:
-        yield from (m.group(1) for m in BARE_DATA.finditer(text))
+        yield from ((m.group(1), False) for m in BARE_DATA.finditer(text))
 
 
 def markdown_citations(root: Path, page: Path) -> Iterator[Citation]:
     for n, line in enumerate((root / page).read_text().splitlines(), 1):
         where = f"{page}:{n}"
-        for cited in _paths_in(line, data_names=True):
-            yield Citation(where, cited, root)
+        for cited, written in _paths_in(line, data_names=True):
+            yield Citation(where, cited, root, written)
         for target in LINK.findall(line):
             target = target.split("#")[0]
             if target and not re.match(r"[a-z]+:", target):
@@ -89,7 +94,8 @@ def markdown_citations(root: Path, page: Path) -> Iterator[Citation]:
 
 def python_citations(root: Path, source: Path) -> Iterator[Citation]:
     """Comments and docstrings (bare data names too) and every other string constant (our paths and bare
-    ``*.md`` names only: code builds file names such as ``config.json`` that are not citations)."""
+    ``*.md`` names only: code builds file names such as ``config.json`` that are not citations; a path under
+    ``outputs/`` there is where that code writes)."""
     text = (root / source).read_text()
     tree = ast.parse(text)
     docstrings = set()
@@ -101,12 +107,14 @@ def python_citations(root: Path, source: Path) -> Iterator[Citation]:
                 docstrings.add(id(first.value))
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            for cited in _paths_in(node.value, data_names=id(node) in docstrings):
-                yield Citation(f"{source}:{node.lineno}", cited, root)
+            doc = id(node) in docstrings
+            for cited, written in _paths_in(node.value, data_names=doc):
+                # a string in code naming a place under outputs/ is where that code writes (an --out default)
+                yield Citation(f"{source}:{node.lineno}", cited, root, written or not doc)
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
         if tok.type == tokenize.COMMENT:
-            for cited in _paths_in(tok.string, data_names=True):
-                yield Citation(f"{source}:{tok.start[0]}", cited, root)
+            for cited, written in _paths_in(tok.string, data_names=True):
+                yield Citation(f"{source}:{tok.start[0]}", cited, root, written)
 
 
 def json_citations(root: Path, data: Path) -> Iterator[Citation]:
@@ -121,8 +129,8 @@ def json_citations(root: Path, data: Path) -> Iterator[Citation]:
                 yield from strings(v)
 
     for s in strings(json.loads((root / data).read_text())):
-        for cited in _paths_in(s, data_names=True):
-            yield Citation(str(data), cited, root)
+        for cited, written in _paths_in(s, data_names=True):
+            yield Citation(str(data), cited, root, written)
 
 
 def citations(root: Path) -> list[Citation]:
@@ -153,7 +161,10 @@ def placeholder(name: str) -> bool:
 
 def resolves(c: Citation, root: Path, names: set[str]) -> bool:
     """A bare name: some file of the repository has it (or it is a format name, a run's product, a placeholder).
-    A path (``<X>`` placeholders and globs allowed, ``{a,b}`` expanded): it matches a file or folder."""
+    A path (``<X>`` placeholders and globs allowed, ``{a,b}`` expanded): it matches a file or folder; under
+    ``outputs/``, it is handed to the command that writes it."""
+    if c.cited.split("/")[0] == "outputs":
+        return c.written
     if "/" not in c.cited:
         return (c.cited in names or c.cited in FORMAT_NAMES or c.cited in RUN_PRODUCTS or placeholder(c.cited)
                 or (c.base / c.cited).is_file())
@@ -222,5 +233,16 @@ def test_other_projects_paths_are_not_ours(tmp_path):
     (tmp_path / "docs" / "page.md").write_text(
         "vLLM's `v1/core/kv_cache_manager.py`, SGLang's `python/sglang/srt/mem_cache/radix_cache.py`, "
         "smg's `crates/grpc/src/lib.rs`, https://github.com/vllm-project/vllm/blob/main/docs/design/metrics.md, "
-        "rtx6kpro's models/kimi-k25.md, `$OUT/gpu_report.md`, `outputs/agentic/summary.json`.\n")
+        "rtx6kpro's models/kimi-k25.md, `$OUT/gpu_report.md`.\n")
     assert missing(tmp_path) == []
+
+
+def test_a_run_product_is_cited_only_with_the_command_that_writes_it(tmp_path):
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "bench_agentic.py").write_text("x = 1\n")
+    page.write_text("`python scripts/bench_agentic.py --out outputs/agentic`, `bench.output_dir=outputs/demo`\n")
+    assert missing(tmp_path) == []
+    page.write_text("The figures are in `outputs/agentic/agentic.json`.\n")
+    assert missing(tmp_path) == ["docs/page.md:1: outputs/agentic/agentic.json"]
