@@ -10,7 +10,7 @@ verdict against the floors, and whether its tokens equal the reference layout's 
 After each layout ``summary.csv``, ``summary.md`` and PNG plots are refreshed.
 
 NVLink vs PCIe on one NVLink box: ``-m parallel=tp8,ep8 topology=nvlink,pcie``. Each server applies the mode
-(``scripts/common.prepare_ranks``: NCCL's switches before its ranks start), cells record the plan, and a mode
+(``scripts/common.py`` ``prepare_ranks``: NCCL's switches before its ranks start), cells record the plan, and a mode
 other than ``auto`` labels the layout ``tp8@pcie`` in files and reports; the tokens must still equal the first
 job's.
 """

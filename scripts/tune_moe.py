@@ -6,7 +6,7 @@
 For each token bucket M it builds random bf16 rows routed top-k uniformly over the E local experts, times every
 candidate (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages) on the whole ``fused_moe`` (align kernel and
 both GEMMs) with ``triton.testing.do_bench``, checks the winner against the torch reference, and writes
-``model/triton/configs/moe/E=..,N=..,K=..,device_name=<GPU>.json`` — read by ``model.triton.moe.table_tiles``.
+``model/triton/configs/moe/E=<E>,N=<I>,K=<H>,device_name=<GPU>.json`` — read by ``model.triton.moe.table_tiles``.
 ``--write-defaults`` writes the ``device_name=default`` file from ``default_tiles`` instead, marked
 ``"_source": "untuned default"``. Without CUDA anything but ``--write-defaults`` exits with status 2.
 """

@@ -1,4 +1,4 @@
-"""Arrows point down (docs/DESIGN.md, "Layout"): no import cycle between modules or between top-level packages,
+"""Arrows point down (docs/ARCHITECTURE.md, "Rooms"): no import cycle between modules or between top-level packages,
 ``parallelism ← model ← engine ← spec_decode, rpc``, and ``bench/`` (tooling) imported by no runtime package.
 
 Every ``import`` statement counts, wherever it stands: a function-level (lazy) import or one under

@@ -1,5 +1,6 @@
-"""Kernel efficiencies measured on one H200 (``docs/kernel_efficiency.json``) and the rules that turn them into
-a fraction of the byte floor for each kernel class of a decode step (docs/cost_model.md, "Calibration").
+"""Kernel efficiencies measured on one H200 in the first GPU run (``docs/gpu_first_run.md``; the figures in
+``docs/kernel_efficiency.json``) and the rules that turn them into a fraction of the byte floor for each kernel
+class of a decode step (docs/cost_model.md, "Calibration").
 
 Classes: ``attention`` (KV bytes: paged decode attention), ``moe`` (routed-expert bytes: fused MoE) and
 ``dense`` (every other weight byte: projections, dense MLP, shared experts, router, LM head). Every fraction is

@@ -105,8 +105,8 @@ class ModelShape:
         return ModelShape(**kw, **bytes_per_element)
 
 
-# Kimi K2 text model (K2.5/K2.6 wrap the same text_config). Dims from REFERENCES.md and the public config.json
-# (qk_nope 128, v_head 128, dense intermediate 18432, as DeepSeek-V3).
+# Kimi K2 text model (K2.5/K2.6 wrap the same text_config). Dims from the public config.json (docs/field_notes.md,
+# "Models"; qk_nope 128, v_head 128, dense intermediate 18432, as DeepSeek-V3).
 KIMI_K2 = ModelShape(
     name="Kimi-K2 (bf16)", num_layers=61, num_dense_layers=1, hidden=7168, num_heads=64, vocab=163840,
     num_experts=384, top_k=8, moe_intermediate=2048, num_shared_experts=1, dense_intermediate=18432,

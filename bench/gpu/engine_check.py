@@ -37,7 +37,7 @@ from spec_decode.config import SpecConfig
 from spec_decode.speculation import load_speculation
 
 ZOO = REPO / "model/zoo/tiny_kimi"
-DFLASH_BLOCK = 9  # DFlash's best block on this pair (docs/tiny_kimi.md, GPU_FINDINGS)
+DFLASH_BLOCK = 9  # DFlash's best block on this pair (docs/tiny_kimi.md, docs/gpu_first_run.md)
 DDTREE_BLOCK = 16  # the drafter's training block
 BUDGETS = (16, 64, 256)
 # seconds a reference needs on a GPU to be worth starting (HF: two generate passes; projection: a 10 GiB slice)
