@@ -29,10 +29,10 @@ PRINTABLE = (7, 103)  # ids of printable characters in model.tiny's character to
 class Workload:
     sessions: int = 4
     turns: int = 6
-    system_tokens: int = 600  # shared by the sessions of a tenant
+    system_tokens: int = 3000  # shared by the sessions of a tenant
     tenants: int = 1  # distinct system prompts, sessions assigned in turn
-    first_user_tokens: int = 200
-    new_tokens_per_turn: int = 800  # a tool result or user message
+    first_user_tokens: int = 800  # the task: files, the issue
+    new_tokens_per_turn: int = 64  # a tool result or user message
     output_tokens: int = 64
     think_s: float = 0.2
     concurrency: int = 4

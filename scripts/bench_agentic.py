@@ -88,7 +88,7 @@ def allocation(out: Path, requests: int) -> dict:
 
 def retention(out: Path, w: Workload) -> dict:
     res = {}
-    probe = replace(w, sessions=4, turns=2)
+    probe = replace(w, sessions=4, turns=2, system_tokens=200, first_user_tokens=600)  # ~55 blocks a session
     for retain in (True, False):
         srv = serve(out, f"retention_{retain}", "engine.num_blocks=320", "engine.max_model_len=4096",
                     "engine.kv_retention_s=120")
