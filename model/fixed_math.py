@@ -10,8 +10,6 @@ on every CPU code path. Cephes' single-precision polynomials, accurate to about 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 _LOG2E = 1.4426950408889634
@@ -19,33 +17,26 @@ _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split: k * _LN2_HI is exa
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 _LOG_POLY = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
              -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1)
-_EXP_MIN, _EXP_MAX = -87.33, 88.72  # exp underflows below (flushed to 0: no subnormals) and overflows above
+_EXP_MIN, _EXP_MAX = -87.33, 88.0  # below: flushed to 0 (no subnormals); above: saturates at e**88 (~1.65e38)
 
 
 def _horner(coeffs: tuple[float, ...], x: torch.Tensor) -> torch.Tensor:
     acc = x * coeffs[0]
     for c in coeffs[1:-1]:
-        acc = (acc + c) * x
-    return acc + coeffs[-1]
-
-
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """``2**k`` for integral float32 ``k`` in [-126, 127], from the exponent bits (exact)."""
-    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+        acc.add_(c).mul_(x)
+    return acc.add_(coeffs[-1])
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """``e**x`` elementwise, float32 (NaN stays NaN, -inf → 0, +inf → inf)."""
+    """``e**x`` elementwise, float32: NaN stays NaN, values below -87.33 (-inf too) give 0, values above 88 give
+    e**88 (a deterministic saturation, not inf)."""
     x = x.float()
     r = x.clamp(_EXP_MIN, _EXP_MAX)
-    k = torch.floor(r * _LOG2E + 0.5)  # [-126, 128]
-    r = (r - k * _LN2_HI) - k * _LN2_LO  # |r| <= ln2 / 2
-    p = (_horner(_EXP_POLY, r) * (r * r) + r) + 1.0
-    half = torch.floor(k * 0.5)  # 2**k as two factors: k = 128 alone is past the exponent range
-    y = (p * _pow2(half)) * _pow2(k - half)
-    y = torch.where(x < _EXP_MIN, 0.0, y)
-    y = torch.where(x > _EXP_MAX, math.inf, y)
-    return torch.where(torch.isnan(x), x, y)
+    k = (r * _LOG2E).add_(0.5).floor_()  # [-126, 127]
+    r = r.sub(k * _LN2_HI).sub_(k * _LN2_LO)  # |r| <= ln2 / 2
+    p = _horner(_EXP_POLY, r).mul_(r * r).add_(r).add_(1.0)
+    scale = k.to(torch.int32).add_(127).bitwise_left_shift_(23).view(torch.float32)  # 2**k, exact
+    return p.mul_(scale).masked_fill_(x < _EXP_MIN, 0.0)
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
@@ -59,9 +50,9 @@ def log(x: torch.Tensor) -> torch.Tensor:
     e = (e - low.to(torch.int32)).float()
     f = torch.where(low, (m + m) - 1.0, m - 1.0)  # in [sqrt(0.5) - 1, sqrt(2) - 1)
     z = f * f
-    y = (f * z) * _horner(_LOG_POLY, f)
-    y = (y + e * _LN2_LO) - z * 0.5
-    return (f + y) + e * _LN2_HI
+    y = _horner(_LOG_POLY, f).mul_(f * z)
+    y.add_(e * _LN2_LO).sub_(z * 0.5)
+    return y.add_(f).add_(e * _LN2_HI)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
