@@ -22,7 +22,8 @@ from bench.cost.hardware import cpu_box, profile_for_gpu
 from bench.cost.shapes import ModelShape
 from bench.metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
 from bench.report import write_reports
-from bench.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
+from bench.telemetry import compute_floors, energy_per_token_j, sampler_summary, verdict
+from engine.telemetry import TelemetrySampler
 from model.config import load_config
 from model.expert_tally import touched_per_layer
 from parallelism.launch import free_port
@@ -183,7 +184,7 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
     ref = reference.setdefault(key, tokens)
     tau = cell_tau(before.get("spec_decode") or {}, after.get("spec_decode") or {})
     step_s = decode_step_time_s((metrics["mean_tpot_ms"] or 0.0) / 1e3, tau)
-    telemetry = sampler.summary()
+    telemetry = sampler_summary(sampler)
     hw = floor_hardware(cfg, layout.world_size, topology["gpus"])
     touched = cell_touched(before, after)
     floors = hw and compute_floors(shape, hw, layout, concurrency, context + b.output_len // 2, touched=touched)

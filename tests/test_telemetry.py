@@ -9,19 +9,8 @@ import pytest
 from bench.cost.formulas import Floors, step_bytes, step_flops
 from bench.cost.hardware import Hardware
 from bench.cost.shapes import ModelShape
-from bench.telemetry import (
-    CpuBackend,
-    NvmlBackend,
-    TelemetrySampler,
-    compute_floors,
-    cpu_utilisation,
-    energy_per_token_j,
-    open_backend,
-    parse_proc_stat,
-    power_during,
-    summarize,
-    verdict,
-)
+from bench.telemetry import compute_floors, energy_per_token_j, power_during, sampler_summary, summarize, verdict
+from engine.telemetry import CpuBackend, NvmlBackend, TelemetrySampler, cpu_utilisation, open_backend, parse_proc_stat
 from parallelism.layout import Layout
 
 # ------------------------------------------------------------------------------------------- CPU side
@@ -65,7 +54,7 @@ def test_sampler_on_this_box_falls_back_to_cpu():
     samples = sampler.samples
     assert len(samples) >= 3 and all("cpu_total_pct" in s and "t" in s for s in samples)
     assert all(0 <= s["cpu_total_pct"] <= 100 for s in samples)
-    s = sampler.summary(since=mark)
+    s = sampler_summary(sampler, since=mark)
     assert s["source"] == "cpu" and s["reason"].startswith("no NVML/GPU") and s["cpu_total_pct"]["max"] >= 0
 
 
@@ -160,7 +149,7 @@ def test_nvml_sampler_energy_per_token():
     sampler = TelemetrySampler(interval_s=10, backend=open_backend(nvml=FakeNvml()))
     for _ in range(3):
         sampler.sample_now()
-    s = sampler.summary()
+    s = sampler_summary(sampler)
     # each GPU's counter rose 2 x 30 J between the first and the last sample
     assert s["energy_j"] == pytest.approx(120.0) and s["energy_source"] == "counter"
     assert energy_per_token_j(s, 40) == pytest.approx(3.0)
