@@ -43,9 +43,9 @@ class Server:
     """``scripts/serve.py`` as a subprocess on a loopback port, for one layout and spec mode."""
 
     def __init__(self, overrides: list[str], log_path: Path, timeout_s: float):
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), *overrides,
-               "server.host=127.0.0.1", f"server.port={self.port}"]
+               "server.host=127.0.0.1", f"server.port={self.port}", f"server.metrics_port={self.metrics_port}"]
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         self.client = Client(f"127.0.0.1:{self.port}")

@@ -164,6 +164,9 @@ class Scheduler:
         self._steps = itertools.count()
         self._admissions = itertools.count()
         self.preemptions = 0
+        # why the last schedule() left work waiting: "kv" (the queue's head or a running item had no free blocks),
+        # "max_num_seqs" (no rank had a running slot for the head), or "" (nothing waited)
+        self.blocked = ""
 
     # ---- admission -------------------------------------------------------------------------------
     def request_slots(self, prompt_len: int, max_tokens: int) -> int:
@@ -204,12 +207,14 @@ class Scheduler:
         return req
 
     def _admit(self) -> None:
-        """Admits from the head of the queue while a rank has room and the blocks its first step needs."""
+        """Admits from the head of the queue while a rank has room and the blocks its first step needs; sets
+        :attr:`blocked` when the head stays."""
         while self.waiting:
             req = self.waiting[0]
             ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(self.dp_size))
                      if len(self.running[r]) < self.cfg.max_num_seqs]
             if not ranks:
+                self.blocked = self.blocked or "max_num_seqs"
                 return
             tokens, hashes = req.tokens, self._hashes(req)
             pools = self.kv.pools
@@ -221,6 +226,7 @@ class Scheduler:
                 reserve = hit + min(len(tokens) - hit, self.cfg.max_num_batched_tokens)
             cached = self.kv.admit(req.request_id, dp, tokens, hashes, reserve, req.retain_kv)
             if cached is None:
+                self.blocked = "kv"
                 return
             self.waiting.popleft()
             req.dp_rank, req.num_computed, req.hashes = dp, cached, None
@@ -240,6 +246,7 @@ class Scheduler:
         return any(self.running) or bool(self.waiting)
 
     def schedule(self) -> StepPlan:
+        self.blocked = ""
         self._admit()
         work, scheduled = [], {}
         for dp in range(self.dp_size):
@@ -258,6 +265,7 @@ class Scheduler:
                 spec = decode and self.spec_reserve_slots > 0
                 writes = self.spec_reserve_slots if spec else n  # a tree writes its whole reserve
                 if not self._blocks_for_step(req, req.num_computed + writes, scheduled):
+                    self.blocked = "kv"
                     continue
                 budget -= n
                 done = req.num_computed + n == total
