@@ -63,8 +63,8 @@ class StaticCommit:
 
 class CommitGraphs(CapturedGraphs):
     """Static commits per verify shape ``(batch, tree_size)``, captured as CUDA graphs where possible
-    (``status(key)``: the coverage record under the COMMIT kind). :meth:`prepare` (host half of a step: the capture) then :meth:`run` (device
-    half: the commit of a static step's sampled trees, ``spec_decode.speculation``)."""
+    (``status(key)``: the coverage record under the COMMIT kind). :meth:`prepare` (host half of a step: the capture)
+    then :meth:`run` (device half: the commit of a static step's sampled trees, ``spec_decode.speculation``)."""
 
     def __init__(self, spec: Speculator, scratch_blocks: tuple[int, ...]):
         super().__init__(control=spec.model.groups.control)
