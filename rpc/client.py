@@ -152,6 +152,17 @@ class Client:
     def abort(self, *request_ids: str, timeout: float = 10.0) -> None:
         self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=timeout)
 
+    # ---- profiling -------------------------------------------------------------------------------
+    def start_profile(self, timeout: float = 60.0, **fields) -> tuple[bool, str]:
+        """StartProfile (``output_dir``, ``start_step``, ``num_steps``, ``activities``, ...): (success, message)."""
+        resp = self.stub.StartProfile(common_pb2.StartProfileRequest(**fields), timeout=timeout)
+        return resp.success, resp.message
+
+    def stop_profile(self, timeout: float = 120.0) -> tuple[bool, str]:
+        """StopProfile: (success, message naming the trace files)."""
+        resp = self.stub.StopProfile(common_pb2.StopProfileRequest(), timeout=timeout)
+        return resp.success, resp.message
+
     # ---- facts -----------------------------------------------------------------------------------
     def model_info(self, timeout: float = 10.0) -> dict:
         return MessageToDict(self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout),
