@@ -102,7 +102,7 @@ def load(server):
 def test_metrics_page_parses_and_counts_exactly_what_was_sent(server, load):
     srv, client, _ = server
     reasons = {"stop": 0, "length": 0, "abort": 0}
-    for _, tokens, result in load:
+    for *_, result in load:
         reasons[result.finish_reason if result is not None else "length"] += 1
     assert reasons["stop"] == 1 and reasons["abort"] == 1, reasons
     got_tokens = [(p, t) for p, t, _ in load if t]
