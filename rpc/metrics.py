@@ -246,9 +246,9 @@ class MetricsExporter:
         joules = 0.0
         if "energy_mj" in g:
             prev = self._energy.get(rank)
-            if prev is not None and g["energy_mj"] >= prev:
+            if prev is not None and g["energy_mj"] >= prev:  # (a driver reload restarts NVML's counter)
                 joules = (g["energy_mj"] - prev) / 1000
-                self._gpu["energy"].labels(**self.labels, rank=label).inc(joules)
+            self._gpu["energy"].labels(**self.labels, rank=label).inc(joules)  # from 0 at the first sample
             self._energy[rank] = g["energy_mj"]
         return joules
 

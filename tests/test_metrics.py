@@ -298,7 +298,8 @@ def _gpu_record(t: float, energy_mj: dict[int, float], tokens: int, throttle=("s
                       host_ms={"schedule": 0.1, "launch": 1.0, "readback": 8.0, "update": 0.1, "draft": 0.0,
                                "target": 1.0},
                       tokens=TokenCounts(generated=tokens, decoded=tokens), kv=(RankLoad(blocks_total=10),),
-                      graphs=({StepKind.DECODE: (True, "")},), telemetry=gpus,
+                      graphs=({StepKind.DECODE: (True, "")}, {StepKind.DECODE: (False, "a reason")}),
+                      comm={("attn_tp", "all_reduce"): (2, 1024)}, telemetry=gpus,
                       idle_s={"host_bound": 0.006})
 
 
@@ -320,4 +321,63 @@ def test_exporter_on_fake_gpu_samples():
     assert m[("switchyard:gpu_throttle_reason", (("rank", "0"), ("reason", "sw_power_cap")))] == 0
     assert m[("switchyard:step_device_seconds_count", (("kind", "decode"),))] == 2
     assert m[("switchyard:cuda_graph_replays_total", (("kind", "decode"), ("rank", "0")))] == 2
+    assert m[("switchyard:eager_steps_total", (("kind", "decode"), ("rank", "1"), ("reason", "a reason")))] == 2
+    assert m[("switchyard:comm_bytes_total", (("group", "attn_tp"), ("op", "all_reduce")))] == 2048
     assert not any(name.startswith("switchyard:cpu_") for name, _ in m)
+
+
+# ------------------------------------------------------------------------------------------ the dashboard
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana_dashboard.json"
+
+
+def exported_names() -> set[str]:
+    """Every sample name the exporter can put on the page: speculation on, a GPU rank and a CPU rank seen."""
+    from engine.step_record import StepRecord
+    from rpc.metrics import MetricsExporter
+
+    e = MetricsExporter("m", draft_positions=4, drafted_per_step=4)
+    e.observe(_gpu_record(1.0, {0: 1.0}, tokens=1))
+    e.observe(StepRecord(step_id=None, kind=None, t_end=2.0, gap_s=1.0, wall_s=0.0,
+                         telemetry={1: {"cpu_total_pct": 50.0, "cpu_pct": [50.0], "process_cpu_pct": 20.0}}))
+    return {s.name for family in text_string_to_metric_families(e.text().decode()) for s in family.samples}
+
+
+def test_grafana_dashboard_is_importable_and_reads_only_exported_metrics(tmp_path):
+    """The JSON Grafana imports (checked by structure: Grafana is not installable here): a Prometheus datasource
+    variable, unique panel ids, panels inside the 24-column grid without overlapping, every query on a metric the
+    exporter exports, the panels the issue asks for, and every query valid PromQL (``promtool check rules``)."""
+    import re
+
+    doc = json.loads(DASHBOARD.read_text())
+    assert doc["title"] and doc["uid"] and doc["schemaVersion"] >= 30
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    panels = doc["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+    queries = [p for p in panels if p["type"] != "row"]
+    assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in queries)
+    names = exported_names()
+    exprs = [t["expr"] for p in queries for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b(?:vllm|switchyard):[a-z0-9_]+", e)}
+    assert used <= names, used - names
+    titles = " | ".join(p["title"] for p in panels)
+    for metric in ("switchyard:gpu_power_watts", "switchyard:idle_seconds_total", "switchyard:gpu_sm_active_ratio",
+                   "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
+                   "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total"):
+        assert metric in used, metric
+    assert "300 W" in titles and "τ" in titles
+    promtool = need("promtool")
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}", "expr": e.replace("$__rate_interval", "1m").replace("$model_name", ".*")}
+        for i, e in enumerate(exprs)]}]}
+    (tmp_path / "rules.yml").write_text(json.dumps(rules))  # JSON is YAML
+    out = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
