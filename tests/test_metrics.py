@@ -369,8 +369,9 @@ def test_grafana_dashboard_is_importable_and_reads_only_exported_metrics(tmp_pat
     assert used <= names, used - names
     titles = " | ".join(p["title"] for p in panels)
     for metric in ("switchyard:gpu_power_watts", "switchyard:idle_seconds_total", "switchyard:gpu_sm_active_ratio",
-                   "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
-                   "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total"):
+                   "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                   "vllm:time_to_first_token_seconds_bucket", "vllm:spec_decode_num_accepted_tokens_total",
+                   "vllm:generation_tokens_total"):
         assert metric in used, metric
     assert "300 W" in titles and "τ" in titles
     promtool = need("promtool")
