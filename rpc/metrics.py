@@ -1,11 +1,13 @@
 """``/metrics`` of the serving process: a Prometheus exporter fed by the engine's step records.
 
 :class:`MetricsExporter` subscribes to ``Engine`` (every step and idle heartbeat's :class:`StepRecord`, on the
-engine thread) and keeps ``prometheus_client`` metrics in a registry of its own; :class:`MetricsServer` answers
-``GET /metrics`` on ``server.host:server.metrics_port``. vLLM's names and labels (``model_name``, ``engine``) for what
-this engine has, ``switchyard:`` names for the rest (``docs/metrics.md`` lists every one). The answer is always the
-0.0.4 text format: prometheus-client's OpenMetrics answer escapes the colons in the names (``vllm_...``), and
-vLLM's dashboards would then find nothing. ``_created`` series are off, as in vLLM.
+engine's thread) and folds each record into plain numbers under one lock — a few microseconds, on the step's clock —
+and is itself the ``prometheus_client`` collector that turns them into metric families when scraped (on the metrics
+thread). :class:`MetricsServer` answers ``GET /metrics`` on ``server.host:server.metrics_port``. vLLM's names and
+labels (``model_name``, ``engine``) for what this engine has, ``switchyard:`` names for the rest (:data:`FAMILIES`;
+``docs/metrics.md`` lists every one). The answer is always the 0.0.4 text format: prometheus-client's OpenMetrics
+answer escapes the colons in the names (``vllm_...``), and vLLM's dashboards would then find nothing. ``_created``
+series are off, as in vLLM.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from bisect import bisect_left
 from collections import deque
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.utils import floatToGoString
 
 from engine.step_record import HOST_PHASES, IDLE_REASONS, LAUNCH_PARTS, StepRecord
 from engine.telemetry import THROTTLE_REASONS
@@ -35,248 +41,288 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+TAU_BUCKETS = tuple(float(n) for n in range(1, 17))
 FINISH_REASONS = ("stop", "length", "abort", "error")
 WAITING_REASONS = ("capacity", "deferred")  # vLLM's; every waiting request here waits for capacity
 ENERGY_WINDOW_S = 10.0  # joules per output token over this window
-# per-GPU gauges: sample key → (metric name, help, scale)
-GPU_GAUGES = {
-    "power_w": ("switchyard:gpu_power_watts", "Power drawn by the rank's GPU (NVML, a 1 s average).", 1.0),
-    "power_limit_w": ("switchyard:gpu_power_limit_watts", "The GPU's enforced power limit.", 1.0),
-    "sm_clock_mhz": ("switchyard:gpu_sm_clock_hertz", "SM clock.", 1e6),
-    "kernel_active_pct": ("switchyard:gpu_kernel_active_ratio",
-                          "Share of time any kernel ran (NVML utilization.gpu; 1 for a memory-bound GPU).", 0.01),
-    "sm_active_pct": ("switchyard:gpu_sm_active_ratio", "Share of SMs busy (GPM).", 0.01),
-    "tensor_active_pct": ("switchyard:gpu_tensor_active_ratio", "Share of time SMs ran tensor ops (GPM).", 0.01),
-    "dram_active_pct": ("switchyard:gpu_dram_active_ratio", "DRAM bandwidth used over its peak (GPM).", 0.01),
-}
+BASE_LABELS = ("model_name", "engine")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family: its name on the wire (a counter without ``_total``), type, help, labels beyond
+    :data:`BASE_LABELS` and, for a histogram, its buckets."""
+
+    name: str
+    kind: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+def _families(*specs: Family) -> dict[str, Family]:
+    return {f.name: f for f in specs}
+
+
+FAMILIES = _families(
+    Family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
+    Family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    Family("vllm:num_requests_waiting_by_reason", "gauge", "Number of waiting requests by reason: 'capacity' = "
+           "waiting for KV blocks or a running slot; 'deferred' = never here.", ("reason",)),
+    Family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    Family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens."),
+    Family("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    Family("vllm:prompt_tokens_cached", "counter", "Number of cached prompt tokens."),
+    Family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
+    Family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
+    Family("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
+    Family("vllm:request_success", "counter", "Count of successfully processed requests.", ("finished_reason",)),
+    Family("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
+           buckets=TTFT_BUCKETS),
+    Family("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
+           buckets=ITL_BUCKETS),
+    Family("vllm:e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
+           buckets=REQUEST_LATENCY_BUCKETS),
+    Family("vllm:request_queue_time_seconds", "histogram", "Histogram of time spent in WAITING phase for request.",
+           buckets=REQUEST_LATENCY_BUCKETS),
+    Family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
+    Family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
+    Family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens."),
+    Family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+           ("position",)),
+    Family("switchyard:idle_seconds", "counter", "Seconds the GPUs could have done more, by why not "
+           "(docs/metrics.md): no_work, blocked_kv, admission_limit, host_bound, draining.", ("reason",)),
+    Family("switchyard:steps", "counter", "Engine steps by kind.", ("kind",)),
+    Family("switchyard:step_host_seconds", "histogram", "Rank 0's host seconds per step (the Engine.step calls "
+           "that finished it).", ("kind",), STEP_BUCKETS),
+    Family("switchyard:step_device_seconds", "histogram", "Rank 0's device span per step (CUDA events around its "
+           "launch; absent off CUDA).", ("kind",), STEP_BUCKETS),
+    Family("switchyard:step_host_phase_seconds", "counter", "Rank 0's host seconds by phase of Engine.step (draft "
+           "and target split launch).", ("phase",)),
+    Family("switchyard:cuda_graph_replays", "counter", "Steps that replayed a CUDA graph, by kind and rank.",
+           ("kind", "rank")),
+    Family("switchyard:eager_steps", "counter", "Steps that ran eagerly, by kind, reason and rank.",
+           ("kind", "reason", "rank")),
+    Family("switchyard:comm_bytes", "counter", "Bytes rank 0 contributed to collectives, by group and op.",
+           ("group", "op")),
+    Family("switchyard:comm_calls", "counter", "Collectives rank 0 entered, by group and op.", ("group", "op")),
+    Family("switchyard:kv_blocks", "gauge", "KV blocks per attention-DP rank: used (referenced), cached (in the "
+           "prefix index), free (empty or evictable).", ("dp_rank", "state")),
+    Family("switchyard:acceptance_length", "histogram", "Committed tokens per speculative request per step (tau, "
+           "bonus included).", buckets=TAU_BUCKETS),
+    Family("switchyard:gpu_power_watts", "gauge", "Power drawn by the rank's GPU (NVML, a 1 s average).", ("rank",)),
+    Family("switchyard:gpu_power_limit_watts", "gauge", "The GPU's enforced power limit.", ("rank",)),
+    Family("switchyard:gpu_energy_joules", "counter", "Energy the rank's GPU drew while serving (NVML's counter).",
+           ("rank",)),
+    Family("switchyard:gpu_sm_clock_hertz", "gauge", "SM clock.", ("rank",)),
+    Family("switchyard:gpu_kernel_active_ratio", "gauge", "Share of time any kernel ran (NVML utilization.gpu: 1 "
+           "for a memory-bound GPU too).", ("rank",)),
+    Family("switchyard:gpu_sm_active_ratio", "gauge", "Share of SMs busy (GPM).", ("rank",)),
+    Family("switchyard:gpu_tensor_active_ratio", "gauge", "Share of time SMs ran tensor ops (GPM).", ("rank",)),
+    Family("switchyard:gpu_dram_active_ratio", "gauge", "DRAM bandwidth used over its peak (GPM).", ("rank",)),
+    Family("switchyard:gpu_throttle_reason", "gauge", "1 while the GPU's clocks are held back for this reason "
+           "(NVML clock event reasons).", ("rank", "reason")),
+    Family("switchyard:energy_per_output_token_joules", "gauge", "Joules all GPUs drew per generated token over the "
+           f"last {ENERGY_WINDOW_S:g} s (NaN: no tokens)."),
+    Family("switchyard:cpu_utilisation_ratio", "gauge", "CPU time of the rank's process over wall time (above 1 "
+           "with several busy threads); exported where there is no GPU.", ("rank",)),
+    Family("switchyard:host_cpu_utilisation_ratio", "gauge", "Busy share of the host's CPUs (/proc/stat), as rank "
+           "0's host sees it."),
+)
+# a GPU sample's keys → (family, scale)
+GPU_GAUGES = {"power_w": ("switchyard:gpu_power_watts", 1.0),
+              "power_limit_w": ("switchyard:gpu_power_limit_watts", 1.0),
+              "sm_clock_mhz": ("switchyard:gpu_sm_clock_hertz", 1e6),
+              "kernel_active_pct": ("switchyard:gpu_kernel_active_ratio", 0.01),
+              "sm_active_pct": ("switchyard:gpu_sm_active_ratio", 0.01),
+              "tensor_active_pct": ("switchyard:gpu_tensor_active_ratio", 0.01),
+              "dram_active_pct": ("switchyard:gpu_dram_active_ratio", 0.01)}
 
 
 class MetricsExporter:
     """The metrics of one serving process. ``draft_positions``: speculative positions per draft (the speculation's
     ``draft_rows``; 0: speculation off, no ``vllm:spec_decode_*`` metrics); ``drafted_per_step``: draft tokens per
-    request per speculative step (the tree's nodes, root excluded)."""
+    request per speculative step (the tree's nodes, root excluded). A family appears once it has a sample: the GPU
+    ones only with GPU samples, the CPU ones only without."""
 
     def __init__(self, model_name: str, *, draft_positions: int = 0, drafted_per_step: int = 0):
-        self.registry = CollectorRegistry()
-        self.labels = {"model_name": model_name, "engine": "0"}
-        self.drafted_per_step = drafted_per_step
-        reg = self.registry
-        base = list(self.labels)
-
-        def one(cls, name: str, doc: str, **kw):
-            return cls(name, doc, base, registry=reg, **kw).labels(**self.labels)
-
-        def by(cls, name: str, doc: str, extra: list[str], **kw):
-            return cls(name, doc, base + extra, registry=reg, **kw)
-
-        self.running = one(Gauge, "vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = one(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        waiting = by(Gauge, "vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason: "
-                     "'capacity' = waiting for KV blocks or a running slot; 'deferred' = never here.", ["reason"])
-        self.waiting_by = {r: waiting.labels(**self.labels, reason=r) for r in WAITING_REASONS}
-        self.kv_usage = one(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.queries = one(Counter, "vllm:prefix_cache_queries",
-                           "Prefix cache queries, in terms of number of queried tokens.")
-        self.hits = one(Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.prompt_cached = one(Counter, "vllm:prompt_tokens_cached", "Number of cached prompt tokens.")
-        self.preemptions = one(Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prompt = one(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation = one(Counter, "vllm:generation_tokens", "Number of generation tokens processed.")
-        success = by(Counter, "vllm:request_success", "Count of successfully processed requests.",
-                     ["finished_reason"])
-        self.success = {r: success.labels(**self.labels, finished_reason=r) for r in FINISH_REASONS}
-        self.ttft = one(Histogram, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                        buckets=TTFT_BUCKETS)
-        self.itl = one(Histogram, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                       buckets=ITL_BUCKETS)
-        self.e2e = one(Histogram, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                       buckets=REQUEST_LATENCY_BUCKETS)
-        self.queue = one(Histogram, "vllm:request_queue_time_seconds",
-                         "Histogram of time spent in WAITING phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
-        self.spec = None
+        self.base = (model_name, "0")
+        self.draft_positions, self.drafted_per_step = draft_positions, drafted_per_step
+        self._lock = threading.Lock()
+        # family → {extra label values: value}; a histogram's value: [count per bucket..., +Inf count, sum]
+        self._data: dict[str, dict[tuple, float | list]] = {name: {} for name in FAMILIES}
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached",
+                     "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens"):
+            self._data[name][()] = 0.0
+        self._data["vllm:num_requests_waiting_by_reason"] = {(r,): 0.0 for r in WAITING_REASONS}
+        self._data["vllm:request_success"] = {(r,): 0.0 for r in FINISH_REASONS}
+        self._data["switchyard:idle_seconds"] = {(r,): 0.0 for r in IDLE_REASONS}
+        self._data["switchyard:step_host_phase_seconds"] = {(p,): 0.0 for p in HOST_PHASES + LAUNCH_PARTS}
+        for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+            self._data[name][()] = [0] * (len(FAMILIES[name].buckets) + 1) + [0.0]
         if draft_positions:
-            per_pos = by(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
-                         "Accepted tokens per draft position.", ["position"])
-            self.spec = {"drafts": one(Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
-                         "draft_tokens": one(Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
-                         "accepted": one(Counter, "vllm:spec_decode_num_accepted_tokens",
-                                         "Number of accepted tokens."),
-                         "per_pos": [per_pos.labels(**self.labels, position=str(p)) for p in range(draft_positions)]}
-
-        self.idle = by(Counter, "switchyard:idle_seconds", "Seconds the GPUs could have done more, by why not "
-                       "(docs/metrics.md): no_work, blocked_kv, admission_limit, host_bound, draining.", ["reason"])
-        self.idle_by = {r: self.idle.labels(**self.labels, reason=r) for r in IDLE_REASONS}
-        self.steps = by(Counter, "switchyard:steps", "Engine steps by kind.", ["kind"])
-        self.host = by(Histogram, "switchyard:step_host_seconds", "Rank 0's host seconds per step (the Engine.step "
-                       "calls the step was finished by).", ["kind"], buckets=STEP_BUCKETS)
-        self.device = by(Histogram, "switchyard:step_device_seconds", "Rank 0's device span per step (CUDA events "
-                         "around its launch; absent off CUDA).", ["kind"], buckets=STEP_BUCKETS)
-        phases = by(Counter, "switchyard:step_host_phase_seconds", "Rank 0's host seconds by phase of Engine.step "
-                    "(draft and target split launch).", ["phase"])
-        self.phases = {p: phases.labels(**self.labels, phase=p) for p in HOST_PHASES + LAUNCH_PARTS}
-        self.replays = by(Counter, "switchyard:cuda_graph_replays", "Steps that replayed a CUDA graph, by kind and "
-                          "rank.", ["kind", "rank"])
-        self.eager = by(Counter, "switchyard:eager_steps", "Steps that ran eagerly, by kind, reason and rank.",
-                        ["kind", "reason", "rank"])
-        self.comm_bytes = by(Counter, "switchyard:comm_bytes", "Bytes rank 0 contributed to collectives, by group "
-                             "and op.", ["group", "op"])
-        self.comm_calls = by(Counter, "switchyard:comm_calls", "Collectives rank 0 entered, by group and op.",
-                             ["group", "op"])
-        self.kv_blocks = by(Gauge, "switchyard:kv_blocks", "KV blocks per attention-DP rank: used (referenced), "
-                            "cached (in the prefix index), free (empty or evictable).", ["dp_rank", "state"])
-        self.tau = one(Histogram, "switchyard:acceptance_length", "Committed tokens per speculative request per "
-                       "step (tau, bonus included).", buckets=tuple(range(1, 17)))
-        self._gpu: dict | None = None  # created with the first GPU sample: absent off CUDA
-        self._cpu: dict | None = None  # created with the first CPU sample
+            for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                         "vllm:spec_decode_num_accepted_tokens"):
+                self._data[name][()] = 0.0
+            self._data["vllm:spec_decode_num_accepted_tokens_per_pos"] = {(str(p),): 0.0
+                                                                           for p in range(draft_positions)}
         self._energy: dict[int, float] = {}  # rank → last energy reading (mJ)
         self._window: deque[tuple[float, float, int]] = deque()  # (t, joules, tokens) per record
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
 
-    # ---- the subscriber -------------------------------------------------------------------------------------
+    # ---- the subscriber (engine thread) ---------------------------------------------------------------------
     def observe(self, r: StepRecord) -> None:
-        """Updates every metric from one record (the engine's thread)."""
-        for reason, seconds in r.idle_s.items():
-            if seconds:
-                self.idle_by[reason].inc(seconds)
-        self._scheduler(r)
-        self._requests(r)
-        joules = self._telemetry(r)
-        self._energy_per_token(r.t_end, joules, r.tokens.generated)
-        for (group, op), (calls, nbytes) in r.comm.items():
-            self.comm_calls.labels(**self.labels, group=group, op=op).inc(calls)
-            self.comm_bytes.labels(**self.labels, group=group, op=op).inc(nbytes)
-        if r.kind is None:
-            return
-        kind = str(r.kind)
-        self.steps.labels(**self.labels, kind=kind).inc()
-        self.host.labels(**self.labels, kind=kind).observe(sum(r.host_ms[p] for p in HOST_PHASES) / 1e3)
-        for phase, ms in r.host_ms.items():
-            if ms:
-                self.phases[phase].inc(ms / 1e3)
+        """Folds one record into the numbers (the engine's thread, once per step and idle heartbeat)."""
+        with self._lock:
+            d = self._data
+            for reason, seconds in r.idle_s.items():
+                d["switchyard:idle_seconds"][(reason,)] += seconds
+            self._scheduler(d, r)
+            self._requests(r)
+            for key, (calls, nbytes) in r.comm.items():
+                _add(d["switchyard:comm_calls"], key, calls)
+                _add(d["switchyard:comm_bytes"], key, nbytes)
+            if r.telemetry:
+                self._telemetry(d, r)
+            if r.kind is not None:
+                self._step(d, r)
+
+    def _scheduler(self, d: dict, r: StepRecord) -> None:
+        t, running, waiting, used, total = r.tokens, 0, 0, 0, 0
+        blocks = d["switchyard:kv_blocks"]
+        for dp, k in enumerate(r.kv):
+            running, waiting, used, total = running + k.running, waiting + k.waiting, used + k.blocks_used, \
+                total + k.blocks_total
+            label = str(dp)
+            blocks[(label, "used")], blocks[(label, "cached")], blocks[(label, "free")] = \
+                k.blocks_used, k.blocks_cached, k.blocks_free
+        d["vllm:num_requests_running"][()] = running
+        d["vllm:num_requests_waiting"][()] = d["vllm:num_requests_waiting_by_reason"][("capacity",)] = waiting
+        d["vllm:kv_cache_usage_perc"][()] = used / total if total else 0.0
+        d["vllm:prefix_cache_queries"][()] += t.prompt_queried
+        d["vllm:prefix_cache_hits"][()] += t.prompt_cached
+        d["vllm:num_preemptions"][()] += r.preemptions
+        d["vllm:generation_tokens"][()] += t.generated
+
+    def _requests(self, r: StepRecord) -> None:
+        q, d = r.requests, self._data
+        d["vllm:prompt_tokens"][()] += q.first_prompt_tokens
+        d["vllm:prompt_tokens_cached"][()] += q.first_cached_tokens
+        for s in q.ttft_s:
+            self._hist("vllm:time_to_first_token_seconds", (), s)
+        for s in q.itl_s:
+            self._hist("vllm:inter_token_latency_seconds", (), s)
+        success = d["vllm:request_success"]
+        for end in q.ended:
+            reason = end.finish_reason if (end.finish_reason,) in success else "error"
+            success[(reason,)] += 1
+            self._hist("vllm:e2e_request_latency_seconds", (), end.e2e_s)
+            self._hist("vllm:request_queue_time_seconds", (), end.queue_s)
+
+    def _step(self, d: dict, r: StepRecord) -> None:
+        kind = (str(r.kind),)
+        _add(d["switchyard:steps"], kind, 1)
+        host = r.host_ms
+        self._hist("switchyard:step_host_seconds", kind, sum(host[p] for p in HOST_PHASES) / 1e3)
+        phases = d["switchyard:step_host_phase_seconds"]
+        for phase, ms in host.items():
+            phases[(phase,)] += ms / 1e3
         if r.device_ms is not None:
-            self.device.labels(**self.labels, kind=kind).observe(r.device_ms / 1e3)
+            self._hist("switchyard:step_device_seconds", kind, r.device_ms / 1e3)
+        replays, eager = d["switchyard:cuda_graph_replays"], d["switchyard:eager_steps"]
         for rank, coverage in enumerate(r.graphs):
             for k, (replayed, reason) in coverage.items():
                 if replayed:
-                    self.replays.labels(**self.labels, kind=str(k), rank=str(rank)).inc()
+                    _add(replays, (str(k), str(rank)), 1)
                 else:
-                    self.eager.labels(**self.labels, kind=str(k), reason=reason, rank=str(rank)).inc()
-        self._spec(r)
+                    _add(eager, (str(k), reason, str(rank)), 1)
+        if self.draft_positions and r.accepted:
+            n, accepted = len(r.accepted), r.accepted
+            d["vllm:spec_decode_num_drafts"][()] += n
+            d["vllm:spec_decode_num_draft_tokens"][()] += n * self.drafted_per_step
+            d["vllm:spec_decode_num_accepted_tokens"][()] += sum(accepted)
+            per_pos = d["vllm:spec_decode_num_accepted_tokens_per_pos"]
+            for p in range(min(max(accepted), self.draft_positions)):
+                per_pos[(str(p),)] += sum(a > p for a in accepted)
+            for a in accepted:
+                self._hist("switchyard:acceptance_length", (), a + 1)
 
-    def _scheduler(self, r: StepRecord) -> None:
-        t = r.tokens
-        running, waiting = sum(k.running for k in r.kv), sum(k.waiting for k in r.kv)
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.waiting_by["capacity"].set(waiting)
-        self.waiting_by["deferred"].set(0)
-        self.kv_usage.set(sum(k.blocks_used for k in r.kv) / max(sum(k.blocks_total for k in r.kv), 1))
-        for dp, k in enumerate(r.kv):
-            for state, n in (("used", k.blocks_used), ("cached", k.blocks_cached), ("free", k.blocks_free)):
-                self.kv_blocks.labels(**self.labels, dp_rank=str(dp), state=state).set(n)
-        if t.prompt_queried:
-            self.queries.inc(t.prompt_queried)
-        if t.prompt_cached:
-            self.hits.inc(t.prompt_cached)
-        if r.preemptions:
-            self.preemptions.inc(r.preemptions)
-        if t.generated:
-            self.generation.inc(t.generated)
-
-    def _requests(self, r: StepRecord) -> None:
-        q = r.requests
-        if q.first_prompt_tokens:
-            self.prompt.inc(q.first_prompt_tokens)
-        if q.first_cached_tokens:
-            self.prompt_cached.inc(q.first_cached_tokens)
-        for s in q.ttft_s:
-            self.ttft.observe(s)
-        for s in q.itl_s:
-            self.itl.observe(s)
-        for end in q.ended:
-            self.success.get(end.finish_reason, self.success["error"]).inc()
-            self.e2e.observe(end.e2e_s)
-            self.queue.observe(end.queue_s)
-
-    def _spec(self, r: StepRecord) -> None:
-        if self.spec is None or not r.accepted:
-            return
-        s = self.spec
-        s["drafts"].inc(len(r.accepted))
-        s["draft_tokens"].inc(len(r.accepted) * self.drafted_per_step)
-        s["accepted"].inc(sum(r.accepted))
-        for p, counter in enumerate(s["per_pos"]):
-            n = sum(a > p for a in r.accepted)
-            if not n:
-                break
-            counter.inc(n)
-        for n in r.accepted:
-            self.tau.observe(n + 1)
+    def _hist(self, name: str, key: tuple, value: float) -> None:
+        buckets, series = FAMILIES[name].buckets, self._data[name]
+        h = series.get(key)
+        if h is None:
+            h = series[key] = [0] * (len(buckets) + 1) + [0.0]
+        h[bisect_left(buckets, value)] += 1
+        h[-1] += value
 
     # ---- telemetry ------------------------------------------------------------------------------------------
-    def _telemetry(self, r: StepRecord) -> float:
-        """Updates the per-rank gauges from the samples the record carries; returns the joules the GPUs drew since
-        their previous samples."""
+    def _telemetry(self, d: dict, r: StepRecord) -> None:
         joules = 0.0
         for rank, sample in r.telemetry.items():
+            label = (str(rank),)
             if "gpus" in sample:
-                joules += self._gpu_sample(str(rank), rank, sample["gpus"][0] if sample["gpus"] else {})
+                g = sample["gpus"][0] if sample["gpus"] else {}
+                for key, (name, scale) in GPU_GAUGES.items():
+                    if key in g:
+                        d[name][label] = g[key] * scale
+                if "throttle_reasons" in g:
+                    throttle = d["switchyard:gpu_throttle_reason"]
+                    for reason in THROTTLE_REASONS:
+                        throttle[(label[0], reason)] = float(reason in g["throttle_reasons"])
+                if "energy_mj" in g:
+                    prev = self._energy.get(rank)
+                    drawn = (g["energy_mj"] - prev) / 1000 if prev is not None and g["energy_mj"] >= prev else 0.0
+                    _add(d["switchyard:gpu_energy_joules"], label, drawn)  # from 0 at the first sample
+                    self._energy[rank], joules = g["energy_mj"], joules + drawn
             elif "cpu_total_pct" in sample:
-                self._cpu_sample(str(rank), sample)
-        return joules
+                d["switchyard:cpu_utilisation_ratio"][label] = sample.get("process_cpu_pct", 0.0) / 100
+                if rank == 0:
+                    d["switchyard:host_cpu_utilisation_ratio"][()] = sample["cpu_total_pct"] / 100
+        if d["switchyard:gpu_energy_joules"]:
+            self._energy_per_token(d, r.t_end, joules, r.tokens.generated)
 
-    def _gpu_sample(self, label: str, rank: int, g: dict) -> float:
-        if self._gpu is None:
-            reg, names = self.registry, ["model_name", "engine", "rank"]
-            self._gpu = {key: Gauge(name, doc, names, registry=reg) for key, (name, doc, _) in GPU_GAUGES.items()}
-            self._gpu["energy"] = Counter("switchyard:gpu_energy_joules", "Energy the rank's GPU drew while serving "
-                                          "(NVML's counter).", names, registry=reg)
-            self._gpu["throttle"] = Gauge("switchyard:gpu_throttle_reason", "1 while the GPU's clocks are held back "
-                                          "for this reason (NVML clock event reasons).", names + ["reason"],
-                                          registry=reg)
-            self._gpu["per_token"] = Gauge("switchyard:energy_per_output_token_joules", "Joules all GPUs drew per "
-                                           f"generated token over the last {ENERGY_WINDOW_S:g} s (NaN: no tokens).",
-                                           ["model_name", "engine"], registry=reg)
-        for key, (_, _, scale) in GPU_GAUGES.items():
-            if key in g:
-                self._gpu[key].labels(**self.labels, rank=label).set(g[key] * scale)
-        if "throttle_reasons" in g:
-            for reason in THROTTLE_REASONS:
-                self._gpu["throttle"].labels(**self.labels, rank=label, reason=reason).set(
-                    reason in g["throttle_reasons"])
-        joules = 0.0
-        if "energy_mj" in g:
-            prev = self._energy.get(rank)
-            if prev is not None and g["energy_mj"] >= prev:  # (a driver reload restarts NVML's counter)
-                joules = (g["energy_mj"] - prev) / 1000
-            self._gpu["energy"].labels(**self.labels, rank=label).inc(joules)  # from 0 at the first sample
-            self._energy[rank] = g["energy_mj"]
-        return joules
-
-    def _cpu_sample(self, label: str, sample: dict) -> None:
-        if self._cpu is None:
-            reg = self.registry
-            self._cpu = {"rank": Gauge("switchyard:cpu_utilisation_ratio", "CPU time of the rank's process over wall "
-                                       "time (above 1 with several busy threads); exported where there is no GPU.",
-                                       ["model_name", "engine", "rank"], registry=reg),
-                         "host": Gauge("switchyard:host_cpu_utilisation_ratio", "Busy share of the host's CPUs "
-                                       "(/proc/stat), as rank 0's host sees it.", ["model_name", "engine"],
-                                       registry=reg).labels(**self.labels)}
-        self._cpu["rank"].labels(**self.labels, rank=label).set(sample.get("process_cpu_pct", 0.0) / 100)
-        if label == "0":
-            self._cpu["host"].set(sample["cpu_total_pct"] / 100)
-
-    def _energy_per_token(self, now: float, joules: float, tokens: int) -> None:
-        if self._gpu is None:
-            return
+    def _energy_per_token(self, d: dict, now: float, joules: float, tokens: int) -> None:
         self._window.append((now, joules, tokens))
         while self._window and self._window[0][0] < now - ENERGY_WINDOW_S:
             self._window.popleft()
         total_j, total_tokens = sum(w[1] for w in self._window), sum(w[2] for w in self._window)
-        self._gpu["per_token"].labels(**self.labels).set(total_j / total_tokens if total_tokens else math.nan)
+        d["switchyard:energy_per_output_token_joules"][()] = total_j / total_tokens if total_tokens else math.nan
+
+    # ---- the collector (metrics thread) ---------------------------------------------------------------------
+    def collect(self):
+        """``prometheus_client``'s collector protocol: every family that has a sample."""
+        with self._lock:
+            snapshot = {name: {k: list(v) if isinstance(v, list) else v for k, v in series.items()}
+                        for name, series in self._data.items() if series}
+        for name, series in snapshot.items():
+            f = FAMILIES[name]
+            labels = [*BASE_LABELS, *f.labels]
+            if f.kind == "histogram":
+                family = HistogramMetricFamily(name, f.doc, labels=labels)
+                bounds = [floatToGoString(b) for b in f.buckets] + ["+Inf"]
+                for key, h in series.items():
+                    cumulative, total = [], 0
+                    for count in h[:-1]:
+                        total += count
+                        cumulative.append(total)
+                    family.add_metric([*self.base, *key], list(zip(bounds, cumulative, strict=True)), h[-1])
+            else:
+                family = (CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily)(name, f.doc,
+                                                                                            labels=labels)
+                for key, value in series.items():
+                    family.add_metric([*self.base, *key], value)
+            yield family
 
     def text(self) -> bytes:
         """The 0.0.4 text exposition (the names keep their colons)."""
         return generate_latest(self.registry)
+
+
+def _add(series: dict, key: tuple, value: float) -> None:
+    series[key] = series.get(key, 0.0) + value
 
 
 class MetricsServer:
@@ -318,4 +364,3 @@ def exporter_for(engine, model_name: str) -> MetricsExporter:
     facts = engine.speculation.facts if engine.speculation is not None else None
     return MetricsExporter(model_name, draft_positions=facts.draft_rows if facts else 0,
                            drafted_per_step=facts.tree_size - 1 if facts else 0)
-

@@ -338,7 +338,7 @@ def exported_names() -> set[str]:
     e = MetricsExporter("m", draft_positions=4, drafted_per_step=4)
     e.observe(_gpu_record(1.0, {0: 1.0}, tokens=1))
     e.observe(StepRecord(step_id=None, kind=None, t_end=2.0, gap_s=1.0, wall_s=0.0,
-                         telemetry={1: {"cpu_total_pct": 50.0, "cpu_pct": [50.0], "process_cpu_pct": 20.0}}))
+                         telemetry={0: {"cpu_total_pct": 50.0, "cpu_pct": [50.0], "process_cpu_pct": 20.0}}))
     return {s.name for family in text_string_to_metric_families(e.text().decode()) for s in family.samples}
 
 

@@ -1,0 +1,79 @@
+"""What the Prometheus exporter costs per engine step (docs/metrics.md, "Cost"):
+
+    python scripts/metrics_cost.py [--batch 8] [--tokens 64] [--spec none|ddtree]
+
+One rank, the committed tiny_kimi pair, ``--batch`` greedy requests of ``--tokens`` tokens. The exporter
+(``rpc.metrics.MetricsExporter``) subscribes to the engine as the server's does; its ``observe`` runs on the engine's
+thread after every step, so its time is added to the step. Printed: the exporter's microseconds per record (mean and
+p99), one scrape of the page (``text()``), and the decode steps' wall time, with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.engine import Engine
+from engine.sampler import SamplingParams
+from engine.scheduler import SchedulerConfig
+from engine.step import StepKind
+from engine.step_record import StepRecord
+from model.loader import load_model
+from parallelism.comm import build_groups
+from parallelism.layout import Layout
+from rpc.metrics import exporter_for
+
+ZOO = Path(__file__).resolve().parent.parent / "model/zoo/tiny_kimi"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", default="none", choices=["none", "ddtree"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = load_model(str(ZOO / "target"), build_groups(Layout()))
+    speculation = None
+    if args.spec != "none":
+        from spec_decode.config import SpecConfig
+        from spec_decode.speculation import load_speculation
+
+        speculation = load_speculation(SpecConfig(args.spec, budget=16, block_size=9, drafter_path=str(ZOO / "drafter"),
+                                                  tree_temperature=0.33), model)
+    engine = Engine(model, SchedulerConfig(max_num_seqs=args.batch, max_model_len=256, num_blocks=256),
+                    speculation=speculation)
+    exporter = exporter_for(engine, "tiny_kimi")
+    observe_us, decode_ms = [], []
+
+    def timed(record: StepRecord) -> None:
+        t0 = time.perf_counter()
+        exporter.observe(record)
+        observe_us.append(1e6 * (time.perf_counter() - t0))
+        if record.kind in (StepKind.DECODE, StepKind.VERIFY):
+            decode_ms.append(1e3 * record.wall_s)
+
+    engine.subscribe(timed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), [5 + i, 17, 3, 99, 150, 7, 64, 31], params)
+    while engine.has_work():
+        engine.step()
+    engine.shutdown()
+    t0 = time.perf_counter()
+    page = exporter.text()
+    scrape_ms = 1e3 * (time.perf_counter() - t0)
+    mean_us, p99_us = statistics.fmean(observe_us), sorted(observe_us)[int(0.99 * (len(observe_us) - 1))]
+    step_ms = statistics.median(decode_ms)
+    share = 100 * mean_us / 1e3 / step_ms
+    print(f"spec={args.spec} batch={args.batch}: {len(observe_us)} records; exporter.observe {mean_us:.1f} us mean, "
+          f"{p99_us:.1f} us p99; decode step {step_ms:.2f} ms median (wall, this CPU): {share:.3f} % of a step; one "
+          f"scrape {scrape_ms:.2f} ms for {len(page)} bytes (on the metrics thread)")
+
+
+if __name__ == "__main__":
+    main()
