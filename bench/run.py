@@ -196,6 +196,10 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
         "comm_per_output_token": comm_per_output_token(before["comm"]["per_op"], after["comm"]["per_op"],
                                                        out_tokens),
         "cuda_graphs": after.get("cuda_graphs"), "telemetry": telemetry,
+        # from the server's step records (EngineInfo): why the GPUs were not busier during the cell, and rank 0's
+        # device ms per step since start-up (CUDA only)
+        "idle_s": {k: v - (before.get("idle_s") or {}).get(k, 0.0) for k, v in (after.get("idle_s") or {}).items()},
+        "device_ms_per_step": after["steps"].get("device_ms_per_step"),
         "energy_j_per_output_token": energy_per_token_j(telemetry, out_tokens),
         "telemetry_source": sampler.source,
         "verdict": verdict(step_s, floors, telemetry=telemetry) if step_s > 0 and floors else None,

@@ -230,15 +230,14 @@ class Engine:
         else:
             done.append(launched)
         finished = [(d, *self._complete(d)) for d in done if d is not None]
-        for d, outputs, reports in finished:  # the calls' time goes to the first (overlap: one carries to the next)
-            self._publish(self.recorder.step(d.plan, reports, outputs, d.span.ms() if d.span else None,
-                                             self.draining))
+        for d, *parts in finished:  # the calls' time goes to the first (overlap: one carries to the next)
+            self._publish(self.recorder.step(d.plan, *parts, d.span.ms() if d.span else None, self.draining))
         self._profile_done()
-        return [o for _, outputs, _ in finished for o in outputs]
+        return [o for *_, outputs in finished for o in outputs]
 
-    def _complete(self, d: _InFlight) -> tuple[list[RequestOutput], list[RankReport]]:
+    def _complete(self, d: _InFlight) -> tuple[list[RankReport], dict[str, StepResult], list[RequestOutput]]:
         """Reads back rank 0's share of ``d``, gathers every rank's report and applies the results; returns the
-        outputs and the reports (rank order)."""
+        reports (rank order), the results merged from them and the outputs."""
         t1 = time.perf_counter()
         mine = self.runner.finish(d.step)
         reports = self.plane.gather_objects(RankReport(mine.results, mine.coverage, self._sample()))
@@ -250,7 +249,7 @@ class Engine:
         outputs = self.scheduler.update(d.plan, merged)
         self.recorder.host("readback", t2 - t1)
         self.recorder.host("update", time.perf_counter() - t2)
-        return outputs, reports
+        return reports, merged, outputs
 
     def _sample(self) -> dict | None:
         return self.telemetry.fresh() if self.telemetry is not None else None
@@ -331,8 +330,7 @@ class Engine:
         if self._in_flight is not None:
             self.plane.broadcast_object(DRAIN)
             d, self._in_flight = self._in_flight, None
-            outputs, reports = self._complete(d)
-            self._publish(self.recorder.step(d.plan, reports, outputs, d.span.ms() if d.span else None,
+            self._publish(self.recorder.step(d.plan, *self._complete(d), d.span.ms() if d.span else None,
                                              self.draining))
         if self.profiling:
             try:

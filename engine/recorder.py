@@ -11,7 +11,7 @@ import torch
 
 from engine.capture import GraphCoverage
 from engine.scheduler import Scheduler
-from engine.step import RequestOutput, StepKind, StepPlan
+from engine.step import RequestOutput, StepKind, StepPlan, StepResult
 from engine.step_record import (
     HOST_PHASES,
     IDLE_REASONS,
@@ -113,9 +113,10 @@ class StepRecorder:
             self._empty_from = at
 
     # ---- records ------------------------------------------------------------------------------------------
-    def step(self, plan: StepPlan, reports: list[RankReport], outputs: list[RequestOutput], device_ms: float | None,
-             draining: bool) -> StepRecord:
-        """The record of ``plan``, read back with every rank's ``reports`` (rank order), giving ``outputs``."""
+    def step(self, plan: StepPlan, reports: list[RankReport], results: dict[str, StepResult],
+             outputs: list[RequestOutput], device_ms: float | None, draining: bool) -> StepRecord:
+        """The record of ``plan``, read back with every rank's ``reports`` (rank order; ``results`` merged from
+        them), giving ``outputs``."""
         now = self.clock()
         start = self._start if self._start is not None else now
         gap, wall = max(start - self.prev_end, 0.0), now - start
@@ -123,27 +124,32 @@ class StepRecorder:
         off_device = wall - device_ms / 1e3 if device_ms is not None else (host["schedule"] + host["update"]) / 1e3
         idle = idle_seconds(gap_s=gap, gap_empty_s=self._empty_until(start), wall_s=wall, host_s=off_device,
                             blocked=self._blocked, draining=draining)
-        results = {k: v for r in reports if r.results for k, v in r.results.items()}
-        items = [w for per_rank in plan.work for w in per_rank]
-        emitted = {o.request_id for o in outputs}
-        spec = [w for w in items if w.spec]
-        dp_of = {w.request_id: dp for dp, per_rank in enumerate(plan.work) for w in per_rank}
-        by_dp = [0] * len(plan.work)
-        for o in outputs:
-            by_dp[dp_of[o.request_id]] += len(o.new_tokens)
-        kv = rank_loads(self.sched)
+        emitted = {o.request_id: len(o.new_tokens) for o in outputs}
+        prompt = decoded = committed = 0
+        accepted, by_dp = [], []
+        for per_rank in plan.work:  # one pass over the step's items
+            given = 0
+            for w in per_rank:
+                n = emitted.get(w.request_id)
+                given += n or 0
+                if not w.decode:
+                    prompt += len(w.token_ids)
+                    continue
+                k = len(results[w.request_id].tokens)
+                decoded += k if n is not None else 0
+                if w.spec:
+                    committed += k
+                    accepted.append(k - 1)
+            by_dp.append(given)
         queried, cached, preempted = self._kv_deltas()
-        tokens = TokenCounts(
-            prompt_computed=sum(len(w.token_ids) for w in items if not w.decode), prompt_queried=queried,
-            prompt_cached=cached, generated=sum(len(o.new_tokens) for o in outputs),
-            decoded=sum(len(results[w.request_id].tokens) for w in items if w.decode and w.request_id in emitted),
-            spec_requests=len(spec), spec_committed=sum(len(results[w.request_id].tokens) for w in spec))
+        tokens = TokenCounts(prompt_computed=prompt, prompt_queried=queried, prompt_cached=cached,
+                             generated=sum(emitted.values()), decoded=decoded, spec_requests=len(accepted),
+                             spec_committed=committed)
         record = StepRecord(
             step_id=plan.step_id, kind=plan.kind, t_end=now, gap_s=gap, wall_s=wall, host_ms=host, device_ms=device_ms,
-            tokens=tokens, generated_by_dp=tuple(by_dp),
-            accepted=tuple(len(results[w.request_id].tokens) - 1 for w in spec),
-            graphs=tuple(r.coverage for r in reports), comm=self._comm_delta(), kv=kv, preemptions=preempted,
-            requests=self._times(outputs, now), telemetry=_samples(reports), idle_s=idle)
+            tokens=tokens, generated_by_dp=tuple(by_dp), accepted=tuple(accepted),
+            graphs=tuple(r.coverage for r in reports), comm=self._comm_delta(), kv=rank_loads(self.sched),
+            preemptions=preempted, requests=self._times(outputs, now), telemetry=_samples(reports), idle_s=idle)
         self._close(now)
         return record
 
