@@ -382,3 +382,15 @@ def test_grafana_dashboard_is_importable_and_reads_only_exported_metrics(tmp_pat
     out = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_docs_list_every_metric_and_no_other():
+    """docs/metrics.md's tables name exactly the families the exporter defines (counters with ``_total``)."""
+    import re
+
+    from rpc.metrics import FAMILIES
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `((?:vllm|switchyard):[a-z0-9_]+)` \|", text, flags=re.M))
+    wire = {f.name + ("_total" if f.kind == "counter" else "") for f in FAMILIES.values()}
+    assert documented == wire, (documented - wire, wire - documented)
