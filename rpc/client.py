@@ -179,14 +179,15 @@ class Client:
         return doc
 
     def loads(self, timeout: float = 10.0) -> dict:
-        """Every attention-DP rank's SchedulerLoad summed (requests, tokens; ``kv_usage`` = used / total tokens),
-        with the records themselves under ``per_rank``."""
+        """Every attention-DP rank's SchedulerLoad summed (requests, tokens, running slots, generated tokens per
+        second; ``kv_usage`` = used / total tokens), with the records themselves under ``per_rank``."""
         resp = self.stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=timeout)
         ranks = [MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
                  for r in resp.loads]
         load = {k: sum(r[k] for r in ranks) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
                                                      "num_used_tokens", "max_total_num_tokens",
-                                                     "num_waiting_uncached_tokens")}
+                                                     "num_waiting_uncached_tokens", "max_running_requests",
+                                                     "gen_throughput")}
         load.update(kv_usage=load["num_used_tokens"] / max(load["max_total_num_tokens"], 1),
                     cache_hit_rate=ranks[0]["cache_hit_rate"], per_rank=ranks)
         return load
