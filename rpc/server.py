@@ -66,6 +66,9 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"server.{name} must be in [0, 65535], got {value}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"server.metrics_port={self.metrics_port} is server.port's too; give /metrics another "
+                             "port (or null: off)")
         for name in ("max_num_seqs", "drain_timeout_s", "step_timeout_s", "heartbeat_s", "telemetry_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
