@@ -40,8 +40,9 @@ def rank_loads(sched: Scheduler) -> tuple[RankLoad, ...]:
 
 class DeviceSpan:
     """CUDA events around a step's launch on rank 0: :meth:`ms` is the device time from the step's first queued work
-    to its last (gaps inside included). Read after the step's readback, which the end event follows in stream order,
-    so waiting for it costs nothing."""
+    to its last (gaps inside included), read after the step's readback without waiting — None when the end event has
+    not completed then (a prefill chunk that samples nothing has no readback to wait for; the host never waits
+    for a span)."""
 
     def __init__(self):
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -54,9 +55,8 @@ class DeviceSpan:
     def stop(self) -> None:
         self.end.record()
 
-    def ms(self) -> float:
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end)
+    def ms(self) -> float | None:
+        return self.start.elapsed_time(self.end) if self.end.query() else None
 
 
 @dataclass

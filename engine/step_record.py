@@ -97,7 +97,8 @@ class StepRecord:
     Time: the record covers ``gap_s + wall_s`` seconds ending at ``t_end`` (monotonic): the gap since the previous
     record, then the step's own ``Engine.step`` calls (with ``engine.overlap=on`` a call finishes the step launched by
     the call before). ``host_ms``: rank 0's phases (:data:`HOST_PHASES`; ``draft`` / ``target``: the runner's split of
-    ``launch``); ``device_ms``: the step's device span between CUDA events around its launch (None off CUDA).
+    ``launch``); ``device_ms``: the step's device span between CUDA events around its launch (None off CUDA, and
+    when the span had not ended at the step's readback).
     ``graphs``: every rank's coverage records; ``comm``: rank 0's collectives ``(calls, bytes)`` by ``(group, op)``
     counted since the previous record; ``kv``: per attention-DP rank after the step; ``accepted``: per speculative
     request, the drafts it accepted (bonus excluded); ``telemetry``: the samples ranks sent with this gather, by rank;
