@@ -110,6 +110,9 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
 
+    def nvmlDeviceGetIndex(self, h):
+        return h
+
     def nvmlDeviceGetPowerUsage(self, h):
         return 300_000
 
@@ -181,6 +184,30 @@ def test_nvml_sampler_energy_per_token():
     assert energy_per_token_j(s, 40) == pytest.approx(3.0)
     assert s["power_w"] == {"mean": 300, "max": 300} and s["power_w_total_mean"] == 600
     assert s["sm_active_pct"]["mean"] == 41.0  # only gpu0 reports it
+
+
+def test_a_cuda_rank_samples_its_own_gpu(monkeypatch):
+    """The serving rank on CUDA device 1 samples NVML's GPU 1 only (found through CUDA_VISIBLE_DEVICES here, where
+    CUDA cannot report the device's UUID); a GPU NVML does not know falls back to CPU figures with the reason."""
+    import torch
+
+    from engine.telemetry import rank_backend
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    backend = rank_backend(torch.device("cuda", 1), nvml=FakeNvml())
+    assert isinstance(backend, NvmlBackend) and backend.indices == [1]
+    [g] = backend.sample()["gpus"]
+    assert g["index"] == 1 and g["power_w"] == 300
+
+
+    class OneGpu(FakeNvml):
+        def nvmlDeviceGetHandleByIndex(self, i):
+            if i > 0:
+                raise NVMLError("Invalid Argument")
+            return i
+
+    cpu = rank_backend(torch.device("cuda", 1), nvml=OneGpu())
+    assert cpu.source == "cpu" and cpu.reason == "no NVML/GPU: NVMLError: Invalid Argument"
 
 
 def test_power_during_a_span_comes_from_the_energy_counter():
