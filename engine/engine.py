@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from engine.capture import GraphCoverage, eager_reason
 from engine.cuda_graphs import StepShape
-from engine.profiling import ProfileControl, ProfilePlan, RankProfiler
+from engine.profiling import ProfileControl, ProfileDriver, ProfilePlan, RankProfiler
 from engine.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.runner import Launched, ModelRunner
 from engine.sampler import SamplingParams
@@ -67,10 +67,6 @@ class _InFlight:
     span: DeviceSpan | None
 
 
-class ProfileError(RuntimeError):
-    """A profiling request that does not fit the engine's state (one already running, none to stop)."""
-
-
 class Engine:
     """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
 
@@ -91,10 +87,7 @@ class Engine:
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler, self.groups.counter)
         self.telemetry = telemetry
-        self.profiler = RankProfiler(model.groups.rank, model.device)
-        self.profile: ProfilePlan | None = None  # asked for; tracing once ``profiling`` is set
-        self.profiling = False
-        self._profile_from = 0  # stats.steps when tracing started
+        self.profiling = ProfileDriver(self.plane, model.groups.rank, model.device)
         self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
         self.last_record: StepRecord | None = None
         self._subscribers: list[Callable[[StepRecord], None]] = []
@@ -205,7 +198,7 @@ class Engine:
         while the device runs step n, and each call returns step n's outputs (the first call returns none)."""
         t0 = time.perf_counter()
         self.recorder.begin(time.monotonic())
-        self._profile_due()
+        self.profiling.before_step(self.stats.steps)
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.recorder.scheduled(plan, time.monotonic())
@@ -232,7 +225,7 @@ class Engine:
         finished = [(d, *self._complete(d)) for d in done if d is not None]
         for d, *parts in finished:  # the calls' time goes to the first (overlap: one carries to the next)
             self._publish(self.recorder.step(d.plan, *parts, d.span.ms() if d.span else None, self.draining))
-        self._profile_done()
+        self.profiling.after_step(self.stats.steps)
         return [o for *_, outputs in finished for o in outputs]
 
     def _complete(self, d: _InFlight) -> tuple[list[RankReport], dict[str, StepResult], list[RequestOutput]]:
@@ -263,66 +256,14 @@ class Engine:
         reports = self.plane.gather_objects(RankReport(None, {}, self._sample()))
         self._publish(self.recorder.heartbeat(reports, started, self.draining))
 
-    # ---- profiling -------------------------------------------------------------------------------------
+    # ---- profiling (engine/profiling.py) ------------------------------------------------------------------
     def start_profile(self, plan: ProfilePlan) -> None:
-        """Traces ``plan``'s steps on every rank: from now when ``plan.start_step`` is unset or past, else from that
-        step on. Raises :class:`ProfileError` when a profile is already asked for or running, or naming the ranks
-        whose profiler did not start."""
-        if self.profile is not None:
-            raise ProfileError(f"already profiling into {self.profile.trace_dir}; StopProfile first")
-        self.profile = plan
-        if plan.start_step is None or self.stats.steps >= plan.start_step:
-            self._profile_start()
+        """``torch.profiler`` on every rank for ``plan``'s steps (:meth:`ProfileDriver.start`)."""
+        self.profiling.start(plan, self.stats.steps)
 
     def stop_profile(self) -> list[str]:
-        """Stops tracing on every rank and returns the trace files (rank order); a profile not started yet is
-        cancelled (no files). Raises :class:`ProfileError` when none was asked for, or naming the ranks that failed."""
-        if self.profile is None:
-            raise ProfileError("not profiling: StartProfile first (or its num_steps already ended it)")
-        if not self.profiling:
-            self.profile = None
-            return []
-        return self._profile_round(ProfileControl(None))
-
-    def _profile_due(self) -> None:
-        """Before a step: starts a profile whose ``start_step`` has come (a failure is logged, not raised: the step
-        goes on)."""
-        plan = self.profile
-        if plan is not None and not self.profiling and plan.start_step is not None \
-                and self.stats.steps >= plan.start_step:
-            try:
-                self._profile_start()
-            except ProfileError as err:
-                log.error("profile not started: %s", err)
-
-    def _profile_done(self) -> None:
-        """After a step: ends a profile that has traced its ``num_steps``."""
-        plan = self.profile
-        if self.profiling and plan.num_steps is not None and self.stats.steps - self._profile_from >= plan.num_steps:
-            try:
-                log.info("profile of %d steps written: %s", plan.num_steps,
-                         ", ".join(self._profile_round(ProfileControl(None))))
-            except ProfileError as err:
-                log.error("profile stopped with failures: %s", err)
-
-    def _profile_start(self) -> None:
-        self._profile_round(ProfileControl(self.profile))
-        self.profiling, self._profile_from = True, self.stats.steps
-
-    def _profile_round(self, control: ProfileControl) -> list[str]:
-        """Broadcasts ``control``, applies it here and gathers every rank's answer. A stop ends the profile; a start
-        that failed anywhere stops the ranks that did start and ends it too."""
-        self.plane.broadcast_object(control)
-        answers = self.plane.gather_objects(self.profiler.apply(control))
-        failed = [f"rank {r}: {a}" for r, a in enumerate(answers) if a.startswith("error:")]
-        if control.plan is None or failed:
-            self.profile, self.profiling = None, False
-        if control.plan is not None and failed:
-            self.plane.broadcast_object(ProfileControl(None))
-            self.plane.gather_objects(self.profiler.apply(ProfileControl(None)))
-        if failed:
-            raise ProfileError("; ".join(failed))
-        return answers
+        """Writes every rank's trace; returns the files (:meth:`ProfileDriver.stop`)."""
+        return self.profiling.stop()
 
     def shutdown(self) -> None:
         """Releases the other ranks (a step still in flight is read back and applied first; a profile running is
@@ -332,11 +273,7 @@ class Engine:
             d, self._in_flight = self._in_flight, None
             self._publish(self.recorder.step(d.plan, *self._complete(d), d.span.ms() if d.span else None,
                                              self.draining))
-        if self.profiling:
-            try:
-                self._profile_round(ProfileControl(None))
-            except ProfileError as err:
-                log.warning("profile at shutdown: %s", err)
+        self.profiling.close()
         self.plane.broadcast_object(SHUTDOWN)
 
 

@@ -12,9 +12,16 @@ from pathlib import Path
 
 import torch
 
+from parallelism.comm import Comm
+
 log = logging.getLogger(__name__)
 
 ACTIVITIES = ("CPU", "GPU", "CUDA", "MEM")  # StartProfileRequest.activities this engine understands
+
+
+class ProfileError(RuntimeError):
+    """A profiling request that does not fit the engine's state (one already running, none to stop), or ranks that
+    failed (named)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,3 +98,81 @@ class RankProfiler:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(path)
         return path
+
+
+class ProfileDriver:
+    """Rank 0's side: the plan asked for, and the control rounds that start and stop every rank's profiler over
+    ``plane`` (the control plane; every other rank answers from ``engine.engine.worker_loop``). ``steps``: the
+    engine's finished step count, where ``start_step`` and ``num_steps`` are counted."""
+
+    def __init__(self, plane: Comm, rank: int, device: torch.device):
+        self.plane, self.profiler = plane, RankProfiler(rank, device)
+        self.plan: ProfilePlan | None = None  # asked for; tracing once ``tracing`` is set
+        self.tracing = False
+        self._from = 0  # steps when tracing started
+
+    def start(self, plan: ProfilePlan, steps: int) -> None:
+        """Traces ``plan``'s steps on every rank: from now when ``plan.start_step`` is unset or past, else from that
+        step on. Raises :class:`ProfileError` when a profile is already asked for or running, or naming the ranks
+        whose profiler did not start."""
+        if self.plan is not None:
+            raise ProfileError(f"already profiling into {self.plan.trace_dir}; StopProfile first")
+        self.plan = plan
+        if plan.start_step is None or steps >= plan.start_step:
+            self._start(steps)
+
+    def stop(self) -> list[str]:
+        """Stops tracing on every rank and returns the trace files (rank order); a profile not started yet is
+        cancelled (no files). Raises :class:`ProfileError` when none was asked for, or naming the ranks that failed."""
+        if self.plan is None:
+            raise ProfileError("not profiling: StartProfile first (or its num_steps already ended it)")
+        if not self.tracing:
+            self.plan = None
+            return []
+        return self._round(ProfileControl(None))
+
+    def before_step(self, steps: int) -> None:
+        """Starts a profile whose ``start_step`` has come (a failure is logged, not raised: the step goes on)."""
+        plan = self.plan
+        if plan is not None and not self.tracing and plan.start_step is not None and steps >= plan.start_step:
+            try:
+                self._start(steps)
+            except ProfileError as err:
+                log.error("profile not started: %s", err)
+
+    def after_step(self, steps: int) -> None:
+        """Ends a profile that has traced its ``num_steps``."""
+        plan = self.plan
+        if self.tracing and plan.num_steps is not None and steps - self._from >= plan.num_steps:
+            try:
+                log.info("profile of %d steps written: %s", plan.num_steps,
+                         ", ".join(self._round(ProfileControl(None))))
+            except ProfileError as err:
+                log.error("profile stopped with failures: %s", err)
+
+    def close(self) -> None:
+        """At shutdown: a profile still tracing is written."""
+        if self.tracing:
+            try:
+                self._round(ProfileControl(None))
+            except ProfileError as err:
+                log.warning("profile at shutdown: %s", err)
+
+    def _start(self, steps: int) -> None:
+        self._round(ProfileControl(self.plan))
+        self.tracing, self._from = True, steps
+
+    def _round(self, control: ProfileControl) -> list[str]:
+        """Broadcasts ``control``, applies it here and gathers every rank's answer. A stop ends the profile; a start
+        that failed anywhere stops the ranks that did start and ends it too."""
+        self.plane.broadcast_object(control)
+        answers = self.plane.gather_objects(self.profiler.apply(control))
+        failed = [f"rank {r}: {a}" for r, a in enumerate(answers) if a.startswith("error:")]
+        if control.plan is None or failed:
+            self.plan, self.tracing = None, False
+        if control.plan is not None and failed:
+            self.plane.broadcast_object(ProfileControl(None))
+            self.plane.gather_objects(self.profiler.apply(ProfileControl(None)))
+        if failed:
+            raise ProfileError("; ".join(failed))
+        return answers

@@ -13,8 +13,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 
 from engine.async_engine import EngineDead
-from engine.engine import ProfileError
-from engine.profiling import ProfilePlan, trace_path
+from engine.profiling import ProfileError, ProfilePlan, trace_path
 
 log = logging.getLogger("rpc.requests")
 
