@@ -394,3 +394,35 @@ def test_docs_list_every_metric_and_no_other():
     documented = set(re.findall(r"^\| `((?:vllm|switchyard):[a-z0-9_]+)` \|", text, flags=re.M))
     wire = {f.name + ("_total" if f.kind == "counter" else "") for f in FAMILIES.values()}
     assert documented == wire, (documented - wire, wire - documented)
+
+
+def test_profile_plan_starts_and_ends_on_the_steps_asked(tiny_ckpts, tmp_path):
+    """One rank in-process: a plan from step 2 for 2 steps starts before the engine's third step and writes its trace
+    after the fourth, by itself; a second plan while one is pending is refused; StopProfile before the start step
+    cancels without files; a bad activity names the field."""
+    from engine.engine import Engine
+    from engine.profiling import ProfileError, ProfilePlan, trace_path
+    from engine.sampler import SamplingParams
+    from engine.scheduler import SchedulerConfig
+    from model.loader import load_model
+    from parallelism.comm import build_groups
+    from parallelism.layout import Layout
+
+    model = load_model(tiny_ckpts["tiny_qwen3_moe"], build_groups(Layout()))
+    engine = Engine(model, SchedulerConfig(max_num_seqs=2, max_model_len=64, block_size=4, num_blocks=64))
+    plan = ProfilePlan(trace_dir=str(tmp_path), stamp="t", start_step=2, num_steps=2)
+    engine.start_profile(plan)
+    with pytest.raises(ProfileError, match="already profiling"):
+        engine.start_profile(plan)
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    seen = []
+    while engine.has_work():
+        engine.step()
+        seen.append((engine.stats.steps, engine.profiling.tracing, Path(trace_path(plan, 0)).exists()))
+    assert seen[:5] == [(1, False, False), (2, False, False), (3, True, False), (4, False, True), (5, False, True)]
+    assert json.loads(Path(trace_path(plan, 0)).read_text())["traceEvents"]
+    engine.start_profile(ProfilePlan(trace_dir=str(tmp_path), stamp="u", start_step=100))
+    assert engine.stop_profile() == [] and not Path(trace_path(plan, 0)).with_name("u-rank0.trace.json").exists()
+    with pytest.raises(ValueError, match="activities"):
+        ProfilePlan(trace_dir=str(tmp_path), stamp="v", activities=("TPU",))
+    engine.shutdown()
