@@ -28,8 +28,8 @@ class ProfileError(RuntimeError):
 class ProfilePlan:
     """What ``StartProfile`` asked for: traces into ``trace_dir`` (already confined and created), named with
     ``stamp``; from when the engine's finished steps (EngineInfo ``steps.total``) reach ``start_step`` (None or past:
-    at once) for ``num_steps`` steps (None: until stopped); ``activities`` among :data:`ACTIVITIES` (empty: CPU, and CUDA where
-    there is one)."""
+    at once) for ``num_steps`` steps (None: until stopped); ``activities`` among :data:`ACTIVITIES` (empty: CPU, and
+    CUDA where there is one)."""
 
     trace_dir: str
     stamp: str
