@@ -1,4 +1,5 @@
-"""Tooling the runtime never imports: cost model, telemetry, bench metrics and reports, GPU checks."""
+"""Tooling the runtime never imports: cost model, telemetry summaries and verdicts, bench metrics and reports, GPU
+checks."""
 
 from pathlib import Path
 

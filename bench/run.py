@@ -22,7 +22,8 @@ from bench.cost.hardware import cpu_box, profile_for_gpu
 from bench.cost.shapes import ModelShape
 from bench.metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
 from bench.report import write_reports
-from bench.telemetry import TelemetrySampler, compute_floors, energy_per_token_j, verdict
+from bench.telemetry import compute_floors, energy_per_token_j, sampler_summary, verdict
+from engine.telemetry import TelemetrySampler
 from model.config import load_config
 from model.expert_tally import touched_per_layer
 from parallelism.launch import free_port
@@ -42,9 +43,9 @@ class Server:
     """``scripts/serve.py`` as a subprocess on a loopback port, for one layout and spec mode."""
 
     def __init__(self, overrides: list[str], log_path: Path, timeout_s: float):
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), *overrides,
-               "server.host=127.0.0.1", f"server.port={self.port}"]
+               "server.host=127.0.0.1", f"server.port={self.port}", f"server.metrics_port={self.metrics_port}"]
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         self.client = Client(f"127.0.0.1:{self.port}")
@@ -183,7 +184,7 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
     ref = reference.setdefault(key, tokens)
     tau = cell_tau(before.get("spec_decode") or {}, after.get("spec_decode") or {})
     step_s = decode_step_time_s((metrics["mean_tpot_ms"] or 0.0) / 1e3, tau)
-    telemetry = sampler.summary()
+    telemetry = sampler_summary(sampler)
     hw = floor_hardware(cfg, layout.world_size, topology["gpus"])
     touched = cell_touched(before, after)
     floors = hw and compute_floors(shape, hw, layout, concurrency, context + b.output_len // 2, touched=touched)
@@ -195,6 +196,10 @@ def run_cell(server: Server, cfg, layout, label: str, topology: dict, spec: str,
         "comm_per_output_token": comm_per_output_token(before["comm"]["per_op"], after["comm"]["per_op"],
                                                        out_tokens),
         "cuda_graphs": after.get("cuda_graphs"), "telemetry": telemetry,
+        # from the server's step records (EngineInfo): why the GPUs were not busier during the cell, and rank 0's
+        # device ms per step since start-up (CUDA only)
+        "idle_s": {k: v - (before.get("idle_s") or {}).get(k, 0.0) for k, v in (after.get("idle_s") or {}).items()},
+        "device_ms_per_step": after["steps"].get("device_ms_per_step"),
         "energy_j_per_output_token": energy_per_token_j(telemetry, out_tokens),
         "telemetry_source": sampler.source,
         "verdict": verdict(step_s, floors, telemetry=telemetry) if step_s > 0 and floors else None,

@@ -30,9 +30,11 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.kv_manager import KvEvent
+from engine.recorder import rank_loads
 from engine.sampler import SamplingParams
-from engine.scheduler import RequestError, Scheduler
+from engine.scheduler import RequestError
 from engine.step import RequestOutput
+from engine.step_record import RankLoad, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -52,28 +54,14 @@ class EngineFailure:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankLoad:
-    """One attention-DP rank's share of a :class:`Loads` snapshot. ``blocks_used``: referenced (non-evictable);
-    ``blocks_cached``: in the prefix index (referenced or not); cached unreferenced blocks count as free. The
-    unpinned waiting requests (one queue) are reported on rank 0."""
-
-    running: int = 0
-    waiting: int = 0
-    blocks_used: int = 0
-    blocks_cached: int = 0
-    blocks_total: int = 1
-    waiting_uncached_tokens: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
 class Loads:
-    """A snapshot published by the engine thread after every step and command batch."""
+    """A snapshot published by the engine thread after every step and command batch. ``gen_tokens_per_s``: tokens
+    given to requests per second over the last ``throughput_window_s``, per attention-DP rank."""
 
     per_dp: tuple[RankLoad, ...] = (RankLoad(),)
     kv_block_size: int = 1  # tokens per KV-cache block
-    gen_tokens_per_s: float = 0.0
+    gen_tokens_per_s: tuple[float, ...] = (0.0,)
     steps: int = 0
-    cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens admitted
 
     @property
     def running(self) -> int:
@@ -95,17 +83,6 @@ class Loads:
     def kv_usage(self) -> float:
         """Referenced blocks over all blocks (vLLM's rule: cached unreferenced blocks are free)."""
         return self.kv_blocks_used / self.kv_blocks_total
-
-
-def rank_loads(sched: Scheduler) -> tuple[RankLoad, ...]:
-    """Per attention-DP rank: requests and blocks (unpinned waiting requests on rank 0)."""
-    waiting = [sum(r.pinned_dp == dp for r in sched.waiting) for dp in range(sched.dp_size)]
-    waiting[0] += sum(r.pinned_dp is None for r in sched.waiting)
-    uncached = sched.waiting_uncached_tokens() if sched.waiting else 0
-    return tuple(RankLoad(running=len(sched.running[dp]), waiting=waiting[dp], blocks_used=pool.num_used,
-                          blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
-                          waiting_uncached_tokens=uncached if dp == 0 else 0)
-                 for dp, pool in enumerate(sched.kv.pools))
 
 
 class RequestStream:
@@ -137,7 +114,9 @@ class AsyncEngine:
         self._busy: tuple[str, float] | None = None  # (what, since): set by the engine thread
         self._fatal_lock = threading.Lock()
         self._stopped = threading.Event()
-        self._emitted: deque[tuple[float, int]] = deque()
+        self._emitted: deque[tuple[float, tuple[int, ...]]] = deque()  # (when, tokens per DP rank) of each step
+        self._commands_at = 0.0  # when the engine thread last ran commands (they change the loads)
+        engine.subscribe(self._on_record)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
 
@@ -163,7 +142,7 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            await self._command("add", request_id, prompt, params, dp_rank, retain_kv)
+            await self._command("add", request_id, prompt, params, dp_rank, retain_kv, time.monotonic())
         except BaseException:  # bad input, overload, or the caller went away while the add was queued
             self._streams.pop(request_id, None)
             stream.finished = True
@@ -228,10 +207,12 @@ class AsyncEngine:
         if fut is not None:
             self._loop.call_soon_threadsafe(self._settle, fut, result, error)
 
+    def _on_record(self, record: StepRecord) -> None:
+        if record.generated_by_dp:
+            self._emitted.append((record.t_end, record.generated_by_dp))
+
     def _emit(self, outputs: list[RequestOutput]) -> None:
         if outputs:
-            now = time.monotonic()
-            self._emitted.append((now, sum(len(o.new_tokens) for o in outputs)))
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
         events = self.engine.scheduler.kv.drain_events() if self.on_kv_events is not None else []
         if events:
@@ -289,6 +270,8 @@ class AsyncEngine:
                         cmds.append(self._commands.get_nowait())
                     except queue.Empty:
                         break
+                if cmds:
+                    self._commands_at = time.monotonic()
                 for cmd in cmds:
                     if not self._run_command(cmd):
                         self._publish_loads()
@@ -305,12 +288,15 @@ class AsyncEngine:
             self._fatal(f"engine step failed ({type(err).__name__}: {err}); a rank is probably dead")
 
     def _publish_loads(self) -> None:
-        sched, cutoff = self.engine.scheduler, time.monotonic() - self.window_s
+        """After a step its record's per-rank figures; after commands (adds, aborts) the scheduler's now."""
+        engine, cutoff = self.engine, time.monotonic() - self.window_s
         while self._emitted and self._emitted[0][0] < cutoff:
             self._emitted.popleft()
-        self.loads = Loads(per_dp=rank_loads(sched), kv_block_size=sched.cfg.block_size,
-                           gen_tokens_per_s=sum(n for _, n in self._emitted) / self.window_s,
-                           steps=self.engine.stats.steps, cache_hit_rate=sched.kv.hit_rate)
+        sched, record = engine.scheduler, engine.last_record
+        per_dp = record.kv if record is not None and record.t_end >= self._commands_at else rank_loads(sched)
+        gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(sched.dp_size)]
+        self.loads = Loads(per_dp=per_dp, kv_block_size=sched.cfg.block_size, gen_tokens_per_s=tuple(gen),
+                           steps=engine.stats.steps)
 
     # ---- watchdog --------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -8,9 +8,9 @@ through the kernel set's ``moe_experts``. With the Triton kernels selected nothi
 the host, so :class:`GraphRunner` can capture it per shape (decode: tree size N = 1 per batch size; verify:
 the speculation's tree size per batch size) and replay it after copying a step's inputs into the buffers. A
 batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
-scratch blocks. Shapes that cannot be captured run the same static step eagerly, with the reason
-recorded in :class:`engine.capture.GraphCoverage` (a capture that fails in a job of several ranks stops the job
-instead: :func:`engine.capture.raise_if_any_rank_failed`).
+scratch blocks. Shapes that cannot be captured run the same static step eagerly, the reason kept per shape
+(:meth:`~engine.capture.CapturedGraphs.status`, which the runner puts in each step's coverage record; a capture that
+fails in a job of several ranks stops the job instead: :func:`engine.capture.raise_if_any_rank_failed`).
 
 Off CUDA (this CPU box) nothing is captured: the static steps run eagerly and the tests check what a replay
 relies on — padding, buffer reuse across steps, equality with the dynamic forward.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.blocks import scratch_table, token_slots
-from engine.capture import CapturedGraphs, GraphCoverage, token_limit_blocker
+from engine.capture import CapturedGraphs, token_limit_blocker
 from engine.kv_cache import PagedKVCache
 from engine.staging import copy_in
 from engine.step import StepKind
@@ -164,16 +164,15 @@ class GraphRunner(CapturedGraphs):
     """Static steps per shape, captured as CUDA graphs where possible (see the module docstring).
 
     ``run(seqs, tree_size, batch)`` picks the smallest batch size ≥ ``max(len(seqs), batch)``, captures that shape
-    on its first use, loads the inputs, replays (or runs eagerly, recording why) and returns the real rows'
-    logits ``[len(seqs)*N, V]`` and features."""
+    on its first use, loads the inputs, replays (or runs eagerly; ``status(shape)`` says why) and returns the real
+    rows' logits ``[len(seqs)*N, V]`` and features."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...] = (1, 2, 4, 8), feature_layers: tuple[int, ...] = (),
-                 coverage: GraphCoverage | None = None, blocker: str = ""):
+                 blocker: str = ""):
         super().__init__(blocker, model.groups.control)
         self.model, self.cache, self.max_blocks, self.scratch_blocks = model, cache, max_blocks, scratch_blocks
         self.batch_sizes, self.feature_layers = tuple(sorted(batch_sizes)), feature_layers
-        self.coverage = coverage or GraphCoverage()
         self.steps: dict[StepShape, StaticStep] = {}
 
     def shape_for(self, batch: int, tree_size: int) -> StepShape:
@@ -233,6 +232,4 @@ class GraphRunner(CapturedGraphs):
     def _launch(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor | None]:
         if shape in self.captured:
             before_graph_replay()  # a replay cannot run the Python that cleans DeepEP's buffers after normal steps
-        replayed, outputs = self._replay_or_run(shape, self.step(shape).run)
-        self.coverage.record(shape.kind, replayed, self.reasons.get(shape, ""))
-        return outputs
+        return self._replay_or_run(shape, self.step(shape).run)[1]

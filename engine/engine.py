@@ -9,6 +9,11 @@ With ``engine.overlap=on`` (plain decoding) a step's results are read back and g
 rank launches step n+1 first — its decodes take step n's tokens on the device (``SeqWork.prev_row``) — then
 reads back step n; rank 0 schedules step n+1 before it has step n's tokens. :data:`DRAIN` closes the pipeline
 when there is nothing new to launch. Why and what it costs: ``docs/gpu_path.md`` ("Host per step").
+
+Every finished step (and idle heartbeat) becomes one :class:`engine.step_record.StepRecord`, built on rank 0 from
+every rank's :class:`~engine.step_record.RankReport` (results, coverage, telemetry sample) and handed to
+:attr:`Engine.stats` and the subscribers (:meth:`Engine.subscribe`). :class:`~engine.profiling.ProfileControl`
+messages start and stop ``torch.profiler`` on every rank between steps.
 """
 
 from __future__ import annotations
@@ -16,16 +21,21 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.capture import GraphCoverage, eager_reason
 from engine.cuda_graphs import StepShape
+from engine.profiling import ProfileControl, ProfileDriver, ProfilePlan, RankProfiler
+from engine.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.runner import Launched, ModelRunner
 from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation import Speculation
 from engine.step import RequestOutput, StepKind, StepPlan, StepResult
+from engine.step_record import RankReport, StepRecord
 from engine.stop_strings import Detokenize
+from engine.telemetry import TelemetrySampler
 from model.kernel_select import launch_kernels
 from model.transformer import CausalLM
 from parallelism.comm import Comm, ParallelGroups
@@ -49,36 +59,22 @@ STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engi
 
 
 @dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    step_kinds: dict[StepKind, int] = field(default_factory=dict)  # a speculative step counts as VERIFY
-    spec_request_steps: int = 0  # (request, target forward) pairs that verified a tree
-    spec_tokens: int = 0  # tokens those committed, bonus included
-    warmup_s: float = 0.0  # Engine.warm_up: every static shape run (captured on CUDA) before serving
-    # per static shape: kind, batch, tree_size, seconds, graph, skipped, reason (the prefill: tokens, not tree_size)
-    warmup_shapes: list[dict] = field(default_factory=list)
-    # rank 0's host seconds per phase of Engine.step: schedule, launch (broadcast + queue the step; off CUDA it
-    # computes there), readback (wait for the step's tokens + gather them), update (scheduler, outputs)
-    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("schedule", "launch", "readback",
-                                                                            "update"), 0.0))
+class _InFlight:
+    """A launched step not yet read back: its plan, the runner's handle and rank 0's device span (CUDA)."""
 
-    @property
-    def acceptance_length(self) -> float:
-        """τ: committed tokens per target forward per request (bonus included); 0 without speculation."""
-        return self.spec_tokens / self.spec_request_steps if self.spec_request_steps else 0.0
+    plan: StepPlan
+    step: Launched
+    span: DeviceSpan | None
 
 
 class Engine:
     """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
 
     def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None,
-                 tokenizer: Detokenize | None = None):
+                 tokenizer: Detokenize | None = None, telemetry: TelemetrySampler | None = None):
         """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off.
-        ``tokenizer``: the checkpoint's (``model.tokenizer.load_tokenizer``), for stop strings; None: refused."""
+        ``tokenizer``: the checkpoint's (``model.tokenizer.load_tokenizer``), for stop strings; None: refused.
+        ``telemetry``: this rank's sampler (``engine.telemetry.rank_sampler``), read at every gather; None: none."""
         cfg = cfg.for_model(model.cfg.max_position_embeddings)
         self.model, self.groups = model, model.groups
         self.plane = control_plane(model.groups)
@@ -89,29 +85,57 @@ class Engine:
                                    tokenizer=tokenizer, namespace=cache_namespace(model, speculation),
                                    retain_after=retain_after_ids(tokenizer))
         self.stats = EngineStats()
-        self.coverage = GraphCoverage()  # rank 0's steps, as each step's RunnerOutput reports them
+        self.recorder = StepRecorder(self.scheduler, self.groups.counter)
+        self.telemetry = telemetry
+        self.profiling = ProfileDriver(self.plane, model.groups.rank, model.device)
+        self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
+        self.last_record: StepRecord | None = None
+        self._subscribers: list[Callable[[StepRecord], None]] = []
         self._rng = random.Random(seed)
-        self._in_flight: tuple[StepPlan, Launched] | None = None  # overlap: launched, not yet read back
-        self._unaccounted_s = 0.0  # step() time not yet attributed to a finished step
+        self._in_flight: _InFlight | None = None  # overlap: launched, not yet read back
         if cfg.overlap == "on" and not self.scheduler.overlap:
             log.info("engine.overlap=on: speculative steps drain (the next start depends on the accepted count)")
 
+    @property
+    def coverage(self) -> GraphCoverage:
+        """Rank 0's CUDA-graph coverage per step kind, from the step records."""
+        return self.stats.coverage
+
+    def subscribe(self, fn: Callable[[StepRecord], None]) -> None:
+        """Calls ``fn(record)`` on the engine's thread after every step and idle heartbeat (after :attr:`stats`). An
+        exception there is logged once and the record goes on to the other subscribers."""
+        self._subscribers.append(fn)
+
+    def _publish(self, record: StepRecord) -> None:
+        self.last_record = record
+        self.stats.observe(record)
+        for fn in list(self._subscribers):
+            try:
+                fn(record)
+            except Exception:  # noqa: BLE001 - a subscriber's bug must not stop serving
+                log.exception("step-record subscriber %r failed; it gets no more records", fn)
+                self._subscribers.remove(fn)
+
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
-                    retain_kv: bool = False) -> None:
+                    retain_kv: bool = False, arrival: float | None = None) -> None:
         """``dp_rank``: the attention-DP rank to run on (None: the scheduler places it); ``retain_kv``: keep its blocks
-        past plain LRU when it ends (``engine.kv_retention_s``)."""
+        past plain LRU when it ends (``engine.kv_retention_s``); ``arrival``: when it arrived (``time.monotonic``;
+        None: now), where its time to first token and queue time start."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv)
+        self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
 
     def abort(self, request_id: str) -> RequestOutput:
-        return self.scheduler.abort(request_id)
+        out = self.scheduler.abort(request_id)
+        self.recorder.aborted(out, time.monotonic())
+        return out
 
     def warm_up(self) -> float:
         """Runs every configured static shape once on every rank before the first request — captured as CUDA
         graphs on CUDA, eagerly elsewhere — so no request pays Triton JIT or capture. Each shape is a lock-step
         round (broadcast, run on all-padding batches in the scratch blocks, gather), logged with a progress bar
-        and its seconds; the result goes to ``stats.warmup_s`` / ``warmup_shapes`` (not to coverage or step
-        counts). Returns the total seconds."""
+        and its seconds; the result goes to ``stats.warmup_s`` / ``warmup_shapes`` (no step record). Returns the
+        total seconds."""
         if self.has_work():
             raise RuntimeError("warm_up runs before the first request")
         shapes = self.runner.static_shapes()
@@ -142,7 +166,7 @@ class Engine:
     def _warm_prefill(self) -> None:
         """One greedy prompt per attention-DP rank, as long as one step feeds, through the ordinary step path: the
         dynamic prefill's kernels (Triton JIT on CUDA) compile before the first request. Seeded, so the engine's
-        seed stream is untouched; its steps, stats and coverage are dropped; its blocks are released."""
+        seed stream is untouched; its records and stats are dropped; its blocks are released."""
         cfg, sched = self.scheduler.cfg, self.scheduler
         tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1,
                      cfg.num_blocks * cfg.block_size - sched.spec_reserve_slots - 1)
@@ -150,11 +174,15 @@ class Engine:
         params = SamplingParams(temperature=0.0, max_tokens=1, seed=0)
         for dp in range(sched.dp_size):
             self.add_request(f"warm-up prefill {dp}", [0] * tokens, params, dp_rank=dp)
-        while self.has_work():
-            self.step()
+        subscribers, self._subscribers = self._subscribers, []
+        try:
+            while self.has_work():
+                self.step()
+        finally:
+            self._subscribers = subscribers
         sched.kv.clear()  # its blocks are nobody's prefix
-        self.stats, self.coverage = EngineStats(warmup_shapes=warm.warmup_shapes), GraphCoverage()
-        self.runner.timing = dict.fromkeys(self.runner.timing, 0.0)
+        self.stats, self.last_record = EngineStats(warmup_shapes=warm.warmup_shapes), None
+        self.recorder = StepRecorder(sched, self.groups.counter)
         dt = time.perf_counter() - t0
         self.stats.warmup_shapes.append({"kind": StepKind.PREFILL, "batch": sched.dp_size, "tokens": tokens,
                                          "seconds": dt, "graph": False, "skipped": False,
@@ -169,83 +197,83 @@ class Engine:
         ``engine.overlap=on`` the one the previous call launched — so the host schedules and stages step n+1
         while the device runs step n, and each call returns step n's outputs (the first call returns none)."""
         t0 = time.perf_counter()
+        self.recorder.begin(time.monotonic())
+        self.profiling.before_step(self.stats.steps)
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
+        self.recorder.scheduled(plan, time.monotonic())
         launched = None
         if plan.num_tokens:
             self.plane.broadcast_object(plan)
-            launched = plan, self.runner.launch(plan.work[self.groups.coords.attn_dp_rank], plan.work)
+            span = DeviceSpan.open(self.model.device)
+            step = self.runner.launch(plan.work[self.groups.coords.attn_dp_rank], plan.work)
+            if span is not None:
+                span.stop()
+            launched = _InFlight(plan, step, span)
+            self.recorder.host("draft", step.draft_s)
+            self.recorder.host("target", step.target_s)
         elif self._in_flight is not None:
             self.plane.broadcast_object(DRAIN)
         t2 = time.perf_counter()
-        self._host("schedule", t1 - t0)
-        self._host("launch", t2 - t1)
+        self.recorder.host("schedule", t1 - t0)
+        self.recorder.host("launch", t2 - t1)
         done, self._in_flight = [self._in_flight], None
-        if launched is not None and launched[0].overlap:
+        if launched is not None and launched.plan.overlap:
             self._in_flight = launched
         else:
             done.append(launched)
-        finished = [(d[0], self._complete(*d)) for d in done if d is not None]
-        # the call's wall time goes to the step it finished (the first overlapped call finishes none: carried)
-        self._unaccounted_s += time.perf_counter() - t0
-        for i, (plan_done, (outputs, merged)) in enumerate(finished):
-            self._account(plan_done, self._unaccounted_s if i == 0 else 0.0, merged, {o.request_id for o in outputs})
-        if finished:
-            self._unaccounted_s = 0.0
-        return [o for _, (outputs, _) in finished for o in outputs]
+        finished = [(d, *self._complete(d)) for d in done if d is not None]
+        for d, *parts in finished:  # the calls' time goes to the first (overlap: one carries to the next)
+            self._publish(self.recorder.step(d.plan, *parts, d.span.ms() if d.span else None, self.draining))
+        self.profiling.after_step(self.stats.steps)
+        return [o for *_, outputs in finished for o in outputs]
 
-    def _host(self, phase: str, seconds: float) -> None:
-        self.stats.host_s[phase] += seconds
-
-    def _complete(self, plan: StepPlan, step: Launched) -> tuple[list[RequestOutput], dict[str, StepResult]]:
-        """Reads back rank 0's share of ``plan``, gathers every DP group's results and applies them; returns the
-        outputs and the merged results."""
+    def _complete(self, d: _InFlight) -> tuple[list[RankReport], dict[str, StepResult], list[RequestOutput]]:
+        """Reads back rank 0's share of ``d``, gathers every rank's report and applies the results; returns the
+        reports (rank order), the results merged from them and the outputs."""
         t1 = time.perf_counter()
-        mine = self.runner.finish(step)
+        mine = self.runner.finish(d.step)
+        reports = self.plane.gather_objects(RankReport(mine.results, mine.coverage, self._sample()))
         merged: dict[str, StepResult] = {}
-        for part in self.plane.gather_objects(mine.results) or [mine.results]:
-            if part:
-                merged.update(part)
+        for report in reports:
+            if report.results:
+                merged.update(report.results)
         t2 = time.perf_counter()
-        outputs = self.scheduler.update(plan, merged)
-        self._host("readback", t2 - t1)
-        self._host("update", time.perf_counter() - t2)
-        for kind, (replayed, reason) in mine.coverage.items():  # rank 0's step, draft and commit
-            self.coverage.record(kind, replayed, reason)
-        return outputs, merged
+        outputs = self.scheduler.update(d.plan, merged)
+        self.recorder.host("readback", t2 - t1)
+        self.recorder.host("update", time.perf_counter() - t2)
+        return reports, merged, outputs
 
-    def _account(self, plan: StepPlan, dt: float, results: dict[str, StepResult], emitted: set[str]) -> None:
-        """``emitted``: the requests the step gave tokens to (overlap: one that ended a step earlier got none)."""
-        s = self.stats
-        s.steps += 1
-        items = [w for per_rank in plan.work for w in per_rank]
-        prefill = sum(len(w.token_ids) for w in items if not w.decode)
-        decode = sum(len(results[w.request_id].tokens) for w in items if w.decode and w.request_id in emitted)
-        spec = [w for w in items if w.spec]
-        s.spec_request_steps += len(spec)
-        s.spec_tokens += sum(len(results[w.request_id].tokens) for w in spec)
-        kind = plan.kind  # the runner's coverage records the same kind (engine.step.step_kind)
-        s.step_kinds[kind] = s.step_kinds.get(kind, 0) + 1
-        s.prefill_tokens += prefill
-        s.decode_tokens += decode
-        if kind in (StepKind.DECODE, StepKind.VERIFY):
-            s.decode_s += dt
-        else:
-            s.prefill_s += dt
+    def _sample(self) -> dict | None:
+        return self.telemetry.fresh() if self.telemetry is not None else None
 
     def heartbeat(self) -> None:
-        """A control-plane round trip with every rank while idle: keeps idle workers inside the
-        process-group timeout and surfaces a dead rank without traffic. Runs no forward; not counted."""
+        """A control-plane round trip with every rank while idle: keeps idle workers inside the process-group
+        timeout, surfaces a dead rank without traffic and brings every rank's newest telemetry sample. Runs no
+        forward; its record (``kind`` None) counts only idle time."""
+        started = time.monotonic()
         self.plane.broadcast_object(HEARTBEAT)
-        self.plane.gather_objects(None)
+        reports = self.plane.gather_objects(RankReport(None, {}, self._sample()))
+        self._publish(self.recorder.heartbeat(reports, started, self.draining))
+
+    # ---- profiling (engine/profiling.py) ------------------------------------------------------------------
+    def start_profile(self, plan: ProfilePlan) -> None:
+        """``torch.profiler`` on every rank for ``plan``'s steps (:meth:`ProfileDriver.start`)."""
+        self.profiling.start(plan, self.stats.steps)
+
+    def stop_profile(self) -> list[str]:
+        """Writes every rank's trace; returns the files (:meth:`ProfileDriver.stop`)."""
+        return self.profiling.stop()
 
     def shutdown(self) -> None:
-        """Releases the other ranks (a step still in flight is read back and applied first)."""
+        """Releases the other ranks (a step still in flight is read back and applied first; a profile running is
+        written)."""
         if self._in_flight is not None:
             self.plane.broadcast_object(DRAIN)
-            in_flight, self._in_flight = self._in_flight, None
-            outputs, merged = self._complete(*in_flight)
-            self._account(in_flight[0], 0.0, merged, {o.request_id for o in outputs})
+            d, self._in_flight = self._in_flight, None
+            self._publish(self.recorder.step(d.plan, *self._complete(d), d.span.ms() if d.span else None,
+                                             self.draining))
+        self.profiling.close()
         self.plane.broadcast_object(SHUTDOWN)
 
 
@@ -295,25 +323,38 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation 
                        overlap=cfg.overlap == "on" and speculation is None, expert_tally=cfg.expert_tally)
 
 
-def worker_loop(runner: ModelRunner) -> None:
+def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) -> None:
     """Non-zero ranks: execute broadcast plans until shutdown — in rank 0's order (``Engine.step``): launch the
-    new plan, then read back and gather the step in flight, then this plan's unless it overlaps."""
+    new plan, then read back and gather the step in flight, then this plan's unless it overlaps. Each gather sends
+    a :class:`RankReport` with ``telemetry``'s newest sample."""
     groups = runner.model.groups
     plane, in_flight = control_plane(groups), None
+    profiler = RankProfiler(groups.rank, runner.model.device)
+
+    def report(step: Launched | None) -> RankReport:
+        sample = telemetry.fresh() if telemetry is not None else None
+        if step is None:
+            return RankReport(None, {}, sample)
+        out = runner.finish(step)
+        return RankReport(out.results, out.coverage, sample)
+
     while True:
         plan = plane.broadcast_object(None)
         if plan == SHUTDOWN:
             return
         if plan == HEARTBEAT:
-            plane.gather_objects(None)
+            plane.gather_objects(report(None))
             continue
         if isinstance(plan, WarmUpShape):
             runner.warm_up(plan.batch, plan.tree_size)
             plane.gather_objects(None)
             continue
+        if isinstance(plan, ProfileControl):
+            plane.gather_objects(profiler.apply(plan))
+            continue
         launched = None if plan == DRAIN else runner.launch(plan.work[groups.coords.attn_dp_rank], plan.work)
         if in_flight is not None:
-            plane.gather_objects(runner.finish(in_flight).results)
+            plane.gather_objects(report(in_flight))
         in_flight = launched if launched is not None and plan.overlap else None
         if launched is not None and not plan.overlap:
-            plane.gather_objects(runner.finish(launched).results)
+            plane.gather_objects(report(launched))

@@ -201,6 +201,7 @@ class KVManager:
         self.pools = [BlockPool(cfg.num_blocks, cfg.kv_block_size, dp, self._record) for dp in range(cfg.dp_size)]
         self.requests: dict[str, RequestBlocks] = {}
         self.prompt_tokens = self.cached_tokens = 0  # admissions' prompt tokens, and those served from the cache
+        self.prompt_by_dp, self.cached_by_dp = [0] * cfg.dp_size, [0] * cfg.dp_size  # the same per pool
 
     def _record(self, event: KvEvent) -> None:
         if self.recording:
@@ -237,6 +238,8 @@ class KVManager:
         cached = len(hit) * self.cfg.kv_block_size
         self.prompt_tokens += len(tokens)
         self.cached_tokens += cached
+        self.prompt_by_dp[dp] += len(tokens)
+        self.cached_by_dp[dp] += cached
         return cached
 
     def allocate(self, request_id: str, dp: int, slots: int) -> bool:
@@ -298,6 +301,10 @@ class KVManager:
     def hit_rate(self) -> float:
         """Prompt tokens served from the cache over prompt tokens admitted."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def hit_rate_of(self, dp: int) -> float:
+        """:attr:`hit_rate` of attention-DP rank ``dp``'s pool."""
+        return self.cached_by_dp[dp] / self.prompt_by_dp[dp] if self.prompt_by_dp[dp] else 0.0
 
     def blocks_in_use(self) -> int:
         """Referenced blocks over every pool (cached unreferenced ones count as free)."""

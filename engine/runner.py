@@ -17,7 +17,6 @@ import torch
 
 from engine.blocks import blocks_for
 from engine.capture import (
-    GraphCoverage,
     capture_blocker,
     free_device_memory,
     memory_blocker,
@@ -39,11 +38,14 @@ from model.transformer import CausalLM
 class Launched:
     """A step whose device work is queued (:meth:`ModelRunner.launch`): host-ready ``results`` (speculative items;
     None on ranks that do not report), the coverage records and the plainly sampled items with their readback,
-    which :meth:`ModelRunner.finish` waits for."""
+    which :meth:`ModelRunner.finish` waits for; ``draft_s`` / ``target_s``: the launch's host seconds in the
+    speculator's draft and in the target step (with its sampling, and a speculative step's walk and commit)."""
 
     results: dict[str, StepResult] | None
     coverage: dict[StepKind, Record]
     sampled: tuple[list[SeqWork], Readback | None] | None = None
+    draft_s: float = 0.0
+    target_s: float = 0.0
 
 
 class ModelRunner:
@@ -73,7 +75,6 @@ class ModelRunner:
         self.speculation = speculation
         self.speculator = speculation.build(model, self.cache, static) if speculation is not None else None
         self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
-        self.timing = {"draft_s": 0.0, "verify_s": 0.0}
         self.static = None
         if static is not None:
             self.static = GraphRunner(model, self.cache, static.max_blocks, static.scratch_blocks, static.batch_sizes,
@@ -152,20 +153,20 @@ class ModelRunner:
         if self.tally is not None:
             self.tally.armed = kind in (StepKind.DECODE, StepKind.VERIFY)
         shape, why = self._static_shape(dp_work)
-        if shape is not None and shape.kind is StepKind.VERIFY:
-            results, target, parts = self._verify_static(work, shape.batch)
-            return Launched(results, {kind: target, **parts})
         t0 = time.perf_counter()
-        if shape is None:
-            results, sampled, verify_started = self._execute_dynamic(work)
-            target = (False, why)
+        sampled = None
+        if shape is not None and shape.kind is StepKind.VERIFY:
+            (results, target, parts), verify_started = self._verify_static(work, shape.batch)
         else:
-            (results, sampled, target), verify_started = self._decode_static(work, shape.batch), t0
-        self.timing["draft_s"] += verify_started - t0
-        self.timing["verify_s"] += time.perf_counter() - verify_started
-        # a dynamic step's draft and commit do not run statically, for the step's reason
-        parts = dict.fromkeys((StepKind.DRAFT, StepKind.COMMIT), (False, why)) if any(w.spec for w in work) else {}
-        return Launched(results, {kind: target, **parts}, sampled)
+            if shape is None:
+                results, sampled, verify_started = self._execute_dynamic(work)
+                target = (False, why)
+            else:
+                (results, sampled, target), verify_started = self._decode_static(work, shape.batch), t0
+            # a dynamic step's draft and commit do not run statically, for the step's reason
+            parts = dict.fromkeys((StepKind.DRAFT, StepKind.COMMIT), (False, why)) if any(w.spec for w in work) else {}
+        return Launched(results, {kind: target, **parts}, sampled, draft_s=verify_started - t0,
+                        target_s=time.perf_counter() - verify_started)
 
     def static_shapes(self) -> list[tuple[int, int]]:
         """Every configured static shape ``(batch, tree_size)``: a decode (tree size 1) per static batch size, or,
@@ -179,24 +180,19 @@ class ModelRunner:
     def warm_up(self, batch: int, tree_size: int) -> tuple[bool, str]:
         """Runs static shape ``(batch, tree_size)`` once on an all-padding batch — capturing it on CUDA (the
         capture's own warm-up runs compile the Triton kernels) — as an idle attention-DP rank would: only the
-        scratch blocks are written. Collective: every rank warms the same shape. Counts no coverage and no
-        timing. Returns the target step's ``(replayed, why not)``."""
+        scratch blocks are written. Collective: every rank warms the same shape. It is no step: nothing of it
+        reaches a step record. Returns the target step's ``(replayed, why not)``."""
         reason = self._memory_guard(batch, tree_size)
         if reason:
             self.skipped[batch, tree_size] = reason
             return False, reason
         if self.tally is not None:
             self.tally.armed = True  # a static shape is a decode or a verify, and its capture holds the count
-        saved = self.static.coverage, dict(self.timing)
-        self.static.coverage = GraphCoverage()
-        try:
-            if tree_size == 1:
-                return self._decode_static([], batch)[2]
-            target = _StaticTarget(self)
-            self.speculator.warm_up_static(batch, target)  # its draft and commit count no coverage either
-            return self.static.status(target.shape)
-        finally:
-            self.static.coverage, self.timing = saved
+        if tree_size == 1:
+            return self._decode_static([], batch)[2]
+        target = _StaticTarget(self)
+        self.speculator.warm_up_static(batch, target)
+        return self.static.status(target.shape)
 
     def _memory_guard(self, batch: int, tree_size: int) -> str:
         """"" when static shape ``(batch, tree_size)``'s buffers fit in free device memory on every rank, else why
@@ -253,20 +249,17 @@ class ModelRunner:
         sampled = self._sample_plain(work, logits) if self.reports or self.overlap else None
         return ({} if self.reports else None), sampled, record
 
-    def _verify_static(self, work: list[SeqWork], batch: int
-                       ) -> tuple[dict[str, StepResult] | None, Record, dict[StepKind, Record]]:
+    def _verify_static(self, work: list[SeqWork], batch: int):
         """A static speculative step, run by the speculator through the static tree verify lent to it
         (:class:`_StaticTarget`; ``strict_sync``: any host synchronisation between its draft and its commit
-        raises). Every rank walks its trees (and compacts its KV shard). Returns the results, the verify's
-        coverage record and the draft's and (with work) the commit's."""
-        target, t0 = _StaticTarget(self), time.perf_counter()
+        raises). Every rank walks its trees (and compacts its KV shard). Returns ``((results, the verify's coverage
+        record, the draft's and (with work) the commit's), when the verify started)``."""
+        target = _StaticTarget(self)
         out = self.speculator.speculate_static(work, batch, target)
-        self.timing["draft_s"] += target.verify_started - t0
-        self.timing["verify_s"] += time.perf_counter() - target.verify_started
         record = self.static.status(target.shape)
-        if self.model.groups.attn_tp.rank != 0:
-            return None, record, out.coverage
-        return {w.request_id: r for w, r in zip(work, out.results, strict=True)}, record, out.coverage
+        results = {w.request_id: r for w, r in zip(work, out.results, strict=True)} \
+            if self.model.groups.attn_tp.rank == 0 else None
+        return (results, record, out.coverage), target.verify_started
 
     def _execute_dynamic(self, work: list[SeqWork]):
         """→ ``(results, sampled, verify_started)``: the speculative items' results (None on ranks that do not

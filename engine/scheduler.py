@@ -164,6 +164,9 @@ class Scheduler:
         self._steps = itertools.count()
         self._admissions = itertools.count()
         self.preemptions = 0
+        # why the last schedule() left work waiting: "kv" (the queue's head or a running item had no free blocks),
+        # "max_num_seqs" (no rank had a running slot for the head), or "" (nothing waited)
+        self.blocked = ""
 
     # ---- admission -------------------------------------------------------------------------------
     def request_slots(self, prompt_len: int, max_tokens: int) -> int:
@@ -205,11 +208,13 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Admits in queue order while a rank has room and the blocks a request's first step needs; a request pinned
-        to a full rank waits without holding up the others, one whose blocks are not free stops admission (FCFS)."""
+        to a full rank waits without holding up the others, one whose blocks are not free stops admission (FCFS).
+        Sets :attr:`blocked` when a request stays for want of a slot or of blocks."""
         for req in list(self.waiting):
             ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(self.dp_size))
                      if len(self.running[r]) < self.cfg.max_num_seqs]
             if not ranks:
+                self.blocked = self.blocked or "max_num_seqs"
                 if req.pinned_dp is None:
                     return
                 continue
@@ -223,6 +228,7 @@ class Scheduler:
                 reserve = hit + min(len(tokens) - hit, self.cfg.max_num_batched_tokens)
             cached = self.kv.admit(req.request_id, dp, tokens, hashes, reserve, req.retain_kv)
             if cached is None:
+                self.blocked = "kv"
                 return
             self.waiting.remove(req)
             req.dp_rank, req.num_computed, req.hashes = dp, cached, None
@@ -242,6 +248,7 @@ class Scheduler:
         return any(self.running) or bool(self.waiting)
 
     def schedule(self) -> StepPlan:
+        self.blocked = ""
         self._admit()
         work, scheduled = [], {}
         for dp in range(self.dp_size):
@@ -260,6 +267,7 @@ class Scheduler:
                 spec = decode and self.spec_reserve_slots > 0
                 writes = self.spec_reserve_slots if spec else n  # a tree writes its whole reserve
                 if not self._blocks_for_step(req, req.num_computed + writes, scheduled):
+                    self.blocked = "kv"
                     continue
                 budget -= n
                 done = req.num_computed + n == total

@@ -152,6 +152,17 @@ class Client:
     def abort(self, *request_ids: str, timeout: float = 10.0) -> None:
         self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=timeout)
 
+    # ---- profiling -------------------------------------------------------------------------------
+    def start_profile(self, timeout: float = 60.0, **fields) -> tuple[bool, str]:
+        """StartProfile (``output_dir``, ``start_step``, ``num_steps``, ``activities``, ...): (success, message)."""
+        resp = self.stub.StartProfile(common_pb2.StartProfileRequest(**fields), timeout=timeout)
+        return resp.success, resp.message
+
+    def stop_profile(self, timeout: float = 120.0) -> tuple[bool, str]:
+        """StopProfile: (success, message naming the trace files)."""
+        resp = self.stub.StopProfile(common_pb2.StopProfileRequest(), timeout=timeout)
+        return resp.success, resp.message
+
     # ---- facts -----------------------------------------------------------------------------------
     def model_info(self, timeout: float = 10.0) -> dict:
         return MessageToDict(self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout),
@@ -168,16 +179,18 @@ class Client:
         return doc
 
     def loads(self, timeout: float = 10.0) -> dict:
-        """Every attention-DP rank's SchedulerLoad summed (requests, tokens; ``kv_usage`` = used / total tokens),
-        with the records themselves under ``per_rank``."""
+        """Every attention-DP rank's SchedulerLoad summed (requests, tokens, running slots, generated tokens per
+        second; ``kv_usage`` = used / total tokens), with the records themselves under ``per_rank``."""
         resp = self.stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=timeout)
         ranks = [MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
                  for r in resp.loads]
-        load = dict(ranks[0])  # the engine-wide fields (throughput, hit rate) are the same on every record
+        load = dict(ranks[0])
         load.update({k: sum(r[k] for r in ranks) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
                                                           "num_used_tokens", "max_total_num_tokens",
-                                                          "max_running_requests", "num_waiting_uncached_tokens")})
-        load.update(kv_usage=load["num_used_tokens"] / max(load["max_total_num_tokens"], 1), per_rank=ranks)
+                                                          "max_running_requests", "num_waiting_uncached_tokens",
+                                                          "gen_throughput")})
+        load.update(kv_usage=load["num_used_tokens"] / max(load["max_total_num_tokens"], 1), per_rank=ranks,
+                    cache_hit_rate=sum(r["cache_hit_rate"] for r in ranks) / len(ranks))
         load["token_usage"] = load["kv_usage"]
         return load
 

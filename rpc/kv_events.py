@@ -89,7 +89,7 @@ class KvEventHub:
         return cpb.EngineLoad(running_requests=loads.running, waiting_requests=loads.waiting,
                               waiting_uncached_tokens=sum(r.waiting_uncached_tokens for r in loads.per_dp),
                               token_usage=loads.kv_usage, active_token_usage=loads.kv_usage,
-                              gen_throughput=loads.gen_tokens_per_s, max_running_requests=self.max_running,
+                              gen_throughput=sum(loads.gen_tokens_per_s), max_running_requests=self.max_running,
                               sample=self.samples, load_only=load_only)
 
     # ---- subscriber side ---------------------------------------------------------------------------------

@@ -33,11 +33,13 @@ from engine.engine import Engine
 from rpc import info
 from rpc.health import Health
 from rpc.kv_events import KvEventHub
+from rpc.metrics import MetricsServer, exporter_for
 from rpc.servicer import SERVICE_NAME, ModelFacts, Servicer
 
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+DEFAULT_METRICS_PORT = 9401  # not 9400: NVIDIA's dcgm-exporter listens there on GPU boxes
 STOP_REQUESTED = threading.Event()  # a SIGTERM that arrived before the event loop ran
 
 
@@ -55,11 +57,19 @@ class ServerConfig:
     heartbeat_s: float = 5.0
     fatal_grace_s: float = 1.0
     served_model_name: str | None = None
+    metrics_port: int | None = DEFAULT_METRICS_PORT  # /metrics (Prometheus) on host; None: off
+    telemetry_interval_s: float = 1.0  # each rank samples its device this often (with metrics on)
+    profile_dir: str | None = None  # StartProfile writes traces under it; None: profiling off
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_num_seqs", "drain_timeout_s", "step_timeout_s", "heartbeat_s"):
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"server.{name} must be in [0, 65535], got {value}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"server.metrics_port={self.metrics_port} is server.port's too; give /metrics another "
+                             "port (or null: off)")
+        for name in ("max_num_seqs", "drain_timeout_s", "step_timeout_s", "heartbeat_s", "telemetry_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_queue", "fatal_grace_s"):
@@ -111,7 +121,7 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
                           on_fatal=_fatal_exit(loop, health, cfg.fatal_grace_s, workers),
                           on_kv_events=kv_events.publish)
     facts = ModelFacts.read(model_dir, cfg.served_model_name, engine)
-    servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events)
+    servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pbg.add_VllmEngineServicer_to_server(servicer, server)
@@ -126,6 +136,17 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
     if not port:
         engine.shutdown()  # release the other ranks now rather than after the launcher's 30 s grace
         raise RuntimeError(f"could not bind {cfg.host}:{cfg.port} (server.host/server.port)")
+    metrics = None
+    if cfg.metrics_port is not None:
+        exporter = exporter_for(engine, facts.served_model_name)
+        try:
+            metrics = MetricsServer(exporter, cfg.host, cfg.metrics_port)
+        except RuntimeError:
+            engine.shutdown()
+            raise
+        engine.subscribe(exporter.observe)
+        log.info("metrics: Prometheus text format on http://%s:%d/metrics (server.metrics_port; null turns it off)",
+                 cfg.host, metrics.port)
     await health.starting()
     await server.start()
     engine.groups.counter.reset()
@@ -142,7 +163,7 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
     await stop.wait()
     log.info("stop requested: draining %d in-flight request(s) for up to %ss", servicer.inflight,
              cfg.drain_timeout_s)
-    servicer.draining = True
+    servicer.draining = engine.draining = True  # the engine counts the rest as draining (an idle reason)
     await health.not_serving()
     try:
         await asyncio.wait_for(servicer.idle.wait(), cfg.drain_timeout_s)
@@ -155,4 +176,6 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
             pass
     await aengine.stop()
     await server.stop(grace=1.0)
+    if metrics is not None:
+        metrics.close()
     log.info("drained and stopped")

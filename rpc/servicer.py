@@ -38,6 +38,7 @@ from engine.step import RequestOutput
 from model.tokenizer import tiktoken_file
 from rpc import convert, info
 from rpc.kv_events import KvEventHub, index_digest
+from rpc.profiling import ProfileRPCs
 from rpc.request_log import RequestLog
 from rpc.unsupported import UnsupportedRPCs
 
@@ -108,7 +109,10 @@ def engine_info(engine: Engine) -> dict:
                   "decode_tokens": s.decode_tokens,
                   "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
                   "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
-                  "host_ms_per_step": {k: 1e3 * v / max(s.steps, 1) for k, v in s.host_s.items()}},
+                  "host_ms_per_step": {k: 1e3 * v / max(s.steps, 1) for k, v in s.host_s.items()},
+                  "device_ms_per_step": 1e3 * s.device_s / s.device_steps if s.device_steps else None},
+        "idle_s": dict(s.idle_s),
+        "telemetry": {str(rank): sample for rank, sample in sorted(s.telemetry.items())},
         "cuda_graphs": _graph_info(engine),
         "experts_touched": engine.runner.tally.snapshot() if engine.runner.tally is not None else None,
         "warmup": {"seconds": s.warmup_s, "shapes": s.warmup_shapes},
@@ -162,21 +166,25 @@ def _spec_info(engine: Engine) -> dict:
 
 
 def _snapshot(loads: Loads, dp: int, max_running: int) -> pb.SchedulerLoad:
-    """DP rank ``dp``'s GetLoads record: cached unreferenced blocks count as free (vLLM's rule)."""
+    """DP rank ``dp``'s GetLoads record: cached unreferenced blocks count as free (vLLM's rule); throughput and
+    prefix-cache hit rate are this rank's; ``utilization`` is SGLang's: the larger of the running share of
+    ``max_running`` and the KV usage over 0.9."""
     r = loads.per_dp[dp]
     usage = r.blocks_used / r.blocks_total
     return pb.SchedulerLoad(
         dp_rank=dp, num_running_reqs=r.running, num_waiting_reqs=r.waiting, num_total_reqs=r.running + r.waiting,
         num_used_tokens=r.blocks_used * loads.kv_block_size, max_total_num_tokens=r.blocks_total * loads.kv_block_size,
-        token_usage=usage, gen_throughput=loads.gen_tokens_per_s, cache_hit_rate=loads.cache_hit_rate,
-        utilization=usage, max_running_requests=max_running, num_waiting_uncached_tokens=r.waiting_uncached_tokens)
+        token_usage=usage, gen_throughput=loads.gen_tokens_per_s[dp], cache_hit_rate=r.cache_hit_rate,
+        utilization=max(r.running / max_running, usage / 0.9), max_running_requests=max_running,
+        num_waiting_uncached_tokens=r.waiting_uncached_tokens)
 
 
-class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
+class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
     def __init__(self, engine: AsyncEngine, facts: ModelFacts, ranks: list[dict], server_facts: dict,
-                 kv_events: KvEventHub):
+                 kv_events: KvEventHub, profile_dir: str | None = None):
+        """``profile_dir``: where StartProfile may write traces (``server.profile_dir``; None: profiling off)."""
         self.engine, self.facts, self.ranks, self.server_facts = engine, facts, ranks, server_facts
-        self.kv_events = kv_events
+        self.kv_events, self.profile_dir = kv_events, profile_dir
         self.limits = convert.Limits(facts.vocab_size, facts.max_model_len)
         self.draining = False
         self.started = time.time()

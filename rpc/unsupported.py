@@ -13,9 +13,6 @@ import grpc
 log = logging.getLogger("rpc.requests")
 
 
-NO_PROFILER = "no profiler hook; use scripts/bench_layouts.py or torch.profiler"
-
-
 async def _unimplemented(context: grpc.aio.ServicerContext, rpc: str, why: str) -> None:
     log.info("%s: UNIMPLEMENTED (%s)", rpc, why)
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is not supported by switchyard: {why}")
@@ -26,9 +23,3 @@ class UnsupportedRPCs:
 
     async def Embed(self, request, context):
         await _unimplemented(context, "Embed", "generation models only")
-
-    async def StartProfile(self, request, context):
-        await _unimplemented(context, "StartProfile", NO_PROFILER)
-
-    async def StopProfile(self, request, context):
-        await _unimplemented(context, "StopProfile", NO_PROFILER)

@@ -49,13 +49,13 @@ class Arm:
         self.tokens.append(out)
 
     def row(self) -> dict:
-        s, spec, timing = self.engine.stats, self.spec, self.engine.runner.timing
+        s, spec = self.engine.stats, self.spec
         tree = spec.method == "ddtree"
         return {"method": spec.method, "budget": spec.budget if tree else None,
                 "tree_temperature": spec.tree_temperature if tree else None, "block_size": spec.block_size,
                 "tau": s.acceptance_length if spec.enabled else 1.0, "decode_tok_s": s.decode_tokens / s.decode_s,
-                "draft_ms_per_step": 1e3 * timing["draft_s"] / s.steps,
-                "verify_ms_per_step": 1e3 * timing["verify_s"] / s.steps, "tokens": self.tokens}
+                "draft_ms_per_step": 1e3 * s.host_s["draft"] / s.steps,
+                "verify_ms_per_step": 1e3 * s.host_s["target"] / s.steps, "tokens": self.tokens}
 
 
 def matmul_cost(weight: torch.Tensor, row_counts: list[int], reps: int = 200) -> dict[int, float]:

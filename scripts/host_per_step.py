@@ -3,16 +3,16 @@
     python scripts/host_per_step.py [--spec none|dflash|ddtree] [--overlap on|off] [--batch 8] [--tokens 64]
 
 One rank, the committed tiny_kimi pair, static steps on, ``--batch`` greedy requests of ``--tokens`` tokens,
-``--repeats`` engine lifetimes (the least time of each phase is kept: the box is shared). Each phase is the
-wall time inside the named functions, per decode/verify step. Off CUDA the "device" phases (forward, sampling,
-drafting, commit) compute on the host; on CUDA they only queue kernels or replay graphs.
+``--repeats`` engine lifetimes (the least time of each phase is kept: the box is shared). The phases are the step
+records' (``engine/step_record.py``: ``schedule``, ``launch`` — of it the speculator's ``draft`` and the ``target``
+step —, ``readback``, ``update``), per decode or verify step, read by subscribing to the engine; on CUDA also the
+step's device span. Off CUDA the launch computes on the host; on CUDA it only queues kernels or replays graphs.
+Finer splits are in a ``StartProfile`` trace (docs/metrics.md, "Profiling").
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -20,76 +20,46 @@ import torch
 from engine.engine import Engine
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.step import StepKind
+from engine.step_record import HOST_PHASES, LAUNCH_PARTS, StepRecord
 from model.loader import load_model
 from parallelism.comm import build_groups
 from parallelism.layout import Layout
 
 ZOO = Path(__file__).resolve().parent.parent / "model/zoo/tiny_kimi"
+PHASES = (*HOST_PHASES[:2], *LAUNCH_PARTS, *HOST_PHASES[2:], "device")
 
 
-def phases(spec: str) -> dict[str, tuple[object, str]]:
-    """Phase name → (owner, attribute) of the function whose calls it times."""
-    import engine.runner as runner_module
-    from engine.cuda_graphs import GraphRunner, StaticStep
-    from engine.runner import ModelRunner
-    from engine.sampler import SamplingBatch
-    from engine.scheduler import Scheduler
-    from engine.staging import Readback
-    from model.transformer import CausalLM
+class DecodePhases:
+    """A step-record subscriber: ms per phase summed over decode and verify steps."""
 
-    out = {"schedule": (Scheduler, "schedule"), "stage inputs": (StaticStep, "load"),
-           "stage sampling rows": (SamplingBatch, "build"), "previous tokens by row": (ModelRunner, "_take_previous"),
-           "target forward": (CausalLM, "forward"), "LM head": (CausalLM, "logits_everywhere"),
-           "sample": (runner_module, "sample"), "start readback": (Readback, "__init__"),
-           "wait + read back": (ModelRunner, "finish"), "update": (Scheduler, "update"),
-           "launch (all)": (ModelRunner, "launch")}
-    if spec != "none":
-        from spec_decode.speculation import DFlashSpeculator
-        from spec_decode.speculator import Committed
-        from spec_decode.static_commit import CommitGraphs
-        from spec_decode.static_draft import StaticDraft
+    def __init__(self):
+        self.ms, self.steps = dict.fromkeys(PHASES, 0.0), 0
 
-        out.update({"stage draft inputs": (StaticDraft, "load"), "stage verify layout": (GraphRunner,
-                                                                                          "load_tree_layout"),
-                    "draft": (StaticDraft, "run"), "walk + commit": (DFlashSpeculator, "commit_static"),
-                    "commit graph prepare": (CommitGraphs, "prepare"), "verify readback": (Committed, "results")})
-    return out
+    def observe(self, record: StepRecord) -> None:
+        if record.kind not in (StepKind.DECODE, StepKind.VERIFY):
+            return
+        self.steps += 1
+        for phase, ms in record.host_ms.items():
+            self.ms[phase] += ms
+        if record.device_ms is not None:
+            self.ms["device"] += record.device_ms
 
 
-def timed(table: dict, name: str, fn):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            table[name] += time.perf_counter() - t0
-    return wrapper
-
-
-def run_once(args, model, speculation) -> tuple[dict, int]:
-    table = defaultdict(float)
-    patched = [(owner, attr, getattr(owner, attr)) for owner, attr in phases(args.spec).values()]
-    for name, (owner, attr) in phases(args.spec).items():
-        setattr(owner, attr, timed(table, name, getattr(owner, attr)))
-    try:
-        cfg = SchedulerConfig(max_num_seqs=args.batch, max_model_len=256, num_blocks=256, static_steps="on",
-                              overlap=args.overlap)
-        engine = Engine(model, cfg, speculation=speculation)
-        engine.warm_up()
-        table.clear()
-        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-        for i in range(args.batch):
-            engine.add_request(str(i), [5 + i, 17, 3, 99, 150, 7, 64, 31], params)
-        engine.step()  # the prefill (and, with overlap, the first decode's launch)
-        table.clear()
-        steps0 = engine.stats.steps
-        while engine.has_work():
-            engine.step()
-        engine.shutdown()
-        return dict(table), engine.stats.steps - steps0
-    finally:
-        for owner, attr, fn in patched:
-            setattr(owner, attr, fn)
+def run_once(args, model, speculation) -> DecodePhases:
+    cfg = SchedulerConfig(max_num_seqs=args.batch, max_model_len=256, num_blocks=256, static_steps="on",
+                          overlap=args.overlap)
+    engine = Engine(model, cfg, speculation=speculation)
+    engine.warm_up()
+    phases = DecodePhases()
+    engine.subscribe(phases.observe)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), [5 + i, 17, 3, 99, 150, 7, 64, 31], params)
+    while engine.has_work():
+        engine.step()
+    engine.shutdown()
+    return phases
 
 
 def main() -> None:
@@ -111,13 +81,14 @@ def main() -> None:
                                                   tree_temperature=0.33), model)
     best: dict[str, float] = {}
     for _ in range(args.repeats):
-        table, steps = run_once(args, model, speculation)
-        for name, seconds in table.items():
-            best[name] = min(best.get(name, float("inf")), seconds / steps)
-    print(f"spec={args.spec} overlap={args.overlap} batch={args.batch}: ms per step (least of {args.repeats})")
-    for name in phases(args.spec):
-        if name in best:
-            print(f"  {name:24s} {best[name] * 1e3:8.3f}")
+        phases = run_once(args, model, speculation)
+        for name, ms in phases.ms.items():
+            best[name] = min(best.get(name, float("inf")), ms / max(phases.steps, 1))
+    print(f"spec={args.spec} overlap={args.overlap} batch={args.batch}: ms per decode/verify step "
+          f"(least of {args.repeats})")
+    for name in PHASES:
+        if name != "device" or model.device.type == "cuda":
+            print(f"  {name:10s} {best[name]:8.3f}")
 
 
 if __name__ == "__main__":

@@ -33,15 +33,19 @@ class PreflightError(ValueError):
 
 
 def preflight(layout: Layout, ckpt: str, *, drafter: str | None = None, input: str | None = None,
-              output: str | None = None, bind: tuple[str, int] | None = None, group: str = "generate") -> ModelConfig:
+              output: str | None = None, bind: tuple[str, int] | None = None, metrics_port: int | None = None,
+              group: str = "generate") -> ModelConfig:
     """Checks everything that needs no weights; returns the model config. Raises on the first problem. ``group``:
-    the config group of ``input``/``output`` (``generate``, ``logits``), for the messages."""
+    the config group of ``input``/``output`` (``generate``, ``logits``), for the messages; ``metrics_port``: the
+    ``/metrics`` port, on ``bind``'s host."""
     if input is not None:
         check_json_file(f"{group}.input", input)
     if output is not None:
         check_writable(f"{group}.output", output)
     if bind is not None:
         check_bindable(*bind)
+        if metrics_port is not None:
+            check_bindable(bind[0], metrics_port, "server.metrics_port")
     check_checkpoint_files(ckpt)
     cfg = load_config(ckpt)
     check_layout_fits(cfg, layout, str(Path(ckpt) / "config.json"))
@@ -89,8 +93,9 @@ def check_writable(field: str, path: str) -> None:
         raise PreflightError(f"{field}={path}: file is not writable")
 
 
-def check_bindable(host: str, port: int) -> None:
-    """``host:port`` can be bound now (SO_REUSEADDR, as gRPC binds). Port 0 (any free port) passes."""
+def check_bindable(host: str, port: int, key: str = "server.port") -> None:
+    """``host:port`` can be bound now (SO_REUSEADDR, as gRPC binds). Port 0 (any free port) passes. ``key``: the
+    setting that names the port, for the message."""
     if port == 0:
         return
     try:
@@ -102,8 +107,8 @@ def check_bindable(host: str, port: int) -> None:
         try:
             s.bind(addr)
         except OSError as err:
-            raise PreflightError(f"server.port={port}: cannot bind {host}:{port} ({err.strerror}); is another "
-                                 "server on it? choose another server.port") from None
+            raise PreflightError(f"{key}={port}: cannot bind {host}:{port} ({err.strerror}); is another "
+                                 f"server on it? choose another {key}") from None
 
 
 def debug_requested(cfg: DictConfig | None) -> bool:

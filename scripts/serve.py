@@ -33,6 +33,7 @@ from preflight import debug_requested, one_line, one_line_errors, preflight
 from engine.engine import Engine, make_runner, worker_loop
 from engine.kv_budget import size_kv_cache
 from engine.scheduler import SchedulerConfig
+from engine.telemetry import rank_sampler
 from model.loader import DeviceConfig, load_target
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
@@ -68,12 +69,16 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
     speculation = load_speculation(spec, model)
     sched_cfg = size_kv_cache(model, sched_cfg, speculation)
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
+    # each rank samples its own device on a thread of its own; the samples reach rank 0 with the step gathers
+    telemetry = rank_sampler(model.device, server_cfg.telemetry_interval_s).start() \
+        if server_cfg.metrics_port is not None else None
     if rank != 0:
-        worker_loop(make_runner(model, sched_cfg, speculation))
+        worker_loop(make_runner(model, sched_cfg, speculation), telemetry)
         return
     from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
 
-    engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=load_tokenizer(ckpt))
+    engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=load_tokenizer(ckpt),
+                    telemetry=telemetry)
     if sched_cfg.warm_up:  # every static shape before the first request (on CUDA: captured)
         engine.warm_up()
     serve(engine, ckpt, server_cfg, ranks)
@@ -100,7 +105,7 @@ def main(cfg: DictConfig) -> None:
     sched_cfg, server_cfg = configs(cfg)
     spec = spec_config(cfg)
     model_cfg = preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None,
-                          bind=(server_cfg.host, server_cfg.port))
+                          bind=(server_cfg.host, server_cfg.port), metrics_port=server_cfg.metrics_port)
     sched_cfg = sched_cfg.for_model(model_cfg.max_position_embeddings)
     device, backend, _ = prepare_ranks(cfg, layout)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")

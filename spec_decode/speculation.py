@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import torch
 
-from engine.capture import GraphCoverage
 from engine.kv_cache import PagedKVCache
 from engine.sampler import SamplingBatch
 from engine.speculation import Speculation, SpeculationFacts, StaticLayout, StaticOutput, StaticTarget, TargetForward
@@ -76,14 +75,9 @@ class DFlashSpeculator:
         return Committed.along(out, picks, path, count)
 
     def warm_up_static(self, batch: int, target: StaticTarget) -> None:
-        """An idle rank's ``batch`` static step, then the commit it skips, on padding only; coverage untouched."""
-        saved = self.drafts.coverage, self.commits.coverage
-        self.drafts.coverage, self.commits.coverage = GraphCoverage(), GraphCoverage()
-        try:
-            self.speculate_static([], batch, target)
-            self.commits.warm_up(batch, self.spec.cfg.tree_size)
-        finally:
-            self.drafts.coverage, self.commits.coverage = saved
+        """An idle rank's ``batch`` static step, then the commit it skips, on padding only."""
+        self.speculate_static([], batch, target)
+        self.commits.warm_up(batch, self.spec.cfg.tree_size)
 
     def features_computed(self, work: list[SeqWork], feats: torch.Tensor) -> None:
         """Stores the drafter context of ``work``'s fed tokens from their target features ``feats [T, k*H]``."""

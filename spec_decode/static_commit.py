@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.blocks import scratch_table
-from engine.capture import CapturedGraphs, GraphCoverage
-from engine.step import StepKind
+from engine.capture import CapturedGraphs
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree
 
@@ -63,14 +62,13 @@ class StaticCommit:
 
 
 class CommitGraphs(CapturedGraphs):
-    """Static commits per verify shape ``(batch, tree_size)``, captured as CUDA graphs where possible, with
-    coverage under the COMMIT kind. :meth:`prepare` (host half of a step: the capture) then :meth:`run` (device
-    half: the commit of a static step's sampled trees, ``spec_decode.speculation``)."""
+    """Static commits per verify shape ``(batch, tree_size)``, captured as CUDA graphs where possible
+    (``status(key)``: the coverage record under the COMMIT kind). :meth:`prepare` (host half of a step: the capture)
+    then :meth:`run` (device half: the commit of a static step's sampled trees, ``spec_decode.speculation``)."""
 
-    def __init__(self, spec: Speculator, scratch_blocks: tuple[int, ...], coverage: GraphCoverage | None = None):
+    def __init__(self, spec: Speculator, scratch_blocks: tuple[int, ...]):
         super().__init__(control=spec.model.groups.control)
         self.spec, self.scratch_blocks = spec, scratch_blocks
-        self.coverage = coverage or GraphCoverage()
         self.commits: dict[tuple[int, int], StaticCommit] = {}
 
     def commit(self, batch: int, tree_size: int) -> StaticCommit:
@@ -84,8 +82,8 @@ class CommitGraphs(CapturedGraphs):
         return self._capture((batch, tree_size), commit.slots.device, commit.load_padding, commit.run)
 
     def warm_up(self, batch: int, tree_size: int) -> None:
-        """Captures the ``(batch, tree_size)`` commit (CUDA), or runs it once eagerly, on a padding-only state;
-        records no coverage (``ModelRunner.warm_up``)."""
+        """Captures the ``(batch, tree_size)`` commit (CUDA), or runs it once eagerly, on a padding-only state
+        (``ModelRunner.warm_up``)."""
         if self.prepare(batch, tree_size):
             commit = self.commit(batch, tree_size)
             commit.load_padding()
@@ -97,6 +95,4 @@ class CommitGraphs(CapturedGraphs):
         key = (tree.tokens.shape[0], tree.tree_size)
         commit = self.commit(*key)
         commit.load(tree, picks, feats, slots, start)
-        _, outputs = self._replay_or_run(key, commit.run)
-        self.coverage.record(StepKind.COMMIT, *self.status(key))
-        return outputs
+        return self._replay_or_run(key, commit.run)[1]

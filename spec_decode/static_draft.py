@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from engine.blocks import scratch_table
-from engine.capture import CapturedGraphs, GraphCoverage, kernel_blocker
-from engine.step import SeqWork, StepKind
+from engine.capture import CapturedGraphs, kernel_blocker
+from engine.step import SeqWork
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
@@ -106,15 +106,14 @@ class StaticDraft:
 
 class DraftGraphs(CapturedGraphs):
     """Static drafts per batch size, captured as CUDA graphs where possible; ``run(work, batch)`` → the batch's
-    trees on the device and records coverage under the "draft" kind."""
+    trees on the device (``status(batch)``: its coverage record under the DRAFT kind)."""
 
     def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
-                 batch_sizes: tuple[int, ...], coverage: GraphCoverage | None = None):
+                 batch_sizes: tuple[int, ...]):
         # the drafter attends through the target's kernel set
         super().__init__(kernel_blocker(spec.model), spec.model.groups.control)
         self.spec, self.max_blocks, self.scratch_blocks = spec, max_blocks, scratch_blocks
         self.batch_sizes = tuple(sorted(batch_sizes))
-        self.coverage = coverage or GraphCoverage()
         self.drafts: dict[int, StaticDraft] = {}
 
     def draft(self, batch: int) -> StaticDraft:
@@ -142,7 +141,6 @@ class DraftGraphs(CapturedGraphs):
         [B]``, on the device in buffers the next launch overwrites: the step's tree verify reads them there
         (``GraphRunner.run_tree``)."""
         _, (_, *fields) = self._replay_or_run(batch, self.draft(batch).run)
-        self.coverage.record(StepKind.DRAFT, *self.status(batch))
         return DraftTree(*fields), self.draft(batch).start
 
     def run(self, work: list[SeqWork], batch: int = 0) -> tuple[DraftTree, torch.Tensor]:

@@ -59,14 +59,16 @@ def layout_args(world: int) -> list[str]:
 
 
 class ServerProcess:
-    """``scripts/serve.py`` as a subprocess on 127.0.0.1; its log goes to ``log_path``."""
+    """``scripts/serve.py`` as a subprocess on 127.0.0.1, its ``/metrics`` on a free port (:attr:`metrics_url`); its
+    log goes to ``log_path``."""
 
     def __init__(self, ckpt: str, args: list[str], log_path: str | Path, port: int | None = None):
-        self.port = port or free_port()
+        self.port, self.metrics_port = port or free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = Path(log_path)
         cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "server.host=127.0.0.1",
-               f"server.port={self.port}", *args]
+               f"server.port={self.port}", f"server.metrics_port={self.metrics_port}", *args]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.cpu_paths import CODE_PATHS
 
 ROOT = Path(__file__).parents[1]
@@ -14,6 +16,7 @@ ROW_TESTS = ("tests/test_fixed_math.py", "tests/test_batch_invariance.py", "test
              "tests/test_row_attention_triton.py")
 
 
+@pytest.mark.timeout(900)  # two pytest processes on a loaded 2-core box: ~62 s quiet, minutes under load
 def test_row_invariance_holds_under_every_cpu_code_path():
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     runs = {name: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not engine",

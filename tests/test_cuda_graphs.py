@@ -118,8 +118,7 @@ def test_runner_off_cuda_runs_eager_and_says_why(setup):
     logits, _ = runner.run([static_seq(cache, table, length, [5], [length])], 1)
     want = dynamic_logits(model, cache, [(table, length, [5], [length], None)])
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
-    assert runner.coverage.summary()["decode"] == {"replays": 0, "steps": 1, "coverage": 0.0,
-                                                   "eager_reason": "no CUDA device"}
+    assert runner.status(StepShape(4, 1)) == (False, "no CUDA device")  # the step's coverage record
     with pytest.raises(ValueError, match="exceeds the largest static batch size 4"):
         runner.shape_for(5, 1)
 

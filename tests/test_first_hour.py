@@ -259,7 +259,7 @@ def log_lines(srv, needle: str, timeout: float = 10.0) -> list[str]:
         time.sleep(0.1)
 
 
-def test_unimplemented_rpc_leaves_one_log_line(server):
+def test_refused_rpcs_leave_one_log_line(server):
     from smg_grpc_proto import vllm_engine_pb2 as pb
     from smg_grpc_proto.generated import common_pb2
 
@@ -267,13 +267,14 @@ def test_unimplemented_rpc_leaves_one_log_line(server):
     with pytest.raises(grpc.RpcError) as err:
         client.stub.Embed(pb.EmbedRequest(), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Embed" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError) as err:  # server.profile_dir is null by default: profiling off
         client.stub.StartProfile(common_pb2.StartProfileRequest(), timeout=10)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "server.profile_dir" in err.value.details()
     assert client.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10).success
     [embed] = log_lines(srv, "Embed")
     assert "INFO" in embed and "Embed: UNIMPLEMENTED (generation models only)" in embed
-    assert len(log_lines(srv, "StartProfile")) == 1
+    [profile] = log_lines(srv, "StartProfile")
+    assert "StartProfile: FAILED_PRECONDITION (profiling is off" in profile
     assert len(log_lines(srv, "FlushCache: OK")) == 1
     assert "Traceback" not in srv.log_path.read_text()
 

@@ -45,9 +45,10 @@ def bindable(port: int) -> bool:
 def runnable(blocks: list[str]) -> tuple[list[str], dict[str, int]]:
     """The blocks with ports (only if taken) and the venv path (only if absent) substituted; the ports in use."""
     grpc_port = int(re.search(r"server\.port=(\d+)", blocks[0]).group(1))
+    metrics_port = int(re.search(r"server\.metrics_port=(\d+)", blocks[0]).group(1))
     http_port = int(re.search(r" --port (\d+)", blocks[1]).group(1))
     prom_port = int(re.search(r"--prometheus-port (\d+)", blocks[1]).group(1))
-    ports = {"grpc": grpc_port, "http": http_port, "prometheus": prom_port}
+    ports = {"grpc": grpc_port, "metrics": metrics_port, "http": http_port, "prometheus": prom_port}
     if not all(bindable(p) for p in ports.values()):
         new = {k: free_port() for k in ports}
         for k in ports:
@@ -137,6 +138,10 @@ def test_readme_serve_it(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         assert "CompletionUsage(" in out.stdout and out.stdout.strip(), out.stdout
         assert long_chat(ports["http"]) > 900  # the context is the model's (1024), not a smaller default
+        page = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).read().decode()
+        ended = sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                    if line.startswith("vllm:request_success_total{"))
+        assert ended == 3, page[-3000:]  # the two README calls and the long chat, on /metrics too
     finally:
         if gateway is not None:
             stop(gateway, signal.SIGKILL)  # smg's graceful stop waits a 5 s load-balancer window

@@ -1,6 +1,7 @@
 """The OpenAI path: ``smg launch`` (the SMG gateway) in front of a real server, driven by the OpenAI SDK —
 completions and chat, plain and streaming — and the text equals the server's own greedy tokens decoded with the
-checkpoint's tokenizer. The tiny checkpoint gets a small tokenizer (tests/rpc_helpers.py) since it has none."""
+checkpoint's tokenizer. The tiny checkpoint gets a small tokenizer (``model.tiny.write_char_tokenizer``) since it
+has none."""
 
 import json
 import subprocess

@@ -66,31 +66,43 @@ def test_seeded_sampling_speculation_equals_plain(pool, tiny_ckpts, random_draft
     assert chain == plain and tree == plain
 
 
+def static_steps(records) -> list[dict]:
+    """Per rank, from the step records' per-rank coverage records: the steps of each kind its target step ran
+    statically (eager here: "no CUDA device"), after checking that every rank reported the same target record for
+    every step — a graph replay on one rank never meets a dynamic step on another."""
+    counts = [{} for _ in records[0].graphs]
+    for rec in (r for r in records if r.kind is not None):
+        assert all(g[rec.kind] == rec.graphs[0][rec.kind] for g in rec.graphs), (rec.step_id, rec.graphs)
+        for tally, graphs in zip(counts, rec.graphs, strict=True):
+            if graphs[rec.kind] == (False, "no CUDA device"):
+                tally[rec.kind] = tally.get(rec.kind, 0) + 1
+    return counts
+
+
 def _static_job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
     """Like ``_job`` with static steps on and off. Rank 0 returns per spec ((tokens, coverage, blocks, τ) on,
-    (…) off); every rank also returns, per spec, its static runner's step counts by kind."""
+    (…) off) and, per spec with static steps on, every rank's static step counts by kind (:func:`static_steps`)."""
     if lay.world_size == 1 and ctx.rank != 0:
         return None
     model = load_model(path, ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
-    results, static_steps = [], []
+    results, per_rank_steps = [], []
     for spec in spec_list:
         pair = []
         speculation = load_speculation(spec, model)
         for on_off in (dataclasses.replace(cfg, static_steps="on"), cfg):
             if ctx.rank != 0:
-                runner = make_runner(model, on_off, speculation)
-                worker_loop(runner)
-            else:
-                engine = Engine(model, on_off, speculation=speculation)
-                res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-                pair.append((res, engine.coverage.summary(), engine.scheduler.blocks_in_use(),
-                             engine.stats.acceptance_length))
-                engine.shutdown()
-                runner = engine.runner
-            if runner.static is not None:
-                static_steps.append({k: v["steps"] for k, v in runner.static.coverage.summary().items()})
+                worker_loop(make_runner(model, on_off, speculation))
+                continue
+            engine, records = Engine(model, on_off, speculation=speculation), []
+            engine.subscribe(records.append)
+            res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
+            pair.append((res, engine.coverage.summary(), engine.scheduler.blocks_in_use(),
+                         engine.stats.acceptance_length))
+            engine.shutdown()
+            if engine.runner.static is not None:
+                per_rank_steps.append(static_steps(records))
         results.append(pair)
-    return (results if ctx.rank == 0 else None), static_steps
+    return (results, per_rank_steps) if ctx.rank == 0 else None
 
 
 @pytest.mark.parametrize(("preset", "model"), [("single", "tiny_deepseek"), ("single", "tiny_qwen3_moe"),
@@ -103,8 +115,9 @@ def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, 
     rank runs the same static steps — under dp8_ep8 the five attention-DP ranks without a request too (they
     pad a whole batch), so a graph replay on one rank never meets a dynamic step on another."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    per_rank = pool.run(_static_job, layout(preset), tiny_ckpts[model], PROMPTS, specs(random_drafter), params)
-    out, rank0_steps = per_rank[0]
+    out, per_rank_steps = pool.run(_static_job, layout(preset), tiny_ckpts[model], PROMPTS, specs(random_drafter),
+                                   params)[0]
+    rank0_steps = [per_spec[0] for per_spec in per_rank_steps]
     for ((static, coverage, blocks, _), (dynamic, *_)), kind in zip(out, ("decode", "verify", "verify"), strict=True):
         assert static == dynamic and blocks == 0
         assert coverage[kind]["steps"] > 0 and coverage[kind]["replays"] == 0
@@ -115,7 +128,7 @@ def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, 
                 assert coverage[part]["eager_reason"] == "no CUDA device"
     assert out[1][0][0] == out[0][0][0]  # and speculation stays lossless on the static path
     assert [s.get(k, 0) > 0 for s, k in zip(rank0_steps, ("decode", "verify", "verify"), strict=True)] == [True] * 3
-    assert all(r[1] == rank0_steps for r in per_rank if r is not None)
+    assert all(per_spec == [per_spec[0]] * layout(preset).world_size for per_spec in per_rank_steps)
 
 
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
@@ -352,7 +365,7 @@ def test_static_commit_equals_the_eager_commit_outside_the_scratch_blocks(tiny_c
                     strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x[outside], y[outside], rtol=1e-6, atol=1e-6)
-    assert graphs.coverage.summary()["commit"]["eager_reason"] == "no CUDA device"
+    assert graphs.status((3, n)) == (False, "no CUDA device")  # the commit's coverage record
 
 
 def _faked_capture_job(ctx, lay, path, prompts, spec, params, fail_rank=-1):

@@ -61,9 +61,10 @@ def where_it_stops(tok, out: list[int], stop: str, min_tokens: int) -> int:
 
 
 def spanning_stop(tok, out: list[int]) -> str:
-    """A stop string made of the end of one output token and the start of the next (so it spans tokens)."""
+    """A stop string made of the end of one output token and the start of the next (so it spans tokens); never a
+    special token's text, which a client that skips special tokens (smg, as OpenAI) does not see."""
     for k in range(4, len(out) - 1):
-        a, b = tok.decode([out[k]]), tok.decode([out[k + 1]])
+        a, b = (tok.decode([t], skip_special_tokens=True) for t in out[k:k + 2])
         if len(a) >= 2 and len(b) >= 1 and a.strip() and b.strip():
             return a[-2:] + b[:2]
     raise AssertionError("no two printable neighbouring tokens")

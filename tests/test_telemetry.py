@@ -9,19 +9,8 @@ import pytest
 from bench.cost.formulas import Floors, step_bytes, step_flops
 from bench.cost.hardware import Hardware
 from bench.cost.shapes import ModelShape
-from bench.telemetry import (
-    CpuBackend,
-    NvmlBackend,
-    TelemetrySampler,
-    compute_floors,
-    cpu_utilisation,
-    energy_per_token_j,
-    open_backend,
-    parse_proc_stat,
-    power_during,
-    summarize,
-    verdict,
-)
+from bench.telemetry import compute_floors, energy_per_token_j, power_during, sampler_summary, summarize, verdict
+from engine.telemetry import CpuBackend, NvmlBackend, TelemetrySampler, cpu_utilisation, open_backend, parse_proc_stat
 from parallelism.layout import Layout
 
 # ------------------------------------------------------------------------------------------- CPU side
@@ -50,8 +39,26 @@ def test_cpu_backend_from_file(tmp_path):
     stat.write_text(STAT0)
     b = CpuBackend(stat_path=str(stat))
     stat.write_text(STAT1)
-    assert b.sample()["cpu_pct"] == pytest.approx([80.0, 20.0])
+    sum(i * i for i in range(200_000))  # this process's own CPU time
+    sample = b.sample()
+    assert sample["cpu_pct"] == pytest.approx([80.0, 20.0]) and sample["process_cpu_pct"] > 0
     assert b.reason == "no NVML/GPU" and "power_w" in b.missing
+
+
+def test_rank_sampler_hands_each_sample_to_the_gather_once():
+    """A serving rank off CUDA samples CPU use (with the reason); ``fresh()`` gives the newest sample once."""
+    import torch
+
+    from engine.telemetry import rank_sampler
+
+    sampler = rank_sampler(torch.device("cpu"), interval_s=10)
+    assert sampler.source == "cpu" and sampler.reason == "no NVML/GPU: the rank runs on cpu"
+    assert sampler.fresh() is None
+    first = sampler.sample_now()
+    assert sampler.fresh() is first and sampler.fresh() is None
+    for _ in range(6):  # past max_samples: the oldest are dropped, the newest still handed once
+        last = sampler.sample_now()
+    assert sampler.fresh() is last and sampler.fresh() is None and len(sampler.samples) == 4
 
 
 def test_sampler_on_this_box_falls_back_to_cpu():
@@ -65,7 +72,7 @@ def test_sampler_on_this_box_falls_back_to_cpu():
     samples = sampler.samples
     assert len(samples) >= 3 and all("cpu_total_pct" in s and "t" in s for s in samples)
     assert all(0 <= s["cpu_total_pct"] <= 100 for s in samples)
-    s = sampler.summary(since=mark)
+    s = sampler_summary(sampler, since=mark)
     assert s["source"] == "cpu" and s["reason"].startswith("no NVML/GPU") and s["cpu_total_pct"]["max"] >= 0
 
 
@@ -80,6 +87,7 @@ class FakeNvml:
 
     NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
     NVML_GPM_METRIC_SM_UTIL, NVML_GPM_METRIC_SM_OCCUPANCY, NVML_GPM_METRIC_DRAM_BW_UTIL = 2, 3, 10
+    NVML_GPM_METRIC_ANY_TENSOR_UTIL = 5
     NVML_GPM_METRICS_GET_VERSION = 1
 
     class c_nvmlGpmMetricsGet_t:  # pynvml's name
@@ -102,6 +110,9 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
 
+    def nvmlDeviceGetIndex(self, h):
+        return h
+
     def nvmlDeviceGetPowerUsage(self, h):
         return 300_000
 
@@ -120,6 +131,11 @@ class FakeNvml:
     def nvmlDeviceGetUtilizationRates(self, h):
         return SimpleNamespace(gpu=100, memory=60)
 
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        if h == 1:
+            raise NVMLError("Not Supported")
+        return 0x4 | 0x40  # SW power cap, HW thermal slowdown
+
     def nvmlGpmQueryDeviceSupport(self, h):
         if h == 1:
             raise NVMLError("Not Supported")
@@ -132,7 +148,7 @@ class FakeNvml:
         return s
 
     def nvmlGpmMetricsGet(self, mg):
-        values = {2: 41.0, 3: 12.5, 10: 87.0}
+        values = {2: 41.0, 3: 12.5, 5: 9.0, 10: 87.0}
         for m in mg.metrics[: mg.numMetrics]:
             m.value = values[m.metricId]
         return mg
@@ -149,7 +165,9 @@ def test_nvml_backend_metrics_and_missing_reasons():
     assert g0["power_w"] == 300 and g0["power_limit_w"] == 1100 and g0["power_pct"] == pytest.approx(300 / 11)
     assert (g0["sm_clock_mhz"], g0["mem_clock_mhz"], g0["kernel_active_pct"]) == (1980, 2619, 100)
     assert (g0["sm_active_pct"], g0["sm_occupancy_pct"], g0["dram_active_pct"]) == (41.0, 12.5, 87.0)
+    assert g0["tensor_active_pct"] == 9.0 and g0["throttle_reasons"] == ["sw_power_cap", "hw_thermal"]
     assert "sm_active_pct" not in g1 and "sm_clock_mhz" not in g1 and g1["power_w"] == 300
+    assert "throttle_reasons" not in g1 and b.missing["throttle_reasons"].startswith("gpu1: NVMLError")
     assert b.missing["sm_active_pct"].startswith("gpu1: NVMLError: Not Supported")
     assert b.missing["sm_clock_mhz"].startswith("gpu1")
     b.close()
@@ -160,12 +178,36 @@ def test_nvml_sampler_energy_per_token():
     sampler = TelemetrySampler(interval_s=10, backend=open_backend(nvml=FakeNvml()))
     for _ in range(3):
         sampler.sample_now()
-    s = sampler.summary()
+    s = sampler_summary(sampler)
     # each GPU's counter rose 2 x 30 J between the first and the last sample
     assert s["energy_j"] == pytest.approx(120.0) and s["energy_source"] == "counter"
     assert energy_per_token_j(s, 40) == pytest.approx(3.0)
     assert s["power_w"] == {"mean": 300, "max": 300} and s["power_w_total_mean"] == 600
     assert s["sm_active_pct"]["mean"] == 41.0  # only gpu0 reports it
+
+
+def test_a_cuda_rank_samples_its_own_gpu(monkeypatch):
+    """The serving rank on CUDA device 1 samples NVML's GPU 1 only (found through CUDA_VISIBLE_DEVICES here, where
+    CUDA cannot report the device's UUID); a GPU NVML does not know falls back to CPU figures with the reason."""
+    import torch
+
+    from engine.telemetry import rank_backend
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    backend = rank_backend(torch.device("cuda", 1), nvml=FakeNvml())
+    assert isinstance(backend, NvmlBackend) and backend.indices == [1]
+    [g] = backend.sample()["gpus"]
+    assert g["index"] == 1 and g["power_w"] == 300
+
+
+    class OneGpu(FakeNvml):
+        def nvmlDeviceGetHandleByIndex(self, i):
+            if i > 0:
+                raise NVMLError("Invalid Argument")
+            return i
+
+    cpu = rank_backend(torch.device("cuda", 1), nvml=OneGpu())
+    assert cpu.source == "cpu" and cpu.reason == "no NVML/GPU: NVMLError: Invalid Argument"
 
 
 def test_power_during_a_span_comes_from_the_energy_counter():

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from layouts import layout
 from test_engine import PROMPTS, run_requests
-from test_spec_engine import specs
+from test_spec_engine import specs, static_steps
 
 from engine.engine import Engine, make_runner, worker_loop
 from engine.sampler import SamplingParams
@@ -26,7 +26,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 def _warm_job(ctx, lay, path, spec_list, cfg=CFG, fake=False):
     """Per spec: a warmed-up and a cold engine over the same requests. Rank 0 returns per spec ((tokens,
-    coverage, blocks after warm-up, blocks at the end, warm-up shapes, static coverage) warm, (…) cold)."""
+    coverage, blocks after warm-up, blocks at the end, warm-up shapes, every rank's static step counts (from the
+    step records), steps) warm, (…) cold)."""
     if lay.world_size == 1 and ctx.rank != 0:
         return None
     from contextlib import nullcontext
@@ -47,14 +48,15 @@ def _warm_job(ctx, lay, path, spec_list, cfg=CFG, fake=False):
                 if ctx.rank != 0:
                     worker_loop(make_runner(model, cfg, speculation))
                     continue
-                engine = Engine(model, cfg, speculation=speculation)
+                engine, records = Engine(model, cfg, speculation=speculation), []
+                engine.subscribe(records.append)
                 if warm:
                     engine.warm_up()
                 after_warm = engine.scheduler.blocks_in_use()
                 res = run_requests(engine, [(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
-                static_cov = engine.runner.static.coverage.summary()
                 pair.append((res, engine.coverage.summary(), after_warm, engine.scheduler.blocks_in_use(),
-                             engine.stats.warmup_shapes, static_cov, engine.stats.steps))
+                             engine.stats.warmup_shapes, static_steps(records) if not fake else None,
+                             engine.stats.steps))
                 engine.shutdown()
         out.append(pair)
     return out
@@ -78,6 +80,7 @@ def test_warm_up_covers_every_shape_and_changes_nothing(pool, tiny_ckpts, random
         assert all(s["reason"] == "no CUDA device" for s in shapes[:-1])
         assert after_warm == 0 and blocks == 0
         assert res == cold[0] and cov == cold[1] and static_cov == cold[5] and steps == cold[6]
+        assert static_cov[0].get(kind, 0) > 0  # the requests' static steps, on every rank alike (static_steps)
         assert cold[4] == []
 
 

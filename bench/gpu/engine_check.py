@@ -4,8 +4,8 @@ Per arm — plain decoding (graphs on and off; ``engine.overlap`` on and off whe
 field), DFlash (block 9, its best on this pair) and DDTree (block 16) at budgets 16, 64, 256; batch 1 and 8; greedy
 and seeded T=1; bf16 and fp32 — one row: decode tok/s after a warm-up (``Engine.warm_up()`` when the engine has
 it, then one untimed pass of the arm's first batch), τ, coverage per step kind with the eager reasons, whether
-the tokens equal plain decoding's (fp32 must), host ms (wall) and GPU ms (CUDA events around each decode step:
-the span of the step's device work, gaps included) per decode step. Then HF transformers ``generate`` on the
+the tokens equal plain decoding's (fp32 must), host ms (wall) and GPU ms (the step records' device span: CUDA
+events around each decode step's launch, gaps included) per decode step. Then HF transformers ``generate`` on the
 same checkpoint and the stored HF greedy continuations of the held-out prompts, as outside references, and
 DDTree projected onto the Kimi-shaped slice (:mod:`bench.gpu.projection`). Arms run in priority order until the
 budget is spent; the rest are recorded as skipped. Built without hydra (the GPU image has none).
@@ -25,11 +25,12 @@ import torch
 
 from bench import REPO
 from bench.gpu import projection
-from engine.capture import GraphCoverage
-from engine.engine import Engine, EngineStats
+from engine.engine import Engine
+from engine.recorder import EngineStats
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.step import StepKind
+from engine.step_record import StepRecord
 from model.loader import DeviceConfig, load_target
 from parallelism.comm import build_groups
 from parallelism.layout import Layout
@@ -144,57 +145,42 @@ def load_prompts() -> list[dict]:
     return json.loads((ZOO / "eval_prompts.json").read_text())["prompts"]
 
 
-def _events(device: torch.device):
-    if device.type != "cuda":
-        return None
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-
 @dataclass
 class StepTimes:
-    """Decode steps only: wall seconds, CUDA event pairs, and the runner's draft / verify seconds summed."""
+    """Decode and verify steps only, from the engine's step records: wall seconds, rank 0's device ms (CUDA), and
+    the runner's draft / target seconds summed."""
 
     walls: list[float] = dataclasses.field(default_factory=list)
-    events: list = dataclasses.field(default_factory=list)
+    device_ms: list[float] = dataclasses.field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
 
+    def observe(self, record: StepRecord) -> None:
+        if record.kind not in (StepKind.DECODE, StepKind.VERIFY):
+            return
+        self.walls.append(record.wall_s)
+        if record.device_ms is not None:
+            self.device_ms.append(record.device_ms)
+        self.draft_s += record.host_ms["draft"] / 1e3
+        self.verify_s += record.host_ms["target"] / 1e3
 
-def generate(engine: Engine, groups: list[list[list[int]]], arm: Arm, new_tokens: int, device: torch.device
-             ) -> tuple[list[list[int]], StepTimes]:
+
+def generate(engine: Engine, groups: list[list[list[int]]], arm: Arm, new_tokens: int) -> tuple[list[list[int]],
+                                                                                                 StepTimes]:
     """Each group of prompts submitted together, stepped to the end → tokens per prompt and the decode steps'
-    times."""
-    tokens, times, i, timing = [], StepTimes(), 0, engine.runner.timing
+    times (a step-record subscriber)."""
+    tokens, times, i = [], StepTimes(), 0
+    engine.subscribe(times.observe)
     for group in groups:
         out = {str(i + j): [] for j in range(len(group))}
         for j, prompt in enumerate(group):
             engine.add_request(str(i + j), prompt, arm.params(i + j, new_tokens))
         while engine.has_work():
-            before, ev = _decode_steps(engine), _events(device)
-            draft_s, verify_s = timing["draft_s"], timing["verify_s"]
-            if ev:
-                ev[0].record()
-            t0 = time.perf_counter()
-            outputs = engine.step()
-            wall = time.perf_counter() - t0
-            if ev:
-                ev[1].record()
-            if _decode_steps(engine) > before:
-                times.walls.append(wall)
-                times.events += [ev] if ev else []
-                times.draft_s += timing["draft_s"] - draft_s
-                times.verify_s += timing["verify_s"] - verify_s
-            for o in outputs:
+            for o in engine.step():
                 out[o.request_id] += o.new_tokens
         tokens += [out[str(i + j)] for j in range(len(group))]
         i += len(group)
     return tokens, times
-
-
-def _decode_steps(engine: Engine) -> int:
-    """Steps that fed generated tokens only: plain decodes and (speculating) tree verifies."""
-    kinds = engine.stats.step_kinds
-    return kinds.get(StepKind.DECODE, 0) + kinds.get(StepKind.VERIFY, 0)
 
 
 def _captures(engine: Engine) -> int:
@@ -220,11 +206,11 @@ def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> 
             warm.append("Engine.warm_up()")
         except TypeError as exc:  # another change's API; this check calls it without arguments
             warm.append(f"Engine.warm_up() not called: {exc}")
-    generate(engine, groups[:1], arm, new_tokens, device)
+    generate(engine, groups[:1], arm, new_tokens)
     warm.append("one untimed pass of the first batch")
-    engine.stats, engine.coverage = EngineStats(), GraphCoverage()
+    engine.stats = EngineStats()
     captured = _captures(engine)
-    tokens, t = generate(engine, groups, arm, new_tokens, device)
+    tokens, t = generate(engine, groups, arm, new_tokens)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     s, cov, steps = engine.stats, engine.coverage.summary(), max(len(t.walls), 1)
@@ -236,7 +222,7 @@ def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> 
                decode_tok_s=s.decode_tokens / s.decode_s if s.decode_s else None, x_plain=None,
                tau=s.acceptance_length if spec.enabled else 1.0, decode_steps=len(t.walls),
                host_ms_per_step=1e3 * statistics.fmean(t.walls) if t.walls else None,
-               gpu_ms_per_step=statistics.fmean(a.elapsed_time(b) for a, b in t.events) if t.events else None,
+               gpu_ms_per_step=statistics.fmean(t.device_ms) if t.device_ms else None,
                draft_ms_per_step=1e3 * t.draft_s / steps, verify_ms_per_step=1e3 * t.verify_s / steps,
                coverage={k: f"{c['replays']}/{c['steps']}" for k, c in cov.items()},
                eager_reasons={k: c["eager_reason"] for k, c in cov.items() if c["eager_reason"]},

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from bench.telemetry import NvmlBackend, power_during
+from bench.telemetry import power_during
+from engine.telemetry import NvmlBackend
 from parallelism import nvml
 
 

@@ -18,6 +18,7 @@ import torch
 from bench.gpu.fixtures import GPU_CHECK_CASES, check_setup, random_speculator
 from bench.gpu.harness import check_rows, cuda_time_s
 from engine.blocks import blocks_for
+from engine.capture import GraphCoverage
 from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 from engine.step import SeqWork
@@ -64,8 +65,16 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
     per_seq = blocks_per_seq(budget, context)
     work = {name: prefill(r, prompts, per_seq) for name, r in (("static", static), ("dynamic", dynamic))}
     row = {"budget": budget, "batch": batch, "context": context}
+    coverage = GraphCoverage()  # the static runner's steps, as each step's coverage records say
+
+    def run_static():
+        out = static.execute(work["static"])
+        for kind, (replayed, why) in out.coverage.items():
+            coverage.record(kind, replayed, why)
+        return out
+
     try:
-        got = static.execute(work["static"]).results
+        got = run_static().results
     except RuntimeError as exc:  # strict_sync: a host synchronisation inside the device part
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     want = dynamic.execute(work["dynamic"]).results
@@ -73,13 +82,12 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
     row["tokens_per_step"] = sum(len(r.tokens) for r in got.values()) / batch
     row["host_syncs_draft_to_commit"] = 0 if torch.cuda.is_available() else "not checked off CUDA"
     if torch.cuda.is_available():
-        row["static_ms"] = 1e3 * cuda_time_s(lambda: static.execute(work["static"]))
+        row["static_ms"] = 1e3 * cuda_time_s(run_static)
         row["dynamic_ms"] = 1e3 * cuda_time_s(lambda: dynamic.execute(work["dynamic"]))
         row["speedup"] = row["dynamic_ms"] / row["static_ms"]
-    coverage = {**static.static.coverage.summary(), **static.speculator.drafts.coverage.summary(),
-                **static.speculator.commits.coverage.summary()}
-    row["replays"] = {kind: f"{c['replays']}/{c['steps']}" for kind, c in coverage.items()}
-    row["eager_reason"] = "; ".join(sorted({c["eager_reason"] for c in coverage.values() if c["eager_reason"]}))
+    summary = coverage.summary()
+    row["replays"] = {kind: f"{c['replays']}/{c['steps']}" for kind, c in summary.items()}
+    row["eager_reason"] = "; ".join(sorted({c["eager_reason"] for c in summary.values() if c["eager_reason"]}))
     return row
 
 
