@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from engine.blocks import blocks_for
 from engine.kv_manager import KVManager, KVManagerConfig
 from engine.sampler import SamplingParams
-from engine.step import RequestOutput, SeqWork, StepPlan, StepResult
+from engine.step import NewRequest, RequestOutput, StepItem, StepPlan, StepResult
 from engine.stop_strings import Detokenize, IncrementalDetokenizer, StopStrings
 
 ALLOCATIONS = ("on_demand", "reserve")
@@ -128,6 +128,7 @@ class Request:
     pending_row: int = -1  # overlap: the latest of those steps' row for it (SeqWork.prev_row)
     stops: StopStrings | None = None  # its stop-string check (params.stop)
     stop_reason: int | str | None = None  # what ended it with "stop": a stop token id, or the stop string
+    sent_blocks: int = -1  # block-table entries its ranks hold (-1: the ranks do not hold it)
 
     @property
     def tokens(self) -> list[int]:
@@ -164,6 +165,8 @@ class Scheduler:
         self._steps = itertools.count()
         self._admissions = itertools.count()
         self.preemptions = 0
+        self._added: list[NewRequest] = []  # changes the ranks have not heard of yet (the next plan with work)
+        self._finished: list[str] = []
 
     # ---- admission -------------------------------------------------------------------------------
     def request_slots(self, prompt_len: int, max_tokens: int) -> int:
@@ -223,7 +226,9 @@ class Scheduler:
             if cached is None:
                 return
             self.waiting.popleft()
-            req.dp_rank, req.num_computed, req.hashes = dp, cached, None
+            req.dp_rank, req.num_computed, req.hashes, req.sent_blocks = dp, cached, None, 0
+            self._added.append(NewRequest(request_id=req.request_id, dp_rank=dp, prompt=tuple(req.prompt),
+                                          output=tuple(req.output), params=req.params, seed=req.seed))
             if req.admitted < 0:
                 req.admitted, req.num_cached = next(self._admissions), cached
             running = self.running[dp]
@@ -241,7 +246,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._admit()
-        work, scheduled = [], {}
+        work, scheduled, blocks = [], {}, {}
+        overlap = self.overlap and not any(r.params.constraint is not None for rs in self.running for r in rs)
         for dp in range(self.dp_size):
             budget, items, row = self.cfg.max_num_batched_tokens, [], 0
             total_of = {r.request_id: len(r.tokens) + r.pending for r in self.running[dp]}
@@ -265,10 +271,12 @@ class Scheduler:
                 prev_row = -1
                 if len(tokens) < n:  # the last one is in flight: the device takes it from the previous step
                     tokens, prev_row = tokens + [0], req.pending_row
-                items.append(SeqWork(request_id=req.request_id, token_ids=tokens, start=req.num_computed,
-                                     block_table=list(self.kv.table(req.request_id)), sample=done, params=req.params,
-                                     seed=req.seed, num_generated=len(req.output) + req.pending, decode=decode,
-                                     spec=spec, prev_row=prev_row))
+                items.append(StepItem(request_id=req.request_id, token_ids=tokens, start=req.num_computed,
+                                      sample=done, num_generated=len(req.output) + req.pending, decode=decode,
+                                      spec=spec, constrained=req.params.constraint is not None, prev_row=prev_row))
+                table = self.kv.table(req.request_id)
+                if len(table) > req.sent_blocks:
+                    blocks[req.request_id], req.sent_blocks = tuple(table[req.sent_blocks:]), len(table)
                 scheduled[req.request_id] = req
                 if self.overlap:
                     req.num_computed += n
@@ -277,9 +285,12 @@ class Scheduler:
                 if done and not spec:  # the runner samples plain rows in item order
                     row += 1
             work.append(items)
-        plan = StepPlan(next(self._steps), work, overlap=self.overlap)
-        if scheduled:
-            self._scheduled[plan.step_id] = scheduled
+        if not scheduled:  # not broadcast: the ranks hear of the changes with the next plan that has work
+            return StepPlan(next(self._steps), work, overlap=overlap)
+        plan = StepPlan(next(self._steps), work, overlap=overlap, added=tuple(self._added),
+                        finished=tuple(self._finished), blocks=blocks)
+        self._added, self._finished = [], []
+        self._scheduled[plan.step_id] = scheduled
         return plan
 
     @staticmethod
@@ -309,6 +320,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: its blocks go back through the prefix cache, it returns to the queue's front."""
         self.kv.free(req.request_id, req.dp_rank)
+        self._leave_ranks(req)
         self.running[req.dp_rank].remove(req)
         req.num_computed, req.preemptions = 0, req.preemptions + 1
         if req.pinned_dp is None:
@@ -388,7 +400,19 @@ class Scheduler:
             self.running[req.dp_rank].remove(req)
         if req.dp_rank is not None:
             self.kv.free(req.request_id, req.dp_rank)
+        self._leave_ranks(req)
         del self.requests[req.request_id]
+
+    def _leave_ranks(self, req: Request) -> None:
+        """The ranks drop ``req`` with the next plan (it ended or was preempted; re-admission adds it again)."""
+        if req.sent_blocks < 0:
+            return
+        unsent = [a for a in self._added if a.request_id == req.request_id]
+        if unsent:  # admitted since the last plan: the ranks never heard of it
+            self._added.remove(unsent[0])
+        else:
+            self._finished.append(req.request_id)
+        req.sent_blocks = -1
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput:
         """Ends a request now (client cancel, deadline, error) and frees its blocks."""
