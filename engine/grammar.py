@@ -81,7 +81,9 @@ def vocab_of_checkpoint(ckpt_dir: Path, vocab_size: int) -> tuple[list[bytes] | 
 class GrammarBackend:
     """xgrammar for one checkpoint: its ``TokenizerInfo`` (``vocab_size`` = the model's, the config's EOS ids as stop
     tokens, so a completed grammar allows EOS and the request ends there) and a compiler whose results are cached by
-    :class:`~engine.sampler.Constraint`. Thread-safe: the server compiles off the engine thread."""
+    :class:`~engine.sampler.Constraint`. Thread-safe: the server compiles off the engine thread. JSON is compact
+    (xgrammar's ``any_whitespace=False``: one space after ``:`` and ``,``, no newlines): with free whitespace a model
+    may emit newlines until ``max_tokens`` and never close the value (what the tiny model does)."""
 
     _shared: dict[tuple, GrammarBackend] = {}
 
@@ -136,9 +138,9 @@ class GrammarBackend:
     def _compile(compiler, c: Constraint):
         if c.kind == "json_schema":
             json.loads(c.text)  # a JSONDecodeError names the position
-            return compiler.compile_json_schema(c.text, any_whitespace=True, strict_mode=True)
+            return compiler.compile_json_schema(c.text, any_whitespace=False, strict_mode=True)
         if c.kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if c.kind == "regex":
             return compiler.compile_regex(c.text)
         if c.kind == "grammar":

@@ -34,6 +34,7 @@ from smg_grpc_proto.generated import common_pb2
 from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Loads, Overloaded
 from engine.engine import Engine
 from engine.kv_manager import wire_hash
+from engine.sampler import Constraint
 from engine.step import RequestOutput
 from model.tokenizer import tiktoken_file
 from rpc import convert, info
@@ -217,6 +218,7 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
                 req.prompt_tokens = len(request.tokenized.input_ids)
                 prompt, params = convert.generate_request(request, self.limits)
                 dp_rank, retain_kv = convert.kv_hints(request)
+                await self._compile(params.constraint)
                 stream = await self.engine.submit(rid, prompt, params, dp_rank, retain_kv)
             except ValueError as err:  # InvalidRequest, SamplingError, RequestError
                 req.reject("INVALID_ARGUMENT", str(err))
@@ -236,6 +238,17 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
             self.inflight -= 1
             if not self.inflight:
                 self.idle.set()
+
+    async def _compile(self, constraint: Constraint | None) -> None:
+        """Compiles a constraint off the engine thread (cached by its text, so the engine's own check and the ranks of
+        this process find it compiled); raises ConstraintError (INVALID_ARGUMENT) before anything is admitted."""
+        if constraint is None:
+            return
+        grammar = self.engine.engine.grammar
+        if grammar is None:
+            raise convert.InvalidRequest(f"{constraint.field}: structured output needs the checkpoint's tokenizer "
+                                         "(tokenizer.json or tiktoken.model)")
+        await asyncio.get_running_loop().run_in_executor(None, grammar.compile, constraint)
 
     async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog):
         want_lp = request.sampling_params.HasField("logprobs")
@@ -295,7 +308,8 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
             active_requests=self.engine.num_streams, is_paused=self.draining, last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=f.dp_size,
             kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.kv_block_size,
-            attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs)
+            attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs,
+            constrained_decoding_start="first_token")  # no reasoning parser here: a grammar runs from token one
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
         """One record per attention-DP rank (or the one ``dp_rank`` asks for)."""
