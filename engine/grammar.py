@@ -30,6 +30,7 @@ from engine.step import NewRequest
 log = logging.getLogger(__name__)
 
 CACHE_ENTRIES = 256  # compiled grammars kept per process
+JSON_MAX_WHITESPACE = 1  # longest run of whitespace a JSON value may hold (xgrammar's max_whitespace_cnt)
 
 
 class ConstraintError(ValueError):
@@ -81,9 +82,10 @@ def vocab_of_checkpoint(ckpt_dir: Path, vocab_size: int) -> tuple[list[bytes] | 
 class GrammarBackend:
     """xgrammar for one checkpoint: its ``TokenizerInfo`` (``vocab_size`` = the model's, the config's EOS ids as stop
     tokens, so a completed grammar allows EOS and the request ends there) and a compiler whose results are cached by
-    :class:`~engine.sampler.Constraint`. Thread-safe: the server compiles off the engine thread. JSON is compact
-    (xgrammar's ``any_whitespace=False``: one space after ``:`` and ``,``, no newlines): with free whitespace a model
-    may emit newlines until ``max_tokens`` and never close the value (what the tiny model does)."""
+    :class:`~engine.sampler.Constraint`. Thread-safe: the server compiles off the engine thread. JSON's whitespace
+    runs are bounded (:data:`JSON_MAX_WHITESPACE`, in JSON schemas, ``json_object`` and a structural tag's JSON that
+    sets no bound of its own): with free whitespace a model may emit whitespace until ``max_tokens`` and never close
+    the value (what the tiny models here do; vLLM's ``disable_any_whitespace`` answers the same failure)."""
 
     _shared: dict[tuple, GrammarBackend] = {}
 
@@ -138,9 +140,9 @@ class GrammarBackend:
     def _compile(compiler, c: Constraint):
         if c.kind == "json_schema":
             json.loads(c.text)  # a JSONDecodeError names the position
-            return compiler.compile_json_schema(c.text, any_whitespace=False, strict_mode=True)
+            return compiler.compile_json_schema(c.text, strict_mode=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if c.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if c.kind == "regex":
             return compiler.compile_regex(c.text)
         if c.kind == "grammar":
@@ -151,13 +153,25 @@ class GrammarBackend:
                 raise ConstraintError(f"{c.field} must list at least one string, got {c.text[:200]}")
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
         if c.kind == "structural_tag":
-            return compiler.compile_structural_tag(c.text)
+            return compiler.compile_structural_tag(json.dumps(_bounded_whitespace(json.loads(c.text))))
         raise ConstraintError(f"{c.field}: unknown constraint kind")
 
     def matcher(self, c: Constraint):
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self.compile(c))
+
+
+def _bounded_whitespace(node):
+    """A structural tag with :data:`JSON_MAX_WHITESPACE` on each of its JSON-schema formats that sets no bound."""
+    if isinstance(node, list):
+        return [_bounded_whitespace(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bounded_whitespace(v) for k, v in node.items()}
+    if out.get("type") == "json_schema" and "json_schema" in out and out.get("max_whitespace_cnt") is None:
+        out["max_whitespace_cnt"] = JSON_MAX_WHITESPACE
+    return out
 
 
 class MatcherWalk:
