@@ -96,6 +96,7 @@ class GrammarBackend:
         self._compiler = None
         self._cache: OrderedDict[Constraint, object] = OrderedDict()
         self.compiles = 0  # compilations run (cache misses)
+        self.special: frozenset[int] = frozenset()  # ids no grammar allows (empty text: reserved), known once built
 
     @classmethod
     def for_checkpoint(cls, ckpt_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarBackend:
@@ -114,6 +115,7 @@ class GrammarBackend:
                 info = xgr.TokenizerInfo(vocab, getattr(xgr.VocabType, kind), vocab_size=self.vocab_size,
                                          stop_token_ids=list(self.eos_ids), add_prefix_space=prefix)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self.special = frozenset(info.special_token_ids) - set(self.eos_ids)
             return self._compiler
 
     def compile(self, c: Constraint):
@@ -161,6 +163,9 @@ class GrammarBackend:
 
         return xgr.GrammarMatcher(self.compile(c))
 
+    def walk(self, matcher) -> MatcherWalk:
+        return MatcherWalk(matcher, self.words, self.eos_ids, self.special)
+
 
 def _bounded_whitespace(node):
     """A structural tag with :data:`JSON_MAX_WHITESPACE` on each of its JSON-schema formats that sets no bound."""
@@ -177,11 +182,13 @@ def _bounded_whitespace(node):
 class MatcherWalk:
     """:class:`engine.logits_processors.GrammarWalk` over a request's matcher: accept a path, fill, roll back."""
 
-    def __init__(self, matcher, words: int, eos_ids: tuple[int, ...]):
-        self.matcher, self.words, self.eos = matcher, words, frozenset(eos_ids)
+    def __init__(self, matcher, words: int, eos_ids: tuple[int, ...], never: frozenset[int] = frozenset()):
+        self.matcher, self.words, self.eos, self.never = matcher, words, frozenset(eos_ids), never
 
     def fill(self, path: list[int], out: Tensor) -> bool:
         m, taken = self.matcher, 0
+        if self.never.intersection(path):  # a reserved id: rejected (without xgrammar's warning per call)
+            return False
         for token in path:
             if not m.accept_token(token):
                 m.rollback(taken)
@@ -241,7 +248,7 @@ class GrammarMasks:
 
     def walk(self, slot: int) -> MatcherWalk | None:
         m = self.matchers.get(slot)
-        return None if m is None or m.is_terminated() else MatcherWalk(m, self.words, self.backend.eos_ids)
+        return None if m is None or m.is_terminated() else self.backend.walk(m)
 
     def fill(self, slots: list[int]) -> Tensor:
         """``[R, W]`` int32 host masks at each slot's committed state (-1: every token, for unconstrained rows)."""

@@ -244,6 +244,7 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
         this process find it compiled); raises ConstraintError (INVALID_ARGUMENT) before anything is admitted."""
         if constraint is None:
             return
+        log.debug("constraint %s: %s", constraint.kind, constraint.text[:4000])
         grammar = self.engine.engine.grammar
         if grammar is None:
             raise convert.InvalidRequest(f"{constraint.field}: structured output needs the checkpoint's tokenizer "

@@ -154,7 +154,7 @@ def backend():
 
 @pytest.mark.parametrize("chain", (False, True), ids=("ddtree", "dflash"))
 def test_a_grammar_built_tree_holds_only_allowed_paths_with_their_masks(chain):
-    from engine.grammar import MatcherWalk, unpack_bits
+    from engine.grammar import unpack_bits
     from model.tokenizer import load_tokenizer
     from spec_decode.tree import build_tree_grammar, build_tree_host, tree_paths
 
@@ -163,7 +163,7 @@ def test_a_grammar_built_tree_holds_only_allowed_paths_with_their_masks(chain):
     m = gb.matcher(c)
     for t in tok.encode('{"name": "'):
         assert m.accept_token(t)
-    walk = MatcherWalk(m, gb.words, (0,))
+    walk = gb.walk(m)
     v, budget = gb.vocab_size, 24
     logq = (torch.randn(8, v, generator=torch.Generator().manual_seed(1)) * 3).log_softmax(-1)
     masks = torch.zeros(budget + 1 if not chain else 9, gb.words, dtype=torch.int32)
