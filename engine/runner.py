@@ -132,7 +132,14 @@ class ModelRunner:
                             self.last_tokens[to_device(rows, torch.int64, self.device)])
 
     def launch_plan(self, plan: StepPlan) -> Launched:
-        """:meth:`launch` of this rank's share of ``plan``, after applying its changes to the requests kept here."""
+        """:meth:`launch` of this rank's share of ``plan``, after applying its changes to the requests kept here and
+        its KV block copies (a fork's partial block, target and drafter context alike)."""
+        dp = self.requests.dp_rank
+        copies = [(src, dst) for rank, src, dst in plan.copies if rank == dp]
+        if copies:
+            self.cache.copy_blocks(copies)
+            if self.speculator is not None:
+                self.speculator.copy_blocks(copies)
         return self.launch(self.requests.apply(plan), plan.work)
 
     def execute(self, work: list[SeqWork], dp_work: list[list[StepItem]] | None = None) -> RunnerOutput:

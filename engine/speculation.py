@@ -168,6 +168,10 @@ class Speculator(Protocol):
         ``start ..``, items in order) were computed by a plain step: the drafter's context takes them."""
         ...
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """The drafter context's blocks copied ``src → dst`` as the target's KV blocks were (a forked request)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Speculation:

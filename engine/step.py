@@ -86,7 +86,7 @@ def step_kind(items: Iterable[StepItem]) -> StepKind:
 class StepPlan:
     """One step as rank 0 broadcasts it: each attention-DP rank's items, and the changes to the requests the ranks
     keep since the last plan — ``finished`` ids (ended, aborted or preempted: dropped first), ``added`` requests and
-    each item's new KV ``blocks`` (appended to its table)."""
+    each item's new KV ``blocks`` (appended to its table) — and the KV block ``copies`` a fork needs."""
 
     step_id: int
     work: list[list[StepItem]]  # per attention-DP rank
@@ -95,6 +95,8 @@ class StepPlan:
     added: tuple[NewRequest, ...] = ()
     finished: tuple[str, ...] = ()
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # (attention-DP rank, src, dst): KV blocks each rank of that DP group copies before the step (n > 1's fork)
+    copies: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -139,3 +141,4 @@ class RequestOutput:
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_reason: int | str | None = None  # finish_reason "stop": the stop token id or stop string (None: EOS)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    index: int = 0  # which of the request's n samples (n > 1: request_id is the request's, shared by its samples)

@@ -51,8 +51,6 @@ def _reject_unsupported(req: pb.GenerateRequest) -> None:
         raise InvalidRequest("mm_inputs/media_refs: multimodal input is not supported by this text-only model")
     if sp.HasField("prompt_logprobs"):
         raise InvalidRequest("prompt_logprobs is not supported")
-    if sp.n > 1:
-        raise InvalidRequest(f"n must be 1, got {sp.n}")
 
 
 def constraint_of(sp: pb.SamplingParams) -> Constraint | None:
@@ -142,7 +140,8 @@ def chunk(outs: list[RequestOutput], want_logprobs: bool) -> pb.GenerateResponse
     """One stream chunk carrying the new tokens of ``outs`` (consecutive outputs of one request)."""
     tokens = [t for o in outs for t in o.new_tokens]
     msg = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=outs[-1].num_prompt_tokens,
-                                 completion_tokens=len(tokens), cached_tokens=outs[-1].num_cached_tokens, index=0)
+                                 completion_tokens=len(tokens), cached_tokens=outs[-1].num_cached_tokens,
+                                 index=outs[-1].index)
     if want_logprobs:
         msg.output_logprobs.CopyFrom(output_logprobs([lp for o in outs for lp in o.new_logprobs], tokens,
                                                      [t for o in outs for t in o.new_top_logprobs]))
@@ -154,7 +153,7 @@ def complete(last: RequestOutput, all_tokens: list[int], stream: bool,
     """The final message: finish reason and usage; all ids (and logprobs) unless the tokens were streamed."""
     msg = pb.GenerateComplete(output_ids=[] if stream else all_tokens, finish_reason=last.finish_reason or "abort",
                               prompt_tokens=last.num_prompt_tokens, completion_tokens=len(all_tokens),
-                              cached_tokens=last.num_cached_tokens, index=0)
+                              cached_tokens=last.num_cached_tokens, index=last.index)
     if last.finish_reason == "stop" and isinstance(last.stop_reason, str):
         msg.matched_stop_str = last.stop_reason
     elif last.finish_reason == "stop" and all_tokens:

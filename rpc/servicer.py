@@ -252,9 +252,13 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
         await asyncio.get_running_loop().run_in_executor(None, grammar.compile, constraint)
 
     async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog):
+        """Streams the request's outputs: per sample (``index``, n > 1) its chunks and its one Complete; ends after
+        the last sample's Complete."""
         want_lp = request.sampling_params.HasField("logprobs")
-        tokens: list[int] = []
-        logprobs = pb.OutputLogProbs() if want_lp else None
+        n = max(request.sampling_params.n, 1)
+        tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+        logprobs = {i: pb.OutputLogProbs() if want_lp else None for i in range(n)}
+        done: set[int] = set()
         while True:
             items = [await stream.queue.get()]
             while not stream.queue.empty():
@@ -265,17 +269,22 @@ class Servicer(UnsupportedRPCs, pbg.VllmEngineServicer):
                 req.reject("UNAVAILABLE", f"lost: {failure.reason}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {stream.request_id} lost: "
                                                                  f"{failure.reason}")
-            new = [t for o in outs for t in o.new_tokens]
-            tokens += new
-            if logprobs is not None and new:
-                logprobs.MergeFrom(convert.output_logprobs([lp for o in outs for lp in o.new_logprobs], new,
-                                                           [t for o in outs for t in o.new_top_logprobs]))
-            if request.stream and new:
-                yield convert.chunk([o for o in outs if o.new_tokens], want_lp)
-            req.output_tokens = len(tokens)
-            if outs and outs[-1].finished:
-                req.complete(outs[-1].finish_reason, len(tokens))
-                yield convert.complete(outs[-1], tokens, request.stream, logprobs)
+            for index in sorted({o.index for o in outs}):
+                mine = [o for o in outs if o.index == index]
+                new = [t for o in mine for t in o.new_tokens]
+                tokens[index] += new
+                if logprobs[index] is not None and new:
+                    top = [t for o in mine for t in o.new_top_logprobs]
+                    logprobs[index].MergeFrom(convert.output_logprobs([lp for o in mine for lp in o.new_logprobs],
+                                                                      new, top))
+                if request.stream and new:
+                    yield convert.chunk([o for o in mine if o.new_tokens], want_lp)
+                if mine[-1].finished:
+                    done.add(index)
+                    yield convert.complete(mine[-1], tokens[index], request.stream, logprobs[index])
+            req.output_tokens = sum(len(t) for t in tokens.values())
+            if len(done) == n:
+                req.complete(outs[-1].finish_reason, req.output_tokens)
                 return
 
     # ---- unary RPCs ------------------------------------------------------------------------------

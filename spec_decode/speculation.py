@@ -103,6 +103,11 @@ class DFlashSpeculator:
             at += n
 
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies drafter-context blocks ``src → dst`` (the target's were copied alike)."""
+        self.spec.context.copy_blocks(pairs)
+
+
 def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache], Speculator],
                      drafter_kv_bytes_per_token: int = 0) -> Speculation:
     """A Speculation whose speculators wrap ``build(model, cache)``, shaped by ``spec``; the drafter's context

@@ -200,3 +200,22 @@ def test_kimi_tool_choice_required_through_smg_gives_valid_tool_calls(kimi_gatew
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     assert r.choices[0].finish_reason == "length"  # after a call the tag allows any token: it runs to max_tokens
+
+
+def test_n_samples_stream_with_their_index(zoo):
+    from rpc.client import generate_request
+
+    client, tok = zoo
+    ids = tok.encode("def main():\n    ")
+    req = generate_request(ids, True, temperature=1.0, seed=7, max_tokens=12, n=3, ignore_eos=True)
+    streamed: dict[int, list[int]] = {}
+    completes = {}
+    for resp in client.stub.Generate(req):
+        if resp.HasField("chunk"):
+            streamed.setdefault(resp.chunk.index, []).extend(resp.chunk.token_ids)
+        else:
+            completes[resp.complete.index] = resp.complete
+    assert sorted(completes) == [0, 1, 2] and all(c.completion_tokens == 12 for c in completes.values())
+    for i in range(3):
+        alone = client.generate(ids, temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True).token_ids
+        assert streamed[i] == list(alone)

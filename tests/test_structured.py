@@ -329,3 +329,69 @@ def test_preemption_replays_processor_state(pool):
     for got, _, preempted, kv in tight:
         assert preempted > 0 and kv == 0
         assert got == roomy[0][0]
+
+
+# ----------------------------------------------------------------------------------------------- n > 1
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    from engine.kv_manager import KVManager, KVManagerConfig
+
+    kv = KVManager(KVManagerConfig(num_blocks=16, kv_block_size=4, dp_size=1))
+    kv.admit("p", 0, list(range(10)), [], 10)  # 10 tokens: blocks 0, 1 full, block 2 partial
+    table = kv.table("p")
+    computed, copy = kv.fork("p", "c0", 0, 10)
+    assert computed == 10 and kv.table("c0")[:2] == table[:2] and copy == (table[2], kv.table("c0")[2])
+    assert kv.pools[0].refs[table[0]] == 2 and kv.pools[0].refs[table[2]] == 1
+    kv.free("p", 0)
+    kv.free("c0", 0)
+    assert kv.blocks_in_use() == 0 and kv.pools[0].consistent()
+    kv.admit("q", 0, list(range(8)), [], 8)
+    assert kv.fork("q", "d", 0, 8) == (8, None)  # whole blocks: nothing to copy
+
+
+def _n_job(ctx, lay, spec_arms, prompt):
+    """``n=4`` seeded at T=1 against four standalone requests seeded s + i, per arm; prefill tokens of each."""
+    from engine.engine import Engine, make_runner, worker_loop
+    from model.loader import load_model
+    from parallelism.comm import build_groups
+    from spec_decode.speculation import load_speculation
+
+    if lay.world_size == 1 and ctx.rank != 0:
+        return None
+    groups = ctx.groups(lay) if lay.world_size > 1 else build_groups(lay)
+    model = load_model(TARGET, groups, torch.bfloat16)
+    out = []
+    for spec in spec_arms:
+        speculation = load_speculation(spec, model)
+        arm_cfg = dataclasses.replace(cfg(), prefix_caching=False)
+        if ctx.rank != 0:
+            worker_loop(make_runner(model, arm_cfg, speculation))
+            continue
+        engine = Engine(model, arm_cfg, speculation=speculation)
+        engine.add_request("n", prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=100, max_tokens=24, n=4))
+        forked: dict[int, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                assert o.request_id == "n"
+                forked.setdefault(o.index, []).extend(o.new_tokens)
+        prefill = engine.stats.prefill_tokens
+        alone = run_requests(engine, [(f"s{i}", prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i,
+                                                                      max_tokens=24)) for i in range(4)])
+        out.append((forked, {i: alone[f"s{i}"][0] for i in range(4)}, prefill,
+                    engine.stats.prefill_tokens - prefill, engine.scheduler.blocks_in_use()))
+        engine.shutdown()
+    return out if ctx.rank == 0 else None
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("preset", ("single", "dp8_ep8"))
+def test_n_samples_equal_standalone_seeded_requests_and_prefill_once(pool, preset):
+    from spec_decode.config import SpecConfig
+
+    prompt = prompts()[0][:45]  # 44 shared tokens: two full blocks of 16 and a partial one (copied)
+    ddtree = SpecConfig("ddtree", budget=16, block_size=9, drafter_path=str(ZOO / "drafter"), tree_temperature=0.33)
+    arms = [SpecConfig(), ddtree] if preset == "single" else [ddtree]  # dp8_ep8: the copy on one DP group's ranks
+    for forked, alone, prefill, standalone, kv in pool.run(_n_job, layout(preset), arms, prompt)[0]:
+        assert forked == alone
+        assert prefill == len(prompt) - 1 + 4 and standalone == 4 * len(prompt)
+        assert kv == 0
