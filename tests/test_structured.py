@@ -395,3 +395,19 @@ def test_n_samples_equal_standalone_seeded_requests_and_prefill_once(pool, prese
         assert forked == alone
         assert prefill == len(prompt) - 1 + 4 and standalone == 4 * len(prompt)
         assert kv == 0
+
+
+@pytest.mark.engine
+def test_overlap_gives_the_same_constrained_and_penalised_tokens(pool):
+    """``engine.overlap=on``: constrained rows drain the pipeline (their mask needs the last token on the host),
+    penalised rows take their history's in-flight token on the device; both give the tokens of overlap off."""
+    from spec_decode.config import SpecConfig
+
+    requests, _ = constrained_requests(prompts(), 32)
+    unconstrained = [r for r in requests if r[2].constraint is None]
+    runs = {}
+    for overlap in ("off", "on"):
+        over = dataclasses.replace(cfg(), overlap=overlap)
+        runs[overlap] = [pool.run(_arms_job, layout("single"), reqs, [(SpecConfig(), "on")], over)[0][0][0]
+                         for reqs in (requests, unconstrained)]
+    assert runs["on"] == runs["off"]
