@@ -21,6 +21,7 @@ import torch
 from model.tree_mask import ancestor_mask
 
 FIELDS = ("tokens", "parents", "depth", "valid", "ancestors")
+SHORTLIST = 4  # build_tree_grammar: candidates per depth looked up by mask bits before a full-vocabulary search
 
 
 @dataclass(frozen=True)
@@ -212,14 +213,23 @@ def build_tree_grammar(logq: torch.Tensor, root_token: int, budget: int, grammar
     grammar.fill([], pop_masks[budget])  # the root's, kept in the last row until the flattening
     pruned = 0
 
+    tops = [logq[d].topk(min(SHORTLIST * k, vocab)) for d in range(d_max)]  # each depth's best, unmasked
+
     def candidates(mask: torch.Tensor, d: int) -> tuple[list[float], list[int]]:
+        """The node's children: the drafter's best ``k`` tokens at depth ``d`` that ``mask`` allows — looked up in
+        the depth's shortlist first (bits of a few ids), the whole vocabulary only when the shortlist has too few."""
         nonlocal pruned
-        top_lp, top_tok = logq[d].topk(k)
+        top_lp, top_tok = tops[d]
         if not prune:
-            return top_lp.tolist(), top_tok.tolist()
-        allowed = _allowed(mask, vocab)
-        pruned += int((~allowed[top_tok]).sum())
-        lp, tok = logq[d].masked_fill(~allowed, float("-inf")).topk(k)
+            return top_lp[:k].tolist(), top_tok[:k].tolist()
+        ok = ((mask[top_tok >> 5] >> (top_tok & 31).to(torch.int32)) & 1).bool()
+        pruned += int((~ok[:k]).sum())
+        if int(ok.sum()) >= k or top_tok.numel() == vocab:
+            lp, tok = top_lp[ok][:k], top_tok[ok][:k]
+        else:
+            ids = _allowed(mask, vocab).nonzero().squeeze(1)
+            best = logq[d][ids].topk(min(k, ids.numel()))
+            lp, tok = best.values, ids[best.indices]
         keep = torch.isfinite(lp)
         return lp[keep].tolist(), tok[keep].tolist()
 
