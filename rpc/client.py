@@ -175,7 +175,7 @@ class Client:
                  for r in resp.loads]
         load = {k: sum(r[k] for r in ranks) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
                                                      "num_used_tokens", "max_total_num_tokens",
-                                                     "num_waiting_uncached_tokens")}
+                                                     "num_waiting_uncached_tokens", "max_running_requests")}
         load.update(kv_usage=load["num_used_tokens"] / max(load["max_total_num_tokens"], 1),
                     cache_hit_rate=ranks[0]["cache_hit_rate"], per_rank=ranks)
         return load
