@@ -88,10 +88,11 @@ class Loads:
 class RequestStream:
     """One request's outputs, read on the event loop: ``RequestOutput`` items, then maybe an ``EngineFailure``."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, n: int = 1):
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
         self.finished = False
+        self.remaining = n  # samples still running (n > 1: each ends with its own finished output)
 
 
 class AsyncEngine:
@@ -139,7 +140,7 @@ class AsyncEngine:
         ``retain_kv``: as :meth:`Engine.add_request`."""
         if request_id in self._streams:
             raise RequestError(f"request_id {request_id!r} is already in use")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, params.n)
         self._streams[request_id] = stream
         try:
             await self._command("add", request_id, prompt, params, dp_rank, retain_kv, time.monotonic())
@@ -199,6 +200,8 @@ class AsyncEngine:
                 continue
             stream.queue.put_nowait(out)
             if out.finished:
+                stream.remaining -= 1
+            if stream.remaining == 0:
                 stream.finished = True
                 del self._streams[out.request_id]
 
@@ -234,8 +237,8 @@ class AsyncEngine:
             return False
         if kind == "abort":
             (request_id,) = args
-            if request_id in self.engine.scheduler.requests:
-                self._emit([self.engine.abort(request_id)])
+            if self.engine.scheduler.knows(request_id):
+                self._emit(self.engine.scheduler.abort_all(request_id))
             return True
         if kind == "call":
             try:

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 from engine.capture import GraphCoverage, eager_reason
 from engine.cuda_graphs import StepShape
+from engine.grammar import GrammarBackend
 from engine.profiling import ProfileControl, ProfileDriver, ProfilePlan, RankProfiler
 from engine.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.runner import Launched, ModelRunner
 from engine.sampler import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import RequestError, Scheduler, SchedulerConfig
 from engine.speculation import Speculation
 from engine.step import RequestOutput, StepKind, StepPlan, StepResult
 from engine.step_record import RankReport, StepRecord
@@ -71,15 +72,18 @@ class Engine:
     """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
 
     def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None,
-                 tokenizer: Detokenize | None = None, telemetry: TelemetrySampler | None = None):
+                 tokenizer: Detokenize | None = None, grammar: GrammarBackend | None = None,
+                 telemetry: TelemetrySampler | None = None):
         """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off.
         ``tokenizer``: the checkpoint's (``model.tokenizer.load_tokenizer``), for stop strings; None: refused.
+        ``grammar``: structured output over the checkpoint's tokenizer (``engine.grammar``); None: refused.
         ``telemetry``: this rank's sampler (``engine.telemetry.rank_sampler``), read at every gather; None: none."""
         cfg = cfg.for_model(model.cfg.max_position_embeddings)
         self.model, self.groups = model, model.groups
         self.plane = control_plane(model.groups)
         self.speculation = speculation
-        self.runner = make_runner(model, cfg, speculation)
+        self.grammar = grammar
+        self.runner = make_runner(model, cfg, speculation, grammar)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
                                    spec_reserve_slots=speculation.facts.spec_reserve_slots if speculation else 0,
                                    tokenizer=tokenizer, namespace=cache_namespace(model, speculation),
@@ -121,6 +125,11 @@ class Engine:
         """``dp_rank``: the attention-DP rank to run on (None: the scheduler places it); ``retain_kv``: keep its blocks
         past plain LRU when it ends (``engine.kv_retention_s``); ``arrival``: when it arrived (``time.monotonic``;
         None: now), where its time to first token and queue time start."""
+        if params.constraint is not None:
+            if self.grammar is None:
+                raise RequestError(f"{params.constraint.field}: structured output needs the checkpoint's tokenizer "
+                                   "(tokenizer.json or tiktoken.model), and this engine was started without one")
+            self.grammar.compile(params.constraint)  # ConstraintError names it; cached (the server compiled it)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv)
         self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
@@ -206,7 +215,7 @@ class Engine:
         if plan.num_tokens:
             self.plane.broadcast_object(plan)
             span = DeviceSpan.open(self.model.device)
-            step = self.runner.launch(plan.work[self.groups.coords.attn_dp_rank], plan.work)
+            step = self.runner.launch_plan(plan)
             if span is not None:
                 span.stop()
             launched = _InFlight(plan, step, span)
@@ -306,8 +315,10 @@ def control_plane(groups: ParallelGroups) -> Comm:
     return groups.control or groups.world
 
 
-def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None) -> ModelRunner:
-    """The rank's ModelRunner, speculating with ``speculation`` (None: off), and static decode/verify steps per
+def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None,
+                grammar: GrammarBackend | None = None) -> ModelRunner:
+    """The rank's ModelRunner, speculating with ``speculation`` (None: off), constraining with ``grammar`` (None:
+    structured output refused), and static decode/verify steps per
     ``cfg.static_steps``; ``cfg.batch_invariant`` switches the model to its batch-invariant kernels (off: to the set
     they were made from)."""
     cfg = cfg.for_model(model.cfg.max_position_embeddings)
@@ -320,7 +331,8 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation 
     return ModelRunner(model, cfg.num_blocks, cfg.block_size, speculation, static_batch_sizes=sizes,
                        max_model_len=cfg.max_model_len,
                        eager_reason="" if sizes else eager_reason(model, cfg.static_steps),
-                       overlap=cfg.overlap == "on" and speculation is None, expert_tally=cfg.expert_tally)
+                       overlap=cfg.overlap == "on" and speculation is None, expert_tally=cfg.expert_tally,
+                       grammar=grammar)
 
 
 def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) -> None:
@@ -352,7 +364,7 @@ def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) 
         if isinstance(plan, ProfileControl):
             plane.gather_objects(profiler.apply(plan))
             continue
-        launched = None if plan == DRAIN else runner.launch(plan.work[groups.coords.attn_dp_rank], plan.work)
+        launched = None if plan == DRAIN else runner.launch_plan(plan)
         if in_flight is not None:
             plane.gather_objects(report(in_flight))
         in_flight = launched if launched is not None and plan.overlap else None

@@ -59,6 +59,19 @@ class PagedKVCache:
             store.index_copy_(0, slots, new.to(store.dtype))
         return stores
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies the entries of block ``src`` into block ``dst`` for each ``(src, dst)`` (a forked request's partial
+        last block, ``engine.kv_manager.KVManager.fork``), every layer."""
+        if not pairs:
+            return
+        bs = self.kv_block_size
+        offsets = torch.arange(bs, device=self.device)
+        src = (torch.tensor([a for a, _ in pairs], device=self.device)[:, None] * bs + offsets).reshape(-1)
+        dst = (torch.tensor([b for _, b in pairs], device=self.device)[:, None] * bs + offsets).reshape(-1)
+        for stores in self.layers:
+            for store in stores:
+                store.index_copy_(0, dst, store.index_select(0, src))
+
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slot ids of token positions ``[start, end)`` of a sequence, host ints (:func:`engine.blocks.token_slots`)."""
         return token_slots(block_table, start, end, self.kv_block_size)

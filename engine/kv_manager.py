@@ -254,6 +254,24 @@ class KVManager:
         table += fresh
         return True
 
+    def fork(self, parent: str, child: str, dp: int, tokens: int) -> tuple[int, tuple[int, int] | None]:
+        """``child`` starts from ``parent``'s first ``tokens`` computed tokens (``n > 1``: one prompt, n samples): it
+        references the parent's full blocks (ref-counted, shared, never written again) and gets a fresh block for the
+        partial last one, whose entries the ranks copy. Returns ``(tokens the child has computed, (src, dst) block
+        copy or None)``; with no free block for the copy the child has only the full blocks (it recomputes the rest)."""
+        src, pool, bs = self.requests[parent], self.pools[dp], self.cfg.kv_block_size
+        full = tokens // bs
+        shared = src.table[:full]
+        pool.take(shared)
+        table, copy = list(shared), None
+        if tokens % bs:
+            fresh = pool.allocate(1, self.clock())
+            if fresh is not None:
+                table.append(fresh[0])
+                copy = (src.table[full], fresh[0])
+        self.requests[child] = RequestBlocks(table, list(src.hashes[:full]), src.retain)
+        return (tokens if copy is not None else full * bs), copy
+
     def commit(self, request_id: str, dp: int, tokens: list[int], committed: int) -> None:
         """The first ``committed`` of ``tokens`` have their target and drafter KV written: index every full block
         they complete (prefix caching on)."""

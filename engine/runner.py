@@ -24,11 +24,13 @@ from engine.capture import (
     static_step_bytes,
 )
 from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
+from engine.grammar import GrammarBackend, GrammarMasks
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
-from engine.sampler import SamplingBatch, sample
+from engine.logits_processors import SamplingState, TreeSampling
+from engine.rank_requests import RankRequests
 from engine.speculation import Record, Speculation, StaticLayout, TreeRows
 from engine.staging import Readback, to_device
-from engine.step import RunnerOutput, SeqWork, StepKind, StepResult, step_kind
+from engine.step import RunnerOutput, SeqWork, StepItem, StepKind, StepPlan, StepResult, step_kind
 from model.batch import ForwardBatch
 from model.expert_tally import ExpertTally
 from model.transformer import CausalLM
@@ -51,13 +53,15 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, kv_block_size: int, speculation: Speculation | None = None,
                  static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0,
-                 eager_reason: str = "static steps off", overlap: bool = False, expert_tally: bool = False):
+                 eager_reason: str = "static steps off", overlap: bool = False, expert_tally: bool = False,
+                 grammar: GrammarBackend | None = None):
         """``speculation`` (from spec_decode) builds the rank's speculator when spec decoding is on.
         ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
         the ``num_blocks`` the scheduler hands out, enough for a padding sequence of ``spec_reserve_slots``
         slots. ``eager_reason``: why no step replays when static steps are off. ``overlap`` (``engine.overlap``):
         every attention-TP rank samples, so the next step's inputs can take tokens from this one on the device.
-        ``expert_tally`` (``engine.expert_tally``): :attr:`tally` counts the experts of decode and verify steps."""
+        ``expert_tally`` (``engine.expert_tally``): :attr:`tally` counts the experts of decode and verify steps.
+        ``grammar``: structured output's xgrammar backend (None: constraints refused upstream)."""
         self.model, self.overlap = model, overlap
         self.tally = ExpertTally(model) if expert_tally else None  # before any capture: graphs then hold its ops
         self.reports = model.groups.attn_tp.rank == 0  # holds the group's results (the others: None)
@@ -82,6 +86,10 @@ class ModelRunner:
         self.eager_reason = eager_reason
         self.skipped: dict[tuple[int, int], str] = {}  # static shapes the memory guard turned away (warm_up)
         self.strict_sync = False  # static verify steps raise on a host sync between draft and commit (gpu_check)
+        cfg = model.cfg
+        self.sampling = SamplingState(cfg.vocab_size, tuple(cfg.eos_token_ids), device,
+                                      GrammarMasks(grammar, device) if grammar is not None else None)
+        self.requests = RankRequests(model.groups.coords.attn_dp_rank, self.sampling)
 
     @property
     def tree_size(self) -> int:
@@ -124,7 +132,18 @@ class ModelRunner:
             ids.index_copy_(0, to_device(index, torch.int64, self.device),
                             self.last_tokens[to_device(rows, torch.int64, self.device)])
 
-    def execute(self, work: list[SeqWork], dp_work: list[list[SeqWork]] | None = None) -> RunnerOutput:
+    def launch_plan(self, plan: StepPlan) -> Launched:
+        """:meth:`launch` of this rank's share of ``plan``, after applying its changes to the requests kept here and
+        its KV block copies (a fork's partial block, target and drafter context alike)."""
+        dp = self.requests.dp_rank
+        copies = [(src, dst) for rank, src, dst in plan.copies if rank == dp]
+        if copies:
+            self.cache.copy_blocks(copies)
+            if self.speculator is not None:
+                self.speculator.copy_blocks(copies)
+        return self.launch(self.requests.apply(plan), plan.work)
+
+    def execute(self, work: list[SeqWork], dp_work: list[list[StepItem]] | None = None) -> RunnerOutput:
         """Collective over the layout (idle DP ranks pass ``[]`` and still enter every MoE collective).
         ``dp_work``: every attention-DP rank's work this step (the whole plan; default ``[work]``), from which
         all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
@@ -145,10 +164,13 @@ class ModelRunner:
         return RunnerOutput(results, step.coverage)
 
     @torch.no_grad()
-    def launch(self, work: list[SeqWork], dp_work: list[list[SeqWork]] | None = None) -> Launched:
+    def launch(self, work: list[SeqWork], dp_work: list[list[StepItem]] | None = None) -> Launched:
         """Queues the step on the device (:meth:`execute` without the readback of plainly sampled tokens).
-        Speculative items are walked and read back here: the next step's start depends on them."""
+        Speculative items are walked and read back here: the next step's start depends on them. The tokens ``work``
+        feeds join its requests' histories first (the logits processors' state)."""
         dp_work = [work] if dp_work is None else dp_work
+        work = self.sampling.bind(work)
+        self.sampling.feed(work, self.last_tokens)
         kind = step_kind(w for per_rank in dp_work for w in per_rank)
         if self.tally is not None:
             self.tally.armed = kind in (StepKind.DECODE, StepKind.VERIFY)
@@ -212,7 +234,7 @@ class ModelRunner:
         rank = next((r for r, why in enumerate(reasons) if why), None)
         return "" if rank is None else f"rank {control.ranks[rank]}: {reasons[rank]}"
 
-    def _static_shape(self, dp_work: list[list[SeqWork]]) -> tuple[StepShape | None, str]:
+    def _static_shape(self, dp_work: list[list[StepItem]]) -> tuple[StepShape | None, str]:
         """``(StepShape(batch, tree_size), "")`` when this step runs as a static step on every rank (``batch``: the
         busiest rank's item count, before rounding up to a static batch size), else ``(None, why not)``.
 
@@ -228,6 +250,8 @@ class ModelRunner:
         decode = [all(x.decode and x.sample and not x.spec and len(x.token_ids) == 1 for x in w) for w in busy]
         if not busy:
             return None, "no work on any rank"
+        if any(x.spec and x.constrained for w in busy for x in w):
+            return None, "constrained speculative rows: their trees are built on the host under the grammar"
         if batch > sizes[-1]:
             return None, f"batch {batch} above the largest static batch size {sizes[-1]}"
         if all(verify) or all(decode):
@@ -256,6 +280,7 @@ class ModelRunner:
         record, the draft's and (with work) the commit's), when the verify started)``."""
         target = _StaticTarget(self)
         out = self.speculator.speculate_static(work, batch, target)
+        self.sampling.accepted(work, out.results)
         record = self.static.status(target.shape)
         results = {w.request_id: r for w, r in zip(work, out.results, strict=True)} \
             if self.model.groups.attn_tp.rank == 0 else None
@@ -268,8 +293,9 @@ class ModelRunner:
         target = _DynamicTarget(self, work)
         results = {}
         if spec_items:
-            results = dict(zip((w.request_id for w in spec_items), self.speculator.speculate(spec_items, target),
-                               strict=True))
+            spec_results = self.speculator.speculate(spec_items, target)
+            self.sampling.accepted(spec_items, spec_results)
+            results = dict(zip((w.request_id for w in spec_items), spec_results, strict=True))
             if target.hidden is None:
                 raise RuntimeError("the speculator returned without running the step's target forward")
         else:
@@ -294,9 +320,7 @@ class ModelRunner:
         reporting rank, starts their one readback."""
         if not chosen:
             return None
-        sb = SamplingBatch.build([w.params for w in chosen], [w.seed for w in chosen],
-                                 [w.num_generated for w in chosen], self.model.cfg.eos_token_ids, device=logits.device)
-        out = sample(logits.float(), sb)
+        out = self.sampling.sample(logits.float(), self.sampling.plain_rows(chosen))
         self.last_tokens = out.tokens
         if not self.reports:
             return chosen, None
@@ -309,6 +333,7 @@ class _DynamicTarget:
 
     def __init__(self, runner: ModelRunner, work: list[SeqWork]):
         self.runner, self.work = runner, work
+        self.sampler = TreeSampling(runner.sampling)
         self.hidden: torch.Tensor | None = None
         self.feats: torch.Tensor | None = None
         self.starts: list[int] = []
@@ -331,6 +356,7 @@ class _StaticTarget:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.sampler = TreeSampling(runner.sampling)
         self.shape: StepShape | None = None
         self.verify_started = time.perf_counter()
 

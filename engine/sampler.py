@@ -36,6 +36,28 @@ class SamplingError(ValueError):
     """A SamplingParams field is out of range; the message names the field."""
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint as the client sent it: ``kind`` one of :data:`CONSTRAINT_KINDS` and its
+    ``text`` (a JSON schema, a regex, an EBNF grammar, a structural tag's JSON, the choices as a JSON list of strings;
+    "" for ``json_object``). Hashable: compiled grammars are cached by it (``engine/grammar.py``)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise SamplingError(f"constraint must be one of {CONSTRAINT_KINDS}, got {self.kind!r}")
+
+    @property
+    def field(self) -> str:
+        """The ``SamplingParams`` field a client named it by (error messages)."""
+        return f"sampling_params.{self.kind}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. ``temperature == 0`` is greedy; ``top_k`` -1 or 0, ``top_p`` 1 and ``min_p``
@@ -56,6 +78,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         stop_ok = isinstance(self.stop_token_ids, tuple) and all(
@@ -72,10 +100,21 @@ class SamplingParams:
             ("stop_token_ids", stop_ok, "a tuple of non-negative ints"),
             ("stop", isinstance(self.stop, tuple) and all(isinstance(t, str) and t for t in self.stop),
              "a tuple of non-empty strings"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+            ("logit_bias", all(t >= 0 and math.isfinite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+             "(token id >= 0, bias in [-100, 100]) pairs"),
+            ("n", self.n >= 1, ">= 1"),
         )
         for name, ok, rule in checks:
             if not ok:
                 raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (the request's token counts are kept on its ranks)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -83,10 +122,11 @@ class SamplingBatch:
     """Per-row sampling tensors for B requests, built on the host once per step by :meth:`build`.
 
     ``temperature, top_p, min_p [B]`` float32; ``top_k, seed, num_generated [B]`` int64 (top_k ``TOP_K_OFF`` = off;
-    num_generated: the output index of the token being drawn). ``ban_rows, ban_ids [N]`` int64 are (row, token)
-    pairs whose logit is set to -inf (EOS/stop ids of rows still short of ``min_tokens``) while ``ban_left [N]``
-    int64 (tokens the row must still produce first) is positive. ``num_logprobs`` is the batch's largest
-    ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work.
+    num_generated: the output index of the token being drawn). ``num_logprobs`` is the batch's largest
+    ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work. The engine's
+    ranks gather these rows from per-request tensors (``engine.logits_processors.SamplingState``); :meth:`build`
+    makes them from host lists. Features that change the logits (min_tokens, penalties, logit bias, grammar masks)
+    are logits processors, applied before :func:`sample`.
     """
 
     temperature: Tensor
@@ -95,9 +135,6 @@ class SamplingBatch:
     min_p: Tensor
     seed: Tensor
     num_generated: Tensor
-    ban_rows: Tensor
-    ban_ids: Tensor
-    ban_left: Tensor
     num_logprobs: int
     needs_sort: bool
     all_greedy: bool
@@ -108,26 +145,16 @@ class SamplingBatch:
         params: list[SamplingParams],
         seeds: list[int],
         num_generated: list[int],
-        eos_ids: tuple[int, ...],
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         """``seeds[i]`` is row i's effective seed (``params[i].seed``, or one the engine drew for an unseeded
         request); ``num_generated[i]`` the tokens it has produced so far (``SeqWork.num_generated``), i.e. the
-        output index of the token drawn. Banned ids must be < vocab size. While ``num_generated < min_tokens``
-        stop ids are banned, and EOS ids too unless ``ignore_eos``."""
+        output index of the token drawn."""
         if not len(seeds) == len(num_generated) == len(params):
             raise ValueError(
                 f"params, seeds, num_generated must have equal lengths, got "
                 f"{len(params)}, {len(seeds)}, {len(num_generated)}"
             )
-        ban_rows, ban_ids, ban_left = [], [], []
-        for row, (p, count) in enumerate(zip(params, num_generated, strict=True)):
-            if count < p.min_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-                ban_rows += [row] * len(banned)
-                ban_ids += sorted(banned)
-                ban_left += [p.min_tokens - count] * len(banned)
-
         device = torch.device(device)
 
         def f32(xs):  # pinned and asynchronous on CUDA: the host does not wait for the step in flight
@@ -136,29 +163,33 @@ class SamplingBatch:
         def i64(xs):
             return to_device(xs, torch.int64, device)
 
-        sampled = [p for p in params if p.temperature > 0]
         return cls(
             temperature=f32([p.temperature for p in params]),
-            top_k=i64([p.top_k if p.top_k > 0 else TOP_K_OFF for p in params]),
+            top_k=i64([top_k_of(p) for p in params]),
             top_p=f32([p.top_p for p in params]),
             min_p=f32([p.min_p for p in params]),
             seed=i64([_int64(s) for s in seeds]),
             num_generated=i64(num_generated),
-            ban_rows=i64(ban_rows),
-            ban_ids=i64(ban_ids),
-            ban_left=i64(ban_left),
-            num_logprobs=max((p.logprobs for p in params), default=0),
-            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
-            all_greedy=not sampled,
+            **host_flags(params),
         )
 
     def advanced(self, by: Tensor) -> SamplingBatch:
         """The same rows ``by [B]`` int64 output tokens later (a tree node at depth ``by`` draws the output index
-        ``num_generated + by``): output indices move on and bans lift where a row reaches ``min_tokens``. On the
-        device, without host synchronisation: the speculative walk builds the batch from host values once per
-        request and offsets it by the tree's depths."""
-        return dataclasses.replace(self, num_generated=self.num_generated + by,
-                                   ban_left=self.ban_left - by[self.ban_rows])
+        ``num_generated + by``). On the device, without host synchronisation: the speculative walk builds the batch
+        from host values once per request and offsets it by the tree's depths."""
+        return dataclasses.replace(self, num_generated=self.num_generated + by)
+
+
+def top_k_of(p: SamplingParams) -> int:
+    """The sampler's top-k of ``p``: :data:`TOP_K_OFF` when off."""
+    return p.top_k if p.top_k > 0 else TOP_K_OFF
+
+
+def host_flags(params: list[SamplingParams]) -> dict:
+    """:class:`SamplingBatch`'s host fields for rows of ``params``."""
+    sampled = [p for p in params if p.temperature > 0]
+    return dict(num_logprobs=max((p.logprobs for p in params), default=0),
+                needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled), all_greedy=not sampled)
 
 
 @dataclass(frozen=True)
@@ -222,21 +253,22 @@ def filter_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:
     return logits.masked_fill(logits < cutoff, -math.inf)
 
 
-def sample(logits: Tensor, sb: SamplingBatch) -> SampleOutput:
+def sample(logits: Tensor, sb: SamplingBatch, processed: Tensor | None = None) -> SampleOutput:
     """Draw one token per row of ``logits [B, V]`` float32 under ``sb``, without host synchronisation.
 
-    Rows with temperature 0 take the argmax (ties → lowest id). Others take the Gumbel-max of
-    :func:`filter_logits` over ``logits / temperature`` with :func:`gumbel_noise`, i.e. an exact draw from the
-    filtered softmax. Banned ids (min_tokens) are masked for both. Returned log-probs ignore all of that.
+    ``processed``: the logits after the logits processors (min_tokens, penalties, bias, grammar masks; default
+    ``logits``). Rows with temperature 0 take its argmax (ties → lowest id). Others take the Gumbel-max of
+    :func:`filter_logits` over ``processed / temperature`` with :func:`gumbel_noise`, i.e. an exact draw from the
+    filtered softmax. Returned log-probs are the raw model's, ``log_softmax(logits)`` (vLLM's default
+    ``logprobs_mode``): none of the processing above changes them.
     """
     raw = logits.log_softmax(dim=-1)  # [B, V]
-    still = torch.where(sb.ban_left > 0, -math.inf, logits[sb.ban_rows, sb.ban_ids])
-    banned = logits.index_put((sb.ban_rows, sb.ban_ids), still)
-    tokens = banned.argmax(dim=-1)  # [B]
+    processed = logits if processed is None else processed
+    tokens = processed.argmax(dim=-1)  # [B]
     if not sb.all_greedy:
         is_sampled = sb.temperature > 0
         temp = torch.where(is_sampled, sb.temperature, 1.0)
-        filtered = filter_logits(banned / temp[:, None], sb)
+        filtered = filter_logits(processed / temp[:, None], sb)
         drawn = (filtered + gumbel_noise(sb.seed, sb.num_generated, logits.shape[-1])).argmax(dim=-1)
         tokens = torch.where(is_sampled, drawn, tokens)
     top_logprobs, top_ids = raw.topk(sb.num_logprobs, dim=-1)  # [B, n]

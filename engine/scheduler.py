@@ -39,10 +39,15 @@ from dataclasses import dataclass, field
 from engine.blocks import blocks_for
 from engine.kv_manager import KVManager, KVManagerConfig
 from engine.sampler import SamplingParams
-from engine.step import RequestOutput, SeqWork, StepPlan, StepResult
+from engine.step import NewRequest, RequestOutput, StepItem, StepPlan, StepResult
 from engine.stop_strings import Detokenize, IncrementalDetokenizer, StopStrings
 
 ALLOCATIONS = ("on_demand", "reserve")
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The scheduler's id of sample ``index`` of an ``n > 1`` request (its outputs carry ``request_id``)."""
+    return f"{request_id}\x1f{index}"
 
 
 class RequestError(ValueError):
@@ -128,10 +133,19 @@ class Request:
     pending_row: int = -1  # overlap: the latest of those steps' row for it (SeqWork.prev_row)
     stops: StopStrings | None = None  # its stop-string check (params.stop)
     stop_reason: int | str | None = None  # what ended it with "stop": a stop token id, or the stop string
+    sent_blocks: int = -1  # block-table entries its ranks hold (-1: the ranks do not hold it)
+    client_id: str = ""  # the id its outputs carry: its own, or (one of n samples) its request's
+    index: int = 0  # which of its request's n samples
+    fork_n: int = 0  # > 0: it prefills the prompt but its last token, then forks into this many samples
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def feed_tokens(self) -> list[int]:
+        """The tokens it computes: a forking request stops short of the prompt's last token (each sample feeds it)."""
+        return self.prompt[:-1] if self.fork_n else self.prompt + self.output
 
 
 class Scheduler:
@@ -167,6 +181,10 @@ class Scheduler:
         # why the last schedule() left work waiting: "kv" (the queue's head or a running item had no free blocks),
         # "max_num_seqs" (no rank had a running slot for the head), or "" (nothing waited)
         self.blocked = ""
+        self._added: list[NewRequest] = []  # changes the ranks have not heard of yet (the next plan with work)
+        self._finished: list[str] = []
+        self._copies: list[tuple[int, int, int]] = []
+        self.groups: dict[str, set[str]] = {}  # n > 1: a request's id → its live members (forking request, samples)
 
     # ---- admission -------------------------------------------------------------------------------
     def request_slots(self, prompt_len: int, max_tokens: int) -> int:
@@ -175,7 +193,7 @@ class Scheduler:
 
     def validate(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None) -> None:
         """Raises RequestError naming the field when the request can never run."""
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if not prompt:
             raise RequestError("prompt is empty")
@@ -197,14 +215,65 @@ class Scheduler:
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
             retain_kv: bool = False) -> Request:
+        """Queues a request. ``params.n > 1``: one request prefills the prompt but its last token and then forks
+        into n samples with seeds ``seed + i`` (:meth:`_fork`); their outputs carry ``request_id`` and ``index``."""
         self.validate(request_id, prompt, params, dp_rank)
-        req = Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank, retain_kv=retain_kv)
-        if params.stop:
-            req.stops = StopStrings(params.stop, IncrementalDetokenizer(self.tokenizer, req.prompt,
-                                                                        params.skip_special_tokens))
-        self.requests[request_id] = req
+        if params.n == 1:
+            return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,
+                                       retain_kv=retain_kv))
+        self.groups[request_id] = set()
+        if len(prompt) > 1:
+            return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,
+                                       retain_kv=retain_kv, fork_n=params.n))
+        for i in range(params.n):  # nothing to share
+            self._queue(self._sample_of(request_id, prompt, params, seed, i, dp_rank, retain_kv))
+        return self.requests[sample_id(request_id, 0)]
+
+    @staticmethod
+    def _sample_of(request_id: str, prompt: list[int], params: SamplingParams, seed: int, i: int,
+                   dp_rank: int | None, retain_kv: bool) -> Request:
+        return Request(sample_id(request_id, i), list(prompt), dataclasses.replace(params, n=1, seed=seed + i),
+                       seed + i, dp_rank=dp_rank, pinned_dp=dp_rank, retain_kv=retain_kv, client_id=request_id, index=i)
+
+    def _queue(self, req: Request) -> Request:
+        req.client_id = req.client_id or req.request_id
+        if req.params.stop:
+            req.stops = StopStrings(req.params.stop, IncrementalDetokenizer(self.tokenizer, req.prompt,
+                                                                            req.params.skip_special_tokens))
+        self.requests[req.request_id] = req
+        if req.client_id in self.groups:
+            self.groups[req.client_id].add(req.request_id)
         self.waiting.append(req)
         return req
+
+    def _fork(self, parent: Request) -> None:
+        """``parent`` has computed its prompt but the last token: its n samples take its KV (full blocks shared, the
+        partial one copied on the ranks) and each feeds the last prompt token and samples with its own seed."""
+        dp, computed = parent.dp_rank, len(parent.feed_tokens)
+        running = self.running[dp]
+        at = running.index(parent)
+        for i in range(parent.fork_n):
+            child = self._sample_of(parent.request_id, parent.prompt, parent.params, parent.seed, i, parent.pinned_dp,
+                                    parent.retain_kv)
+            child.num_computed, copy = self.kv.fork(parent.request_id, child.request_id, dp, computed)
+            child.dp_rank, child.admitted, child.num_cached, child.sent_blocks = dp, parent.admitted, \
+                parent.num_cached, 0
+            if copy is not None:
+                self._copies.append((dp, *copy))
+            child.client_id = parent.request_id
+            if child.params.stop:
+                child.stops = StopStrings(child.params.stop, IncrementalDetokenizer(
+                    self.tokenizer, child.prompt, child.params.skip_special_tokens))
+            self.requests[child.request_id] = child
+            self.groups[parent.request_id].add(child.request_id)
+            running.insert(at + 1 + i, child)
+            self._added.append(NewRequest(request_id=child.request_id, dp_rank=dp, prompt=tuple(child.prompt),
+                                          output=(), params=child.params, seed=child.seed))
+        running.remove(parent)
+        self.kv.free(parent.request_id, dp)
+        self._leave_ranks(parent)
+        del self.requests[parent.request_id]
+        self.groups[parent.request_id].discard(parent.request_id)
 
     def _admit(self) -> None:
         """Admits in queue order while a rank has room and the blocks a request's first step needs; a request pinned
@@ -218,7 +287,7 @@ class Scheduler:
                 if req.pinned_dp is None:
                     return
                 continue
-            tokens, hashes = req.tokens, self._hashes(req)
+            tokens, hashes = req.feed_tokens, self._hashes(req)
             pools = self.kv.pools
             dp = max(ranks, key=lambda r: (self.kv.cached_blocks(r, hashes), pools[r].num_free, -r))
             if self.cfg.kv_allocation == "reserve":
@@ -231,7 +300,9 @@ class Scheduler:
                 self.blocked = "kv"
                 return
             self.waiting.remove(req)
-            req.dp_rank, req.num_computed, req.hashes = dp, cached, None
+            req.dp_rank, req.num_computed, req.hashes, req.sent_blocks = dp, cached, None, 0
+            self._added.append(NewRequest(request_id=req.request_id, dp_rank=dp, prompt=tuple(req.prompt),
+                                          output=tuple(req.output), params=req.params, seed=req.seed))
             if req.admitted < 0:
                 req.admitted, req.num_cached = next(self._admissions), cached
             running = self.running[dp]
@@ -240,7 +311,7 @@ class Scheduler:
     def _hashes(self, req: Request) -> list[int]:
         """``req``'s prefix-block hashes (computed once while it waits; [] with prefix caching off)."""
         if req.hashes is None:
-            req.hashes = self.kv.prefix_hashes(req.tokens) if self.cfg.prefix_caching else []
+            req.hashes = self.kv.prefix_hashes(req.feed_tokens) if self.cfg.prefix_caching else []
         return req.hashes
 
     # ---- stepping --------------------------------------------------------------------------------
@@ -250,10 +321,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.blocked = ""
         self._admit()
-        work, scheduled = [], {}
+        work, scheduled, blocks = [], {}, {}
+        overlap = self.overlap and not any(r.params.constraint is not None for rs in self.running for r in rs)
         for dp in range(self.dp_size):
             budget, items, row = self.cfg.max_num_batched_tokens, [], 0
-            total_of = {r.request_id: len(r.tokens) + r.pending for r in self.running[dp]}
+            total_of = {r.request_id: len(r.feed_tokens) + r.pending for r in self.running[dp]}
             decodes = [r for r in self.running[dp] if self._feeds_last_token(r, total_of[r.request_id])]
             prefills = [r for r in self.running[dp] if r not in decodes]
             for req in decodes + prefills:
@@ -271,25 +343,32 @@ class Scheduler:
                     continue
                 budget -= n
                 done = req.num_computed + n == total
-                tokens = req.tokens[req.num_computed:req.num_computed + n]
+                tokens = req.feed_tokens[req.num_computed:req.num_computed + n]
                 prev_row = -1
                 if len(tokens) < n:  # the last one is in flight: the device takes it from the previous step
                     tokens, prev_row = tokens + [0], req.pending_row
-                items.append(SeqWork(request_id=req.request_id, token_ids=tokens, start=req.num_computed,
-                                     block_table=list(self.kv.table(req.request_id)), sample=done, params=req.params,
-                                     seed=req.seed, num_generated=len(req.output) + req.pending, decode=decode,
-                                     spec=spec, prev_row=prev_row))
+                items.append(StepItem(request_id=req.request_id, token_ids=tokens, start=req.num_computed,
+                                      sample=done and not req.fork_n, num_generated=len(req.output) + req.pending,
+                                      decode=decode, spec=spec, constrained=req.params.constraint is not None,
+                                      prev_row=prev_row))
+                table = self.kv.table(req.request_id)
+                if len(table) > req.sent_blocks:
+                    blocks[req.request_id], req.sent_blocks = tuple(table[req.sent_blocks:]), len(table)
                 scheduled[req.request_id] = req
                 if self.overlap:
                     req.num_computed += n
                     if done:
-                        req.pending, req.pending_row = req.pending + 1, row
-                if done and not spec:  # the runner samples plain rows in item order
+                        req.pending, req.pending_row = (req.pending, req.pending_row) if req.fork_n else \
+                            (req.pending + 1, row)
+                if done and not spec and not req.fork_n:  # the runner samples plain rows in item order
                     row += 1
             work.append(items)
-        plan = StepPlan(next(self._steps), work, overlap=self.overlap)
-        if scheduled:
-            self._scheduled[plan.step_id] = scheduled
+        if not scheduled:  # not broadcast: the ranks hear of the changes with the next plan that has work
+            return StepPlan(next(self._steps), work, overlap=overlap)
+        plan = StepPlan(next(self._steps), work, overlap=overlap, added=tuple(self._added),
+                        finished=tuple(self._finished), blocks=blocks, copies=tuple(self._copies))
+        self._added, self._finished, self._copies = [], [], []
+        self._scheduled[plan.step_id] = scheduled
         return plan
 
     @staticmethod
@@ -319,6 +398,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: its blocks go back through the prefix cache, it returns to the queue's front."""
         self.kv.free(req.request_id, req.dp_rank)
+        self._leave_ranks(req)
         self.running[req.dp_rank].remove(req)
         req.num_computed, req.preemptions = 0, req.preemptions + 1
         if req.pinned_dp is None:
@@ -345,6 +425,8 @@ class Scheduler:
             if not w.sample:
                 req.num_computed = max(req.num_computed, w.start + len(w.token_ids))
                 self.kv.commit(req.request_id, req.dp_rank, req.tokens, w.start + len(w.token_ids))
+                if req.fork_n and req.num_computed >= len(req.feed_tokens):
+                    self._fork(req)
                 continue
             r = results[w.request_id]
             written = w.start + (len(r.tokens) if w.spec else len(w.token_ids))  # fed: the root + accepted drafts
@@ -368,7 +450,7 @@ class Scheduler:
                     self.kv.retain(req.request_id)
                 self._finish(req, reason)
             outputs.append(RequestOutput(
-                request_id=req.request_id, new_tokens=r.tokens[:new], finished=reason is not None,
+                request_id=req.client_id, index=req.index, new_tokens=r.tokens[:new], finished=reason is not None,
                 finish_reason=reason, num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
                 new_logprobs=r.logprobs[:new], new_top_logprobs=r.top[:new], stop_reason=req.stop_reason,
                 num_cached_tokens=req.num_cached))
@@ -398,17 +480,54 @@ class Scheduler:
             self.running[req.dp_rank].remove(req)
         if req.dp_rank is not None:
             self.kv.free(req.request_id, req.dp_rank)
+        self._leave_ranks(req)
         del self.requests[req.request_id]
+        group = self.groups.get(req.client_id)
+        if group is not None:
+            group.discard(req.request_id)
+            if not group:
+                del self.groups[req.client_id]
+
+    def _leave_ranks(self, req: Request) -> None:
+        """The ranks drop ``req`` with the next plan (it ended or was preempted; re-admission adds it again)."""
+        if req.sent_blocks < 0:
+            return
+        unsent = [a for a in self._added if a.request_id == req.request_id]
+        if unsent:  # admitted since the last plan: the ranks never heard of it
+            self._added.remove(unsent[0])
+        else:
+            self._finished.append(req.request_id)
+        req.sent_blocks = -1
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput:
-        """Ends a request now (client cancel, deadline, error) and frees its blocks."""
-        req = self.requests.get(request_id)
-        if req is None:
+        """Ends a request now (client cancel, deadline, error) and frees its blocks (n > 1: every sample; the last
+        one's output is returned, :meth:`abort_all` returns each)."""
+        outs = self.abort_all(request_id, reason)
+        if not outs:
             raise RequestError(f"unknown request_id {request_id!r}")
-        self._finish(req, reason)
-        return RequestOutput(request_id=request_id, new_tokens=[], finished=True, finish_reason=reason,
-                             num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
-                             num_cached_tokens=req.num_cached)
+        return outs[-1]
+
+    def knows(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.groups
+
+    def abort_all(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
+        """:meth:`abort` → one finished output per sample still running (none for an unknown id)."""
+        members = sorted(self.groups.get(request_id, ())) if request_id in self.groups else [request_id]
+        outs = []
+        for rid in members:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, reason)
+            if req.fork_n:  # not forked yet: each sample ends here
+                outs += [RequestOutput(request_id=request_id, index=i, new_tokens=[], finished=True,
+                                       finish_reason=reason, num_prompt_tokens=len(req.prompt), num_output_tokens=0)
+                         for i in range(req.fork_n)]
+                continue
+            outs.append(RequestOutput(request_id=req.client_id, index=req.index, new_tokens=[], finished=True,
+                                      finish_reason=reason, num_prompt_tokens=len(req.prompt),
+                                      num_output_tokens=len(req.output), num_cached_tokens=req.num_cached))
+        return outs
 
     # ---- accounting ------------------------------------------------------------------------------
     def blocks_in_use(self) -> int:

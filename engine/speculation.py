@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 
 from engine.kv_cache import PagedKVCache, SeqSlots
+from engine.logits_processors import GrammarWalk, Rows
+from engine.sampler import SampleOutput
 from engine.step import SeqWork, StepKind, StepResult
 from model.transformer import CausalLM
 
@@ -65,8 +67,35 @@ class TreeRows:
     slots: SeqSlots
 
 
+class NodeSampler(Protocol):
+    """The rank's sampling of tree nodes, lent with the target forward: each request's settings and logits processors
+    (min_tokens, penalties, logit bias, grammar masks) at each node, with the node's ancestor path as history."""
+
+    def grammar(self, w: SeqWork) -> GrammarWalk | None:
+        """``w``'s grammar to build its tree under, on the host (None: unconstrained)."""
+        ...
+
+    def prepare(self, work: list[SeqWork], tree_size: int, masks: torch.Tensor | None = None) -> Rows:
+        """Host half, before the device region: the rows of ``work``'s trees of ``tree_size`` nodes (``masks [J*N,
+        W]`` int32 host grammar bitmasks of the nodes, from the tree builder; None when no tree was built under a
+        grammar)."""
+        ...
+
+    def sample(self, rows: Rows, tokens: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor,
+               logits: torch.Tensor) -> SampleOutput:
+        """Device half, without host synchronisation: samples every node of the first J trees of ``tokens, depth
+        [J', N]``, ``ancestors [J', N, N]`` (rows past J pad) from ``logits [J'*N, V]`` → rows ``[J*N]``; a node's
+        pick is the draw plain decoding makes for its output index and history."""
+        ...
+
+
 class TargetForward(Protocol):
     """The step's dynamic target forward, lent to :meth:`Speculator.speculate`."""
+
+    @property
+    def sampler(self) -> NodeSampler:
+        """The step's node sampling."""
+        ...
 
     def verify_trees(self, trees: list[TreeRows]) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs the step's one target forward with ``trees`` (one per speculative item, in order) among its rows
@@ -77,6 +106,11 @@ class TargetForward(Protocol):
 
 class StaticTarget(Protocol):
     """The target's static tree verify, lent to :meth:`Speculator.speculate_static` (a CUDA-graph replay on CUDA)."""
+
+    @property
+    def sampler(self) -> NodeSampler:
+        """The step's node sampling."""
+        ...
 
     def load_tree_layout(self, work: list[SeqWork], batch: int) -> None:
         """Host half: captures the ``batch`` verify shape on first use and loads ``work``'s KV layout (trees at
@@ -132,6 +166,10 @@ class Speculator(Protocol):
     def features_computed(self, work: list[SeqWork], feats: torch.Tensor) -> None:
         """Target features ``feats [T, k*H]`` of ``work``'s fed tokens (each item's ``token_ids`` at positions
         ``start ..``, items in order) were computed by a plain step: the drafter's context takes them."""
+        ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """The drafter context's blocks copied ``src → dst`` as the target's KV blocks were (a forked request)."""
         ...
 
 

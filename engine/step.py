@@ -12,22 +12,47 @@ from engine.sampler import SamplingParams
 
 
 @dataclass(frozen=True, kw_only=True)
-class SeqWork:
-    """One sequence's share of a step, shipped to the ranks of its DP group."""
+class StepItem:
+    """One sequence's share of a step as the plan carries it to the ranks of its DP group: what it feeds. What does
+    not change from step to step (sampling settings, seed, the block table but its new blocks) the ranks keep
+    (:class:`NewRequest`, ``engine.rank_requests``)."""
 
     request_id: str
     token_ids: list[int]  # fed this step, at positions start .. start+len-1
     start: int
-    block_table: list[int]
     sample: bool  # the last fed token's logits pick the next token
-    params: SamplingParams
-    seed: int
     num_generated: int
     decode: bool  # feeds a generated token (not part of the prompt)
     spec: bool = False  # draft + verify a tree rooted at token_ids[0] instead of a plain decode
+    constrained: bool = False  # a structured-output request: its tree is built on the host under its grammar
     # >= 0 (engine.overlap=on): token_ids[-1] is a placeholder for a token still on the device, sampled by the
     # previous step in row prev_row of this DP group's plainly sampled items; every rank of the group takes it there
     prev_row: int = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeqWork(StepItem):
+    """A :class:`StepItem` with what its rank keeps of the request: the ``block_table``, ``params``, ``seed`` and
+    its ``slot`` in the rank's sampling state (-1: none; the runner gives it a transient one for the step)."""
+
+    block_table: list[int]
+    params: SamplingParams
+    seed: int
+    slot: int = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewRequest:
+    """A request as its DP group's ranks learn it, once, in the plan of the step that admits it: its ``prompt``,
+    ``output`` so far (a preempted request re-admitted: its logits processors replay it), sampling ``params`` and
+    ``seed``."""
+
+    request_id: str
+    dp_rank: int
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    params: SamplingParams
+    seed: int
 
 
 class StepKind(StrEnum):
@@ -45,7 +70,7 @@ class StepKind(StrEnum):
     COMMIT = "commit"
 
 
-def step_kind(items: Iterable[SeqWork]) -> StepKind:
+def step_kind(items: Iterable[StepItem]) -> StepKind:
     """A target step's kind from every attention-DP rank's items: PREFILL, DECODE, VERIFY or MIXED. A speculative
     step is VERIFY (not DECODE) in the step counts as in graph coverage, where its static step is a tree verify."""
     items = list(items)
@@ -59,10 +84,19 @@ def step_kind(items: Iterable[SeqWork]) -> StepKind:
 
 @dataclass(frozen=True)
 class StepPlan:
+    """One step as rank 0 broadcasts it: each attention-DP rank's items, and the changes to the requests the ranks
+    keep since the last plan — ``finished`` ids (ended, aborted or preempted: dropped first), ``added`` requests and
+    each item's new KV ``blocks`` (appended to its table) — and the KV block ``copies`` a fork needs."""
+
     step_id: int
-    work: list[list[SeqWork]]  # per attention-DP rank
+    work: list[list[StepItem]]  # per attention-DP rank
     # every rank reads back (and rank 0 gathers) this step's results after launching the next one (engine.overlap)
     overlap: bool = False
+    added: tuple[NewRequest, ...] = ()
+    finished: tuple[str, ...] = ()
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # (attention-DP rank, src, dst): KV blocks each rank of that DP group copies before the step (n > 1's fork)
+    copies: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -107,3 +141,4 @@ class RequestOutput:
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_reason: int | str | None = None  # finish_reason "stop": the stop token id or stop string (None: EOS)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    index: int = 0  # which of the request's n samples (n > 1: request_id is the request's, shared by its samples)

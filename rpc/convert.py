@@ -1,8 +1,11 @@
 """``vllm.grpc.engine`` messages ↔ engine types: request validation and response building (pure functions).
 
 Proto3 scalars have no presence, so several "unset" values are mapped as the SMG gateway means them:
-``top_p == 0`` → 1.0, ``n == 0`` → 1, ``repetition_penalty == 0`` → off, ``max_tokens`` unset → the room left in
-``max_model_len``, ``temperature`` unset → 1.0. ``top_k`` is ``uint32`` on the wire: its bit pattern is read as
+``top_p == 0`` → 1.0, ``n == 0`` → 1, ``repetition_penalty == 0`` → off (1.0), ``max_tokens`` unset → the room left
+in ``max_model_len``, ``temperature`` unset → 1.0. The ``constraint`` oneof becomes an
+:class:`engine.sampler.Constraint` (``choice``'s list as a JSON list); whether it compiles is the servicer's check
+(``engine.grammar``), before anything is admitted. ``logit_bias`` is honoured (smg never sends it; a direct gRPC
+client may). ``top_k`` is ``uint32`` on the wire: its bit pattern is read as
 int32, so a client's -1 (sent as 2**32-1) means "off" like 0, and -2 or lower is rejected naming ``top_k``.
 Range checks on the sampling fields are :class:`engine.sampler.SamplingParams`' own; prompt checks (empty, ids
 out of range, too long) are the scheduler's. Both name the field, and the servicer maps them to
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from engine.sampler import SamplingParams
+from engine.sampler import Constraint, SamplingParams
 from engine.step import RequestOutput
 
 
@@ -46,20 +49,23 @@ def _reject_unsupported(req: pb.GenerateRequest) -> None:
         raise InvalidRequest("text input is not supported: send tokenized.input_ids")
     if req.HasField("mm_inputs") or req.HasField("media_refs") or len(req.extra_mm_inputs):
         raise InvalidRequest("mm_inputs/media_refs: multimodal input is not supported by this text-only model")
-    constraint = sp.WhichOneof("constraint")
-    if constraint:
-        raise InvalidRequest(f"sampling_params.{constraint}: structured output is not supported")
-    if sp.n > 1:
-        raise InvalidRequest(f"n must be 1, got {sp.n}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(sp, name) != 0:
-            raise InvalidRequest(f"{name} is not supported (must be 0), got {getattr(sp, name)}")
-    if sp.repetition_penalty not in (0.0, 1.0):
-        raise InvalidRequest(f"repetition_penalty is not supported (must be 1), got {sp.repetition_penalty}")
-    if len(sp.logit_bias):
-        raise InvalidRequest("logit_bias is not supported")
     if sp.HasField("prompt_logprobs"):
         raise InvalidRequest("prompt_logprobs is not supported")
+
+
+def constraint_of(sp: pb.SamplingParams) -> Constraint | None:
+    """The request's structured-output constraint (None: unconstrained)."""
+    kind = sp.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return Constraint("json_object") if sp.json_object else None
+    if kind == "choice":
+        return Constraint("choice", json.dumps(list(sp.choice.choices)))
+    text = getattr(sp, kind)
+    if not text.strip():
+        raise InvalidRequest(f"sampling_params.{kind} is empty")
+    return Constraint(kind, text)
 
 
 def generate_request(req: pb.GenerateRequest, limits: Limits) -> tuple[list[int], SamplingParams]:
@@ -80,6 +86,9 @@ def generate_request(req: pb.GenerateRequest, limits: Limits) -> tuple[list[int]
     bad_stop = [t for t in sp.stop_token_ids if t >= limits.vocab_size]
     if bad_stop:
         raise InvalidRequest(f"stop_token_ids must be < vocab_size {limits.vocab_size}, got {bad_stop[:5]}")
+    bad_bias = [t for t in sp.logit_bias if not 0 <= t < limits.vocab_size]
+    if bad_bias:
+        raise InvalidRequest(f"logit_bias token ids must be in [0, {limits.vocab_size}), got {bad_bias[:5]}")
     return prompt, SamplingParams(
         temperature=sp.temperature if sp.HasField("temperature") else 1.0,
         top_k=int32_of_uint32(sp.top_k),
@@ -94,6 +103,12 @@ def generate_request(req: pb.GenerateRequest, limits: Limits) -> tuple[list[int]
         stop=tuple(sp.stop),
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=sp.skip_special_tokens,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 0 else 1.0,
+        logit_bias=tuple(sorted(sp.logit_bias.items())),
+        constraint=constraint_of(sp),
+        n=sp.n or 1,
     )
 
 
@@ -125,7 +140,8 @@ def chunk(outs: list[RequestOutput], want_logprobs: bool) -> pb.GenerateResponse
     """One stream chunk carrying the new tokens of ``outs`` (consecutive outputs of one request)."""
     tokens = [t for o in outs for t in o.new_tokens]
     msg = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=outs[-1].num_prompt_tokens,
-                                 completion_tokens=len(tokens), cached_tokens=outs[-1].num_cached_tokens, index=0)
+                                 completion_tokens=len(tokens), cached_tokens=outs[-1].num_cached_tokens,
+                                 index=outs[-1].index)
     if want_logprobs:
         msg.output_logprobs.CopyFrom(output_logprobs([lp for o in outs for lp in o.new_logprobs], tokens,
                                                      [t for o in outs for t in o.new_top_logprobs]))
@@ -137,7 +153,7 @@ def complete(last: RequestOutput, all_tokens: list[int], stream: bool,
     """The final message: finish reason and usage; all ids (and logprobs) unless the tokens were streamed."""
     msg = pb.GenerateComplete(output_ids=[] if stream else all_tokens, finish_reason=last.finish_reason or "abort",
                               prompt_tokens=last.num_prompt_tokens, completion_tokens=len(all_tokens),
-                              cached_tokens=last.num_cached_tokens, index=0)
+                              cached_tokens=last.num_cached_tokens, index=last.index)
     if last.finish_reason == "stop" and isinstance(last.stop_reason, str):
         msg.matched_stop_str = last.stop_reason
     elif last.finish_reason == "stop" and all_tokens:

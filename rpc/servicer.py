@@ -34,6 +34,7 @@ from smg_grpc_proto.generated import common_pb2
 from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Loads, Overloaded
 from engine.engine import Engine
 from engine.kv_manager import wire_hash
+from engine.sampler import Constraint
 from engine.step import RequestOutput
 from model.tokenizer import tiktoken_file
 from rpc import convert, info
@@ -225,6 +226,7 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                 req.prompt_tokens = len(request.tokenized.input_ids)
                 prompt, params = convert.generate_request(request, self.limits)
                 dp_rank, retain_kv = convert.kv_hints(request)
+                await self._compile(params.constraint)
                 stream = await self.engine.submit(rid, prompt, params, dp_rank, retain_kv)
             except ValueError as err:  # InvalidRequest, SamplingError, RequestError
                 req.reject("INVALID_ARGUMENT", str(err))
@@ -245,10 +247,26 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             if not self.inflight:
                 self.idle.set()
 
+    async def _compile(self, constraint: Constraint | None) -> None:
+        """Compiles a constraint off the engine thread (cached by its text, so the engine's own check and the ranks of
+        this process find it compiled); raises ConstraintError (INVALID_ARGUMENT) before anything is admitted."""
+        if constraint is None:
+            return
+        log.debug("constraint %s: %s", constraint.kind, constraint.text[:4000])
+        grammar = self.engine.engine.grammar
+        if grammar is None:
+            raise convert.InvalidRequest(f"{constraint.field}: structured output needs the checkpoint's tokenizer "
+                                         "(tokenizer.json or tiktoken.model)")
+        await asyncio.get_running_loop().run_in_executor(None, grammar.compile, constraint)
+
     async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog):
+        """Streams the request's outputs: per sample (``index``, n > 1) its chunks and its one Complete; ends after
+        the last sample's Complete."""
         want_lp = request.sampling_params.HasField("logprobs")
-        tokens: list[int] = []
-        logprobs = pb.OutputLogProbs() if want_lp else None
+        n = max(request.sampling_params.n, 1)
+        tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+        logprobs = {i: pb.OutputLogProbs() if want_lp else None for i in range(n)}
+        done: set[int] = set()
         while True:
             items = [await stream.queue.get()]
             while not stream.queue.empty():
@@ -259,17 +277,22 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                 req.reject("UNAVAILABLE", f"lost: {failure.reason}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {stream.request_id} lost: "
                                                                  f"{failure.reason}")
-            new = [t for o in outs for t in o.new_tokens]
-            tokens += new
-            if logprobs is not None and new:
-                logprobs.MergeFrom(convert.output_logprobs([lp for o in outs for lp in o.new_logprobs], new,
-                                                           [t for o in outs for t in o.new_top_logprobs]))
-            if request.stream and new:
-                yield convert.chunk([o for o in outs if o.new_tokens], want_lp)
-            req.output_tokens = len(tokens)
-            if outs and outs[-1].finished:
-                req.complete(outs[-1].finish_reason, len(tokens))
-                yield convert.complete(outs[-1], tokens, request.stream, logprobs)
+            for index in sorted({o.index for o in outs}):
+                mine = [o for o in outs if o.index == index]
+                new = [t for o in mine for t in o.new_tokens]
+                tokens[index] += new
+                if logprobs[index] is not None and new:
+                    top = [t for o in mine for t in o.new_top_logprobs]
+                    logprobs[index].MergeFrom(convert.output_logprobs([lp for o in mine for lp in o.new_logprobs],
+                                                                      new, top))
+                if request.stream and new:
+                    yield convert.chunk([o for o in mine if o.new_tokens], want_lp)
+                if mine[-1].finished:
+                    done.add(index)
+                    yield convert.complete(mine[-1], tokens[index], request.stream, logprobs[index])
+            req.output_tokens = sum(len(t) for t in tokens.values())
+            if len(done) == n:
+                req.complete(outs[-1].finish_reason, req.output_tokens)
                 return
 
     # ---- unary RPCs ------------------------------------------------------------------------------
@@ -303,7 +326,8 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             active_requests=self.engine.num_streams, is_paused=self.draining, last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=f.dp_size,
             kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.kv_block_size,
-            attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs)
+            attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs,
+            constrained_decoding_start="first_token")  # no reasoning parser here: a grammar runs from token one
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
         """One record per attention-DP rank (or the one ``dp_rank`` asks for)."""

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from preflight import debug_requested, one_line, one_line_errors, preflight
 
 from engine.engine import Engine, make_runner, worker_loop
+from engine.grammar import GrammarBackend
 from engine.kv_budget import size_kv_cache
 from engine.scheduler import SchedulerConfig
 from engine.telemetry import rank_sampler
@@ -68,16 +69,18 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
     model = load_target(ckpt, groups, rank, device)
     speculation = load_speculation(spec, model)
     sched_cfg = size_kv_cache(model, sched_cfg, speculation)
+    grammar = GrammarBackend.for_checkpoint(ckpt, model.cfg.vocab_size, tuple(model.cfg.eos_token_ids)) \
+        if load_tokenizer(ckpt) is not None else None  # every rank of a DP group keeps its requests' matchers
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     # each rank samples its own device on a thread of its own; the samples reach rank 0 with the step gathers
     telemetry = rank_sampler(model.device, server_cfg.telemetry_interval_s).start() \
         if server_cfg.metrics_port is not None else None
     if rank != 0:
-        worker_loop(make_runner(model, sched_cfg, speculation), telemetry)
+        worker_loop(make_runner(model, sched_cfg, speculation, grammar), telemetry)
         return
     from rpc.server import serve  # grpc is imported after the fork, in rank 0 only
 
-    engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=load_tokenizer(ckpt),
+    engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=load_tokenizer(ckpt), grammar=grammar,
                     telemetry=telemetry)
     if sched_cfg.warm_up:  # every static shape before the first request (on CUDA: captured)
         engine.warm_up()

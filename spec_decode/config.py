@@ -23,7 +23,9 @@ class SpecConfig:
     accepted, so any value is lossless. ``draft_head_dtype``: the precision of the LM-head matmul over the
     drafter's rows — ``target`` (the target's weight as is), ``bfloat16`` (a bf16 copy when the target is
     wider), ``auto`` (bf16 where the device multiplies bf16 natively: CUDA, or a CPU with AVX512-BF16 / AMX);
-    drafting only, so lossless either way."""
+    drafting only, so lossless either way. ``prune_drafts``: a constrained request's tree holds only tokens its
+    grammar allows (each node's children are the drafter's best allowed tokens); off, the tree is the plain one
+    and the grammar only masks the verify (lossless either way; the bench compares the two)."""
 
     method: str = "none"
     budget: int = 16
@@ -31,6 +33,7 @@ class SpecConfig:
     drafter_path: str | None = None
     tree_temperature: float = 1.0
     draft_head_dtype: str = "auto"
+    prune_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -9,8 +9,16 @@ from collections.abc import Callable
 import torch
 
 from engine.kv_cache import PagedKVCache
-from engine.sampler import SamplingBatch
-from engine.speculation import Speculation, SpeculationFacts, StaticLayout, StaticOutput, StaticTarget, TargetForward
+from engine.logits_processors import Rows
+from engine.speculation import (
+    NodeSampler,
+    Speculation,
+    SpeculationFacts,
+    StaticLayout,
+    StaticOutput,
+    StaticTarget,
+    TargetForward,
+)
 from engine.step import SeqWork, StepKind, StepResult
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
@@ -36,12 +44,13 @@ class DFlashSpeculator:
 
     @torch.no_grad()
     def speculate(self, work: list[SeqWork], target: TargetForward) -> list[StepResult]:
-        """Drafts ``work``'s trees (one drafter forward), verifies them in the step's target forward, then samples,
-        walks and commits them on the device; one readback."""
+        """Drafts ``work``'s trees (one drafter forward; constrained requests' trees built on the host under their
+        grammar), verifies them in the step's target forward, then samples, walks and commits them on the device;
+        one readback."""
         spec = self.spec
-        trees = spec.propose(work)
+        trees, masks = spec.draft(work, target.sampler)
         logits, feats = target.verify_trees([spec.tree_rows(w, trees[w.request_id]) for w in work])
-        return spec.accept_rows(work, trees, logits, feats)
+        return spec.accept_rows(work, trees, logits, feats, target.sampler, masks)
 
     @torch.no_grad()
     def speculate_static(self, work: list[SeqWork], batch: int, target: StaticTarget) -> StaticOutput:
@@ -54,11 +63,11 @@ class DFlashSpeculator:
         size = self.drafts.load(work, batch)
         target.load_tree_layout(work, size)
         self.commits.prepare(size, n)
-        sampling = self.spec.node_sampling(work, self.spec.cache.device)
+        rows = target.sampler.prepare(work, n)
         with target.no_host_sync():
             tree, start = self.drafts.launch(size)
             logits, feats, slots = target.verify_trees(*self.spec.verify_inputs(tree, start))
-            committed = self.commit_static(tree, logits, feats, slots, start, sampling) if work else None
+            committed = self.commit_static(tree, logits, feats, slots, start, target.sampler, rows) if work else None
         coverage = {StepKind.DRAFT: self.drafts.status(size)}
         if committed is None:  # an idle rank's padding step commits nothing
             return StaticOutput([], coverage)
@@ -66,11 +75,11 @@ class DFlashSpeculator:
         return StaticOutput(committed.results(work), coverage)
 
     def commit_static(self, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
-                      start: torch.Tensor, sampling: SamplingBatch) -> Committed:
+                      start: torch.Tensor, sampler: NodeSampler, rows: Rows) -> Committed:
         """:meth:`Speculator.walk_and_commit` with the walk and the KV compaction in the static commit of the whole
         padded batch (a graph replay on CUDA): ``tree [B, N]``, ``logits [B*N, V]``, ``feats [B*N, k*H]``,
-        ``slots [B, N]``, ``start [B]``; ``sampling`` of the J real requests."""
-        out, picks = self.spec.sample_nodes(tree, logits, sampling)
+        ``slots [B, N]``, ``start [B]``; ``rows`` of the J real requests."""
+        out, picks = self.spec.sample_nodes(tree, logits, sampler, rows)
         path, count = (t[:picks.shape[0]] for t in self.commits.run(tree, picks, feats, slots, start))
         return Committed.along(out, picks, path, count)
 
@@ -86,6 +95,11 @@ class DFlashSpeculator:
             n = len(w.token_ids)
             self.spec.add_context(w, feats[at:at + n], w.start)
             at += n
+
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies drafter-context blocks ``src → dst`` (the target's were copied alike)."""
+        self.spec.context.copy_blocks(pairs)
 
 
 def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache], Speculator],

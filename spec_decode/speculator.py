@@ -19,14 +19,23 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVSpec, PagedKVCache, SeqSlots
-from engine.sampler import SampleOutput, SamplingBatch, sample
-from engine.speculation import TreeRows
+from engine.logits_processors import Rows, SamplingState, TreeSampling
+from engine.sampler import SampleOutput
+from engine.speculation import NodeSampler, TreeRows
 from engine.step import SeqWork, StepResult
 from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter
-from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, walk
+from spec_decode.tree import (
+    DraftTree,
+    build_chain,
+    build_tree,
+    build_tree_grammar,
+    build_tree_host,
+    path_by_depth,
+    walk,
+)
 
 
 def check_drafter_fits(drafter, target, path: str | None) -> None:
@@ -66,6 +75,7 @@ class Speculator:
         self.context = PagedKVCache(drafter_kv_spec(drafter), cache.num_blocks, cache.kv_block_size,
                                     device=cache.device)
         self.draft_head = self._draft_head_weight()
+        self.pruned = 0  # draft candidates a grammar kept out of constrained trees (the bench reads it)
 
     def _draft_head_weight(self) -> torch.Tensor | None:
         """A bf16 copy of this rank's LM-head shard for the drafter's rows (``SpecConfig.draft_head_dtype``), or
@@ -101,14 +111,40 @@ class Speculator:
     def propose(self, work: list[SeqWork]) -> dict[str, DraftTree]:
         """One drafter forward for every request's ``[bonus, MASK × depth]`` block → a DFlash chain or DDTree
         per request, rooted at its bonus (:meth:`draft_logits`)."""
+        return self.draft(work)[0]
+
+    @torch.no_grad()
+    def draft(self, work: list[SeqWork], sampler: NodeSampler | None = None
+              ) -> tuple[dict[str, DraftTree], torch.Tensor | None]:
+        """:meth:`propose`, building constrained requests' trees under their grammar (``sampler.grammar``) on the
+        host — the step's one round trip: the drafter's candidates come to the host, the grammar's matcher walks the
+        tree (accept, fill, roll back), no node holds a token the grammar forbids (``cfg.prune_drafts``), and the
+        node masks of that walk come back ``[J*N, W]`` int32 (None when no request is constrained)."""
         if not work:
-            return {}
+            return {}, None
         logits = self.draft_logits(work)
-        if self.cfg.method == "dflash":
-            return {w.request_id: build_chain(logits[j], w.token_ids[0]) for j, w in enumerate(work)}
-        logq = (logits / self.cfg.tree_temperature).log_softmax(dim=-1)
-        build = build_tree_host if logq.device.type == "cpu" else build_tree  # no host sync off the CPU
-        return {w.request_id: build(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}
+        walks = [sampler.grammar(w) if sampler is not None else None for w in work]
+        chain = self.cfg.method == "dflash"
+        logq = logits if chain else (logits / self.cfg.tree_temperature).log_softmax(dim=-1)
+        if not any(walks):
+            if chain:
+                return {w.request_id: build_chain(logits[j], w.token_ids[0]) for j, w in enumerate(work)}, None
+            build = build_tree_host if logq.device.type == "cpu" else build_tree  # no host sync off the CPU
+            return {w.request_id: build(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}, None
+        n, words = self.cfg.tree_size, next(g for g in walks if g is not None).words
+        masks, trees = torch.full((len(work), n, words), -1, dtype=torch.int32), {}
+        host = logq.float().cpu()
+        for j, (w, g) in enumerate(zip(work, walks, strict=True)):
+            if g is None:
+                tree = build_chain(host[j], w.token_ids[0]) if chain else \
+                    build_tree_host(host[j], w.token_ids[0], self.cfg.budget)
+            else:
+                tree, pruned = build_tree_grammar(host[j], w.token_ids[0], self.cfg.budget, g, masks[j], chain=chain,
+                                                  prune=self.cfg.prune_drafts)
+                self.pruned += pruned
+            trees[w.request_id] = DraftTree(*(getattr(tree, f).to(logq.device) for f in
+                                              ("tokens", "parents", "depth", "valid", "ancestors")))
+        return trees, masks.reshape(len(work) * n, words)
 
     def draft_logits(self, work: list[SeqWork]) -> torch.Tensor:
         """The drafter's full-vocab logits ``[J, D', V]`` (fp32) for depths 1..D' of each request's block
@@ -155,32 +191,26 @@ class Speculator:
         return TreeRows(tree.tokens.tolist(), positions, SeqSlots(w.block_table, w.start, n, mask))
 
     # ---- verify ----------------------------------------------------------------------------------------
-    def node_sampling(self, work: list[SeqWork], device: torch.device) -> SamplingBatch:
-        """Sampling rows for the ``tree_size`` nodes of each request's tree, built on the host at depth 0
-        (:meth:`sample_nodes` offsets them by the nodes' depths on the device)."""
-        rows = [w for w in work for _ in range(self.cfg.tree_size)]
-        return SamplingBatch.build([w.params for w in rows], [w.seed for w in rows], [w.num_generated for w in rows],
-                                   self.model.cfg.eos_token_ids, device=device)
-
-    def sample_nodes(self, tree: DraftTree, logits: torch.Tensor, sampling: SamplingBatch
+    @staticmethod
+    def sample_nodes(tree: DraftTree, logits: torch.Tensor, sampler: NodeSampler, rows: Rows
                      ) -> tuple[SampleOutput, torch.Tensor]:
         """Samples every node of the first J trees of a verified batch, on the device without host
-        synchronisation: ``sampling`` is :meth:`node_sampling` of J requests, ``tree`` a batched DraftTree ``[J',
+        synchronisation: ``rows`` are ``sampler.prepare``'s for J requests, ``tree`` a batched DraftTree ``[J',
         N]`` (rows past J pad), ``logits [J'*N, V]`` at its nodes. A node's pick is the draw plain decoding makes
-        for its output index. Returns the draws (rows ``[J*N]``) and the picks ``[J, N]``."""
+        for its output index and history. Returns the draws (rows ``[J*N]``) and the picks ``[J, N]``."""
         n = tree.tree_size
-        j = sampling.num_generated.shape[0] // n
-        out = sample(logits[:j * n].float(), sampling.advanced(tree.head(j).depth.reshape(-1)))
+        j = len(rows.slots) // n
+        out = sampler.sample(rows, tree.tokens, tree.depth, tree.ancestors, logits)
         return out, out.tokens.view(j, n)
 
     @torch.no_grad()
     def walk_and_commit(self, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
-                        start: torch.Tensor, sampling: SamplingBatch) -> Committed:
+                        start: torch.Tensor, sampler: NodeSampler, rows: Rows) -> Committed:
         """:meth:`sample_nodes`, then :meth:`commit_paths` over the J sampled requests' rows: each request's
         accepted path is committed, on the device with fixed shapes and no host synchronisation. ``feats [J'*N,
         k*H]`` the target features at the nodes; ``slots [J', N]`` int64 the target KV slots of positions ``start
         .. start+N-1``; ``start [J']`` the first tree position."""
-        out, picks = self.sample_nodes(tree, logits, sampling)
+        out, picks = self.sample_nodes(tree, logits, sampler, rows)
         j, n = picks.shape
         path, count = self.commit_paths(tree.head(j), picks, feats[:j * n], slots[:j], start[:j])
         return Committed.along(out, picks, path, count)
@@ -204,19 +234,27 @@ class Speculator:
         return path, count
 
     def accept(self, work: list[SeqWork], tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
-               slots: torch.Tensor, start: torch.Tensor) -> list[StepResult]:
-        """:meth:`walk_and_commit` for ``work`` (its arguments as there), then the one readback of the step."""
-        sampling = self.node_sampling(work, logits.device)
-        return self.walk_and_commit(tree, logits, feats, slots, start, sampling).results(work)
+               slots: torch.Tensor, start: torch.Tensor, sampler: NodeSampler | None = None,
+               masks: torch.Tensor | None = None) -> list[StepResult]:
+        """:meth:`walk_and_commit` for ``work`` (its arguments as there; ``masks``: the grammar's node masks from
+        :meth:`draft`), then the one readback of the step. Without a ``sampler`` (direct callers) ``work``'s own
+        settings sample, through a sampling state of their own."""
+        if sampler is None:
+            state = SamplingState(self.model.cfg.vocab_size, tuple(self.model.cfg.eos_token_ids), logits.device)
+            work, sampler = state.bind(work), TreeSampling(state)
+        rows = sampler.prepare(work, self.cfg.tree_size, masks)
+        return self.walk_and_commit(tree, logits, feats, slots, start, sampler, rows).results(work)
 
     def accept_rows(self, work: list[SeqWork], trees: dict[str, DraftTree], logits: torch.Tensor,
-                    feats: torch.Tensor) -> list[StepResult]:
-        """:meth:`accept` for the dynamic forward's tree rows: ``trees`` by request id (:meth:`propose`), ``logits
+                    feats: torch.Tensor, sampler: NodeSampler | None = None,
+                    masks: torch.Tensor | None = None) -> list[StepResult]:
+        """:meth:`accept` for the dynamic forward's tree rows: ``trees`` by request id (:meth:`draft`), ``logits
         [J*N, V]`` and ``feats [J*N, k*H]`` at the nodes of ``work``'s J trees, in order."""
         n = self.cfg.tree_size
         slots = torch.stack([self.cache.slot_tensor(w.block_table, w.start, w.start + n) for w in work])
         start = torch.tensor([w.start for w in work], device=self.cache.device)
-        return self.accept(work, DraftTree.stack([trees[w.request_id] for w in work]), logits, feats, slots, start)
+        return self.accept(work, DraftTree.stack([trees[w.request_id] for w in work]), logits, feats, slots, start,
+                           sampler, masks)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from model.tree_mask import ancestor_mask
 
 FIELDS = ("tokens", "parents", "depth", "valid", "ancestors")
+SHORTLIST = 4  # build_tree_grammar: candidates per depth looked up by mask bits before a full-vocabulary search
 
 
 @dataclass(frozen=True)
@@ -191,3 +192,117 @@ def path_by_depth(tree: DraftTree, accepted: torch.Tensor, length: int) -> tuple
     nodes = torch.arange(n, device=accepted.device).expand(*lead, n)
     path.scatter_(-1, torch.where(accepted, tree.depth, spill), nodes)
     return path[..., :length], accepted.sum(dim=-1)
+
+
+def build_tree_grammar(logq: torch.Tensor, root_token: int, budget: int, grammar, masks: torch.Tensor,
+                       chain: bool = False, prune: bool = True) -> tuple[DraftTree, int]:
+    """A constrained request's tree, built on the host under its grammar (``grammar``: an
+    :class:`engine.logits_processors.GrammarWalk` at the request's committed state): :func:`build_tree_host`'s
+    best-first selection (``chain``: DFlash's argmax chain) where each node's children are the drafter's best tokens
+    *that the grammar allows after that node* — the matcher is walked over the tree (accept the node's path, fill its
+    mask, roll back), and the same walk writes every node's mask into ``masks [N, W]`` int32 (the verify samples each
+    node under it; -1 rows: every token). Children are not grown under a stop token. ``prune`` off: the plain tree
+    (its nodes' masks still filled; a node the grammar forbids gets -1, and the walk never reaches it). ``logq [D,
+    V]`` on the host. Returns the tree and the candidates the grammar removed (tokens of the plain top-k lists of the
+    nodes expanded that it forbids)."""
+    d_max, vocab = logq.shape
+    if chain:
+        return _chain_grammar(logq, root_token, grammar, masks, prune)
+    k = min(budget, vocab)
+    pop_masks = torch.full((budget + 1, masks.shape[-1]), -1, dtype=torch.int32)
+    grammar.fill([], pop_masks[budget])  # the root's, kept in the last row until the flattening
+    pruned = 0
+
+    tops = [logq[d].topk(min(SHORTLIST * k, vocab)) for d in range(d_max)]  # each depth's best, unmasked
+
+    def candidates(mask: torch.Tensor, d: int) -> tuple[list[float], list[int]]:
+        """The node's children: the drafter's best ``k`` tokens at depth ``d`` that ``mask`` allows — looked up in
+        the depth's shortlist first (bits of a few ids), the whole vocabulary only when the shortlist has too few."""
+        nonlocal pruned
+        top_lp, top_tok = tops[d]
+        if not prune:
+            return top_lp[:k].tolist(), top_tok[:k].tolist()
+        ok = ((mask[top_tok >> 5] >> (top_tok & 31).to(torch.int32)) & 1).bool()
+        pruned += int((~ok[:k]).sum())
+        if int(ok.sum()) >= k or top_tok.numel() == vocab:
+            lp, tok = top_lp[ok][:k], top_tok[ok][:k]
+        else:
+            ids = _allowed(mask, vocab).nonzero().squeeze(1)
+            best = logq[d][ids].topk(min(k, ids.numel()))
+            lp, tok = best.values, ids[best.indices]
+        keep = torch.isfinite(lp)
+        return lp[keep].tolist(), tok[keep].tolist()
+
+    cands = {-1: candidates(pop_masks[budget], 0)}
+    heap = [(-cands[-1][0][0], 0, 0, -1)] if cands[-1][0] else []
+    popped: list[tuple[int, float, int, int, list[int]]] = []  # (depth index, -score, token, parent pop, path)
+    while heap and len(popped) < budget:
+        neg_score, d, r, parent = heapq.heappop(heap)
+        if neg_score == float("inf"):
+            break
+        lps, toks = cands[parent]
+        token = toks[r]
+        path = (popped[parent][4] if parent >= 0 else []) + [token]
+        me = len(popped)
+        popped.append((d, neg_score, token, parent, path))
+        ok = grammar.fill(path, pop_masks[me])
+        if r + 1 < len(toks):
+            heapq.heappush(heap, (neg_score + lps[r] - lps[r + 1], d, r + 1, parent))
+        if d + 1 < d_max and not grammar.ends(token) and (ok or not prune):
+            cands[me] = candidates(pop_masks[me], d + 1)
+            if cands[me][0]:
+                heapq.heappush(heap, (neg_score - cands[me][0][0], d + 1, 0, me))
+    order = sorted(range(len(popped)), key=lambda i: (popped[i][0], popped[i][1], i))
+    node_of = {p: n + 1 for n, p in enumerate(order)}
+    pad = budget - len(order)
+    tokens = [int(root_token)] + [popped[p][2] for p in order] + [0] * pad
+    parents = [-1] + [node_of.get(popped[p][3], 0) for p in order] + [0] * pad
+    depth = [0] + [popped[p][0] + 1 for p in order] + [1] * pad
+    masks.fill_(-1)
+    masks[0] = pop_masks[budget]
+    for n, p in enumerate(order):
+        masks[n + 1] = pop_masks[p]
+    rows: list[list[int]] = [[0]]
+    for i in range(1, budget + 1):
+        rows.append([*rows[parents[i]], i])
+    ancestors = torch.zeros(budget + 1, budget + 1, dtype=torch.bool)
+    ancestors[[i for i, r in enumerate(rows) for _ in r], [j for r in rows for j in r]] = True
+    return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depth=torch.tensor(depth),
+                     valid=torch.arange(budget + 1) <= len(order), ancestors=ancestors), pruned
+
+
+def _chain_grammar(logq: torch.Tensor, root_token: int, grammar, masks: torch.Tensor,
+                   prune: bool) -> tuple[DraftTree, int]:
+    """:func:`build_tree_grammar` for DFlash's chain: at each depth the drafter's best token the grammar allows
+    after the chain so far (``prune`` off: its argmax); the chain ends (invalid nodes) at a stop token or where the
+    grammar allows nothing the drafter scores."""
+    d_max, vocab = logq.shape
+    n, path, pruned = d_max + 1, [], 0
+    tokens, valid = [int(root_token)] + [0] * d_max, [True] + [False] * d_max
+    masks.fill_(-1)
+    ok = grammar.fill([], masks[0])
+    for d in range(d_max):
+        if not ok and prune:
+            break
+        scores = logq[d]
+        if prune:
+            allowed = _allowed(masks[d], vocab)
+            pruned += int(not allowed[scores.argmax()])
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if not torch.isfinite(scores.max()):
+                break
+        token = int(scores.argmax())
+        tokens[d + 1], valid[d + 1] = token, True
+        path.append(token)
+        ok = grammar.fill(path, masks[d + 1])
+        if grammar.ends(token):
+            break
+    every = torch.ones(n, n, dtype=torch.bool)
+    return DraftTree(tokens=torch.tensor(tokens), parents=torch.arange(-1, d_max), depth=torch.arange(n),
+                     valid=torch.tensor(valid), ancestors=every.tril()), pruned
+
+
+def _allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """One int32 bitmask row ``[W]`` → ``[vocab]`` bool."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((mask[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab]

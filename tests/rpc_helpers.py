@@ -22,7 +22,7 @@ from patience import patience
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model.tiny import write_char_tokenizer  # noqa: E402 - after the path insert
+from model.tiny import CHAT_TEMPLATE, write_char_tokenizer  # noqa: E402,F401 - after the path insert; CHAT_TEMPLATE for the tests
 
 
 def free_port() -> int:

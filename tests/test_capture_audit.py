@@ -22,7 +22,10 @@ BLOCK, CTX = 16, 20
 BUDGETS = (8, 16, 32, 64, 128, 256)
 PARAMS = (SamplingParams(temperature=0.0, max_tokens=64),
           SamplingParams(temperature=1.0, top_p=0.9, top_k=20, min_tokens=4, max_tokens=64, logprobs=2),
-          SamplingParams(temperature=0.7, min_p=0.05, max_tokens=64, seed=3))
+          SamplingParams(temperature=0.7, min_p=0.05, max_tokens=64, seed=3),
+          # the logits processors on tree nodes: penalties over the node's path, a logit bias
+          SamplingParams(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+                         logit_bias=((5, 2.0), (9, -3.0)), max_tokens=64, seed=4))
 
 
 # ------------------------------------------------------------------------------------------------- the rules

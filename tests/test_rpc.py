@@ -88,8 +88,6 @@ BAD = [
     ("logprobs > 20", lambda c: c.generate([1], max_tokens=4, logprobs=21), "logprobs"),
     ("stop id >= vocab", lambda c: c.generate([1], max_tokens=4, stop_token_ids=[999]), "stop_token_ids"),
     ("text input", lambda c: _raw(c, text="hello"), "text input is not supported"),
-    ("n > 1", lambda c: _raw(c, tokenized=pb.TokenizedInput(input_ids=[1]),
-                             sampling_params=pb.SamplingParams(max_tokens=2, n=2)), "n must be 1"),
     ("structured output", lambda c: _raw(c, tokenized=pb.TokenizedInput(input_ids=[1]),
                                          sampling_params=pb.SamplingParams(max_tokens=2, regex="a+")), "regex"),
     ("unknown abort id", lambda c: c.abort("never-sent"), "request_ids"),

@@ -26,10 +26,25 @@ from engine.sampler import (
 EOS = (7,)
 
 
-def batch(params, seeds=None, num_generated=None, eos=EOS) -> SamplingBatch:
+def batch(params, seeds=None, num_generated=None) -> SamplingBatch:
     n = len(params)
     seeds = seeds if seeds is not None else [p.seed if p.seed is not None else 0 for p in params]
-    return SamplingBatch.build(params, seeds, num_generated or [0] * n, eos)
+    return SamplingBatch.build(params, seeds, num_generated or [0] * n)
+
+
+def state_sample(logits, params, seeds=None, num_generated=None, depth=None):
+    """Samples ``logits`` rows through a rank's sampling state (its logits processors: min_tokens here), one slot per
+    row; ``depth``: tree rows at those depths (``TreeSampling`` offsets ``num_generated`` by them)."""
+    from engine.logits_processors import Rows, SamplingState
+    from engine.step import NewRequest
+
+    n = len(params)
+    seeds = seeds if seeds is not None else [p.seed if p.seed is not None else 0 for p in params]
+    state = SamplingState(logits.shape[-1], EOS, torch.device("cpu"))
+    slots = [state.add(NewRequest(request_id=str(i), dp_rank=0, prompt=(), output=(), params=p, seed=s))
+             for i, (p, s) in enumerate(zip(params, seeds, strict=True))]
+    generated = torch.tensor(num_generated or [0] * n) + (0 if depth is None else depth)
+    return state.sample(logits, Rows(slots, torch.tensor(slots), generated))
 
 
 def splitmix64_ref(state: int, n: int) -> list[int]:
@@ -206,7 +221,7 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
     q = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,), ignore_eos=True)
     s = SamplingParams(min_tokens=2, stop_token_ids=(3,), top_k=2)  # sampled row: only {5, ...} survive top-2
-    out = sample(logits, batch([p, p, q, s], seeds=[0, 0, 0, 9], num_generated=[0, 2, 1, 1]))
+    out = state_sample(logits, [p, p, q, s], seeds=[0, 0, 0, 9], num_generated=[0, 2, 1, 1])
     assert out.tokens.tolist() == [5, 7, 7, out.tokens[3].item()]
     assert out.tokens[3].item() not in (3, 7)
     # log-probs still come from the unmodified logits
@@ -221,9 +236,9 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def test_advanced_batch_draws_what_a_batch_built_later_draws():
-    """A tree node at depth d draws output index ``num_generated + d``: offsetting a batch built at depth 0 on
-    the device (``advanced``) gives the tokens of a batch built on the host for each depth — bans included,
-    lifted exactly where a row reaches min_tokens (EOS dominates, so a banned row shows it)."""
+    """A tree node at depth d draws output index ``num_generated + d``: offsetting rows built at depth 0 on the
+    device gives the tokens of rows built on the host for each depth — min_tokens bans included, lifted exactly
+    where a row reaches min_tokens (EOS dominates, so a banned row shows it)."""
     gen = torch.Generator().manual_seed(5)
     params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(3,)),
               SamplingParams(temperature=1.0, top_p=0.9, min_tokens=4, seed=1),
@@ -237,8 +252,10 @@ def test_advanced_batch_draws_what_a_batch_built_later_draws():
     for generated in (0, 1):
         seeds = [p.seed or 0 for p in rows]
         later = [generated + int(d) for d in depth]
-        want = sample(logits, SamplingBatch.build(rows, seeds, later, EOS)).tokens
-        got = sample(logits, SamplingBatch.build(rows, seeds, [generated] * len(rows), EOS).advanced(depth)).tokens
+        want = state_sample(logits, rows, seeds, later).tokens
+        got = state_sample(logits, rows, seeds, [generated] * len(rows), depth=depth).tokens
+        assert torch.equal(sample(logits, batch(rows, seeds, [generated] * len(rows)).advanced(depth)).tokens,
+                           sample(logits, batch(rows, seeds, later)).tokens)
         assert torch.equal(got, want)
         greedy = got[:4].tolist()  # request 0: EOS and the stop id banned while generated + d < 3
         assert [t in (EOS[0], 3) for t in greedy] == [generated + d >= 3 for d in range(4)]
@@ -289,4 +306,4 @@ def test_logprobs_of_chosen_and_top_n():
 
 def test_build_rejects_ragged_inputs():
     with pytest.raises(ValueError, match="equal lengths"):
-        SamplingBatch.build([SamplingParams()] * 2, [0], [0, 0], EOS)
+        SamplingBatch.build([SamplingParams()] * 2, [0], [0, 0])

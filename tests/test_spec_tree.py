@@ -155,7 +155,7 @@ def sample_and_walk(tree, logits, seed, generated):
     """The engine's rule: the pick at each node is the target's sample for that output index."""
     num_generated = [generated + int(d) for d in tree.depth]
     params = SamplingParams(temperature=1.0)
-    sb = SamplingBatch.build([params] * tree.tree_size, [seed] * tree.tree_size, num_generated, ())
+    sb = SamplingBatch.build([params] * tree.tree_size, [seed] * tree.tree_size, num_generated)
     picks = sample(logits, sb).tokens
     path, count = path_by_depth(tree, walk(tree, picks), int(tree.depth.max()) + 1)
     return picks[path[:count]].tolist()  # what Speculator.accept commits

@@ -129,4 +129,7 @@ def test_the_implementations_have_the_protocols_members():
     assert not _signature_matches(DFlashSpeculator, speculation.Speculator)
     assert not _signature_matches(runner._DynamicTarget, speculation.TargetForward)
     assert not _signature_matches(runner._StaticTarget, speculation.StaticTarget)
+    from engine.logits_processors import TreeSampling
+
+    assert not _signature_matches(TreeSampling, speculation.NodeSampler)
     assert "feature_layers" in inspect.getsource(DFlashSpeculator.__init__)

@@ -62,10 +62,11 @@ def where_it_stops(tok, out: list[int], stop: str, min_tokens: int) -> int:
 
 def spanning_stop(tok, out: list[int]) -> str:
     """A stop string made of the end of one output token and the start of the next (so it spans tokens); never a
-    special token's text, which a client that skips special tokens (smg, as OpenAI) does not see."""
+    special token's text, which a client that skips special tokens (smg, as OpenAI) does not see, nor a token that
+    ends or starts inside a multi-byte character (decoded alone: U+FFFD) — that is not text."""
     for k in range(4, len(out) - 1):
         a, b = (tok.decode([t], skip_special_tokens=True) for t in out[k:k + 2])
-        if len(a) >= 2 and len(b) >= 1 and a.strip() and b.strip():
+        if len(a) >= 2 and len(b) >= 1 and a.strip() and b.strip() and "\ufffd" not in a + b:
             return a[-2:] + b[:2]
     raise AssertionError("no two printable neighbouring tokens")
 
