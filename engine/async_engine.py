@@ -238,7 +238,7 @@ class AsyncEngine:
         if kind == "abort":
             (request_id,) = args
             if self.engine.scheduler.knows(request_id):
-                self._emit(self.engine.scheduler.abort_all(request_id))
+                self._emit(self.engine.abort_all(request_id))
             return True
         if kind == "call":
             try:

@@ -135,9 +135,17 @@ class Engine:
         self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
 
     def abort(self, request_id: str) -> RequestOutput:
-        out = self.scheduler.abort(request_id)
-        self.recorder.aborted(out, time.monotonic())
-        return out
+        """Ends ``request_id`` (all its samples) now; returns the last one's finished output."""
+        return self.abort_all(request_id)[-1]
+
+    def abort_all(self, request_id: str) -> list[RequestOutput]:
+        """Ends ``request_id`` now: one finished output per sample still running (n > 1), each recorded as ended
+        (the stats record, /metrics)."""
+        outs = self.scheduler.abort_all(request_id) or [self.scheduler.abort(request_id)]  # unknown id: RequestError
+        now = time.monotonic()
+        for out in outs:
+            self.recorder.aborted(out, now)
+        return outs
 
     def warm_up(self) -> float:
         """Runs every configured static shape once on every rank before the first request — captured as CUDA
