@@ -203,6 +203,9 @@ class Scheduler:
         if len(prompt) + params.max_tokens > self.cfg.max_model_len:
             raise RequestError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds "
                                f"max_model_len {self.cfg.max_model_len}")
+        if params.n > self.cfg.max_num_seqs:
+            raise RequestError(f"n={params.n} is above engine.max_num_seqs={self.cfg.max_num_seqs} (a request's "
+                               "samples run at once on one DP rank)")
         need = blocks_for(self.request_slots(len(prompt), params.max_tokens), self.cfg.block_size)
         if need > self.cfg.num_blocks:
             raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt)} + max_tokens "
@@ -275,13 +278,17 @@ class Scheduler:
         del self.requests[parent.request_id]
         self.groups[parent.request_id].discard(parent.request_id)
 
+    def _seats(self, dp: int) -> int:
+        """Running slots DP rank ``dp`` has promised: a request that will fork into n samples holds n of them."""
+        return sum(max(req.fork_n, 1) for req in self.running[dp])
+
     def _admit(self) -> None:
         """Admits in queue order while a rank has room and the blocks a request's first step needs; a request pinned
         to a full rank waits without holding up the others, one whose blocks are not free stops admission (FCFS).
         Sets :attr:`blocked` when a request stays for want of a slot or of blocks."""
         for req in list(self.waiting):
             ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(self.dp_size))
-                     if len(self.running[r]) < self.cfg.max_num_seqs]
+                     if self._seats(r) + max(req.fork_n, 1) <= self.cfg.max_num_seqs]
             if not ranks:
                 self.blocked = self.blocked or "max_num_seqs"
                 if req.pinned_dp is None:

@@ -8,7 +8,8 @@
 - smg (``--tool-call-parser kimik2``) in front of a Kimi-style tiktoken checkpoint (random weights, Kimi's special
   tokens): ``response_format`` json_schema gives content valid under the schema, and ``tool_choice="required"`` with
   two tools makes smg send a ``structural_tag`` whose parsed ``tool_calls`` validate against their tools' schemas.
-  After a call the tag allows any token, so such a request runs to EOS or ``max_tokens`` (here: ``length``)."""
+  After a call the tag allows any token, so such a request runs to EOS or ``max_tokens`` (here: ``length``). ``n > 1``
+  through smg: choice i equals a standalone request seeded s + i."""
 
 from __future__ import annotations
 
@@ -212,3 +213,17 @@ def test_kimi_tool_choice_required_through_smg_gives_valid_tool_calls(kimi_gatew
         # after a call the tag allows any token: the request runs to EOS or max_tokens
         assert choice.finish_reason in ("stop", "length")
     assert parsed >= 1
+
+
+def test_n_samples_through_smg_equal_standalone_seeded_requests(kimi_gateway):
+    """``n=3`` through smg's OpenAI chat endpoint: three choices, indexed 0..2, and choice i is the text a standalone
+    request with seed s + i gets (the worker's rule for ``n > 1``), over the same gateway."""
+    msgs, seed = [{"role": "user", "content": "weather in Oslo?"}], 11
+    sampling = {"model": "kimi", "messages": msgs, "max_tokens": 24, "temperature": 1.0}
+    r = kimi_gateway.chat.completions.create(n=3, seed=seed, **sampling)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2], r
+    texts = {c.index: c.message.content for c in r.choices}
+    alone = [kimi_gateway.chat.completions.create(seed=seed + i, **sampling).choices[0].message.content
+             for i in range(3)]
+    assert [texts[i] for i in range(3)] == alone
+    assert len(set(alone)) > 1, alone  # seeded T=1 samples differ, so the check above tells the indices apart

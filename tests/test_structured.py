@@ -349,6 +349,32 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     assert kv.fork("q", "d", 0, 8) == (8, None)  # whole blocks: nothing to copy
 
 
+def test_samples_to_be_forked_hold_their_running_slots():
+    """``max_num_seqs`` counts a request's samples from its admission: with 4 slots, an n=3 request, an n=1 and an
+    n=2 one never run more than 4 sequences, n=2 waits until the n=3 group ends, and n=5 is refused."""
+    from engine.scheduler import RequestError, Scheduler, SchedulerConfig
+    from engine.step import StepResult
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16,
+                                      num_blocks=64), 1, 203, (1,))
+    for rid, n, max_tokens in (("a", 3, 6), ("c", 1, 4), ("b", 2, 4)):
+        sched.add(rid, list(range(10, 40)), SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n,
+                                                           ignore_eos=True), 7)
+    with pytest.raises(RequestError, match="n=5 is above engine.max_num_seqs=4"):
+        sched.add("d", [1, 2, 3], SamplingParams(max_tokens=2, n=5), 0)
+    most, b_started_while_a_ran, finished = 0, False, []
+    while sched.has_work():
+        plan = sched.schedule()
+        most = max(most, sched.num_running())
+        running = {w.request_id.split("\x1f")[0] for w in plan.work[0]}
+        b_started_while_a_ran |= {"a", "b"} <= running
+        out = sched.update(plan, {w.request_id: StepResult([5], [0.0], [[]]) for w in plan.work[0] if w.sample})
+        finished += [(o.request_id, o.index) for o in out if o.finished]
+    assert most == 4 and not b_started_while_a_ran
+    assert sorted(finished) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("c", 0)]
+    assert sched.blocks_in_use() == 0
+
+
 def _n_job(ctx, lay, spec_arms, prompt):
     """``n=4`` seeded at T=1 against four standalone requests seeded s + i, per arm; prefill tokens of each."""
     from engine.engine import Engine, make_runner, worker_loop
