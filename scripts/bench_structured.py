@@ -212,7 +212,7 @@ def forced_markers(tmp: Path) -> list[dict]:
     for prune in (True, False):
         spec = SpecConfig("ddtree", budget=16, block_size=9, drafter_path=str(tmp / "drafter"), prune_drafts=prune)
         engine = engine_for(ckpt, spec, grammar)
-        params = SamplingParams(temperature=0.0, max_tokens=48, constraint=Constraint("structural_tag",
+        params = SamplingParams(temperature=0.0, max_tokens=160, constraint=Constraint("structural_tag",
                                                                                       kimi_tool_tag()))
         out, steps, _ = run(engine, [("call", prompt, params)])
         tokens = out["call"]

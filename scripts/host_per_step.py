@@ -13,20 +13,15 @@ Finer splits are in a ``StartProfile`` trace (docs/metrics.md, "Profiling").
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
+from tiny_kimi import decode_batch, load_pair
 
 from engine.engine import Engine
-from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.step import StepKind
 from engine.step_record import HOST_PHASES, LAUNCH_PARTS, StepRecord
-from model.loader import load_model
-from parallelism.comm import build_groups
-from parallelism.layout import Layout
 
-ZOO = Path(__file__).resolve().parent.parent / "model/zoo/tiny_kimi"
 PHASES = (*HOST_PHASES[:2], *LAUNCH_PARTS, *HOST_PHASES[2:], "device")
 
 
@@ -53,11 +48,7 @@ def run_once(args, model, speculation) -> DecodePhases:
     engine.warm_up()
     phases = DecodePhases()
     engine.subscribe(phases.observe)
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), [5 + i, 17, 3, 99, 150, 7, 64, 31], params)
-    while engine.has_work():
-        engine.step()
+    decode_batch(engine, args.batch, args.tokens)
     engine.shutdown()
     return phases
 
@@ -71,14 +62,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = load_model(str(ZOO / "target"), build_groups(Layout()))
-    speculation = None
-    if args.spec != "none":
-        from spec_decode.config import SpecConfig
-        from spec_decode.speculation import load_speculation
-
-        speculation = load_speculation(SpecConfig(args.spec, budget=16, block_size=9, drafter_path=str(ZOO / "drafter"),
-                                                  tree_temperature=0.33), model)
+    model, speculation = load_pair(args.spec)
     best: dict[str, float] = {}
     for _ in range(args.repeats):
         phases = run_once(args, model, speculation)

@@ -16,22 +16,16 @@ import argparse
 import pickle
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from tiny_kimi import decode_batch, load_pair
 
 from engine.engine import Engine
-from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.step import StepKind
 from engine.step_record import RankReport, StepRecord
 from engine.telemetry import CpuBackend, TelemetrySampler
-from model.loader import load_model
-from parallelism.comm import build_groups
-from parallelism.layout import Layout
 from rpc.metrics import exporter_for
-
-ZOO = Path(__file__).resolve().parent.parent / "model/zoo/tiny_kimi"
 
 
 class TimedRecorder:
@@ -61,14 +55,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = load_model(str(ZOO / "target"), build_groups(Layout()))
-    speculation = None
-    if args.spec != "none":
-        from spec_decode.config import SpecConfig
-        from spec_decode.speculation import load_speculation
-
-        speculation = load_speculation(SpecConfig(args.spec, budget=16, block_size=9, drafter_path=str(ZOO / "drafter"),
-                                                  tree_temperature=0.33), model)
+    model, speculation = load_pair(args.spec)
     engine = Engine(model, SchedulerConfig(max_num_seqs=args.batch, max_model_len=256, num_blocks=256),
                     speculation=speculation)
     exporter = exporter_for(engine, "tiny_kimi")
@@ -84,11 +71,7 @@ def main() -> None:
 
     engine.subscribe(timed)
     engine.recorder = recorder = TimedRecorder(engine.recorder)
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), [5 + i, 17, 3, 99, 150, 7, 64, 31], params)
-    while engine.has_work():
-        engine.step()
+    decode_batch(engine, args.batch, args.tokens)
     engine.shutdown()
     t0 = time.perf_counter()
     page = exporter.text()

@@ -8,6 +8,8 @@ Run as a script to give a checkpoint dir a tokenizer (for trying smg by hand):
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -15,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from patience import patience
@@ -48,6 +52,40 @@ def hf_greedy(ckpt: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     hf = load_hf(ckpt)
     return [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):].tolist()
             for p in prompts]
+
+
+SMG = Path(sys.executable).parent / "smg"
+
+
+@contextlib.contextmanager
+def smg_gateway(worker_target: str, ckpt: str | Path, log_path: str | Path, *options: str,
+                model: str | None = None) -> Iterator[str]:
+    """``smg launch`` on 127.0.0.1 in front of the gRPC worker at ``worker_target`` (``host:port``), passthrough
+    policy, plus ``options``; yields its base URL once ``/v1/models`` lists a model (``model``: that one). Killed on
+    exit (smg's graceful stop waits a 5 s load-balancer window)."""
+    log_path, port = Path(log_path), free_port()
+    with open(log_path, "w") as log:
+        smg = subprocess.Popen([str(SMG), "launch", "--worker-urls", f"grpc://{worker_target}", "--model-path",
+                                str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
+                                "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "passthrough",
+                                "--log-level", "warn", *options], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + patience(60)
+        while True:
+            assert smg.poll() is None, log_path.read_text()[-3000:]
+            try:
+                listed = json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=2)).get("data", [])
+                if any(model is None or m["id"] == model for m in listed):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "smg never listed the model:\n" + log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        yield base
+    finally:
+        smg.kill()
+        smg.wait()
 
 
 def layout_args(world: int) -> list[str]:

@@ -1,16 +1,11 @@
 """The engine on quantized checkpoints: greedy tokens equal HF transformers' on the dequantized copy under
 every layout, DDTree and DFlash stay lossless, and serve.py serves one through the SMG gateway."""
 
-import json
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
 from layouts import layout
-from rpc_helpers import ServerProcess, free_port, with_tokenizer
+from rpc_helpers import ServerProcess, smg_gateway, with_tokenizer
 from test_engine import GREEDY, PROMPTS, greedy_job
 from test_engine import _engine_job as engine_job
 from test_spec_engine import PROMPTS as SPEC_PROMPTS
@@ -21,7 +16,6 @@ from engine.sampler import SamplingParams
 from model.tiny import load_hf
 
 CKPTS = ("kimi_k25_int4", "qwen3_int4", "deepseek_fp8", "qwen3_fp8")
-SMG = __import__("pathlib").Path(sys.executable).parent / "smg"
 
 
 def hf_tokens(path, prompts, n):
@@ -67,38 +61,20 @@ def test_serve_through_smg(quant_ckpts, tmp_path):
 
     ckpt = with_tokenizer(quant_ckpts["kimi_k25_int4"][0], tmp_path / "ckpt")
     srv = ServerProcess(str(ckpt), ["parallel=single", "server.served_model_name=tiny"], tmp_path / "server.log")
-    smg = client = None
+    client = None
     try:
         client = srv.wait_ready()
-        port = free_port()
-        smg = subprocess.Popen([str(SMG), "launch", "--worker-urls", f"grpc://{srv.target}", "--model-path", str(ckpt),
-                                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                                "--prometheus-port", str(free_port()), "--policy", "passthrough", "--disable-retries",
-                                "--disable-circuit-breaker", "--log-level", "warn"],
-                               stdout=open(tmp_path / "smg.log", "w"), stderr=subprocess.STDOUT)
-        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-        while True:
-            assert smg.poll() is None, (tmp_path / "smg.log").read_text()[-3000:]
-            try:
-                if any(m["id"] == "tiny" for m in json.load(urllib.request.urlopen(f"{base}/v1/models",
-                                                                                    timeout=2)).get("data", [])):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "smg.log").read_text()[-3000:]
-            time.sleep(0.2)
-        tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-        ids = tok.encode("Hello world", add_special_tokens=False).ids
-        own = client.generate(ids, max_tokens=8, temperature=0.0)
-        assert own.token_ids and (len(own.token_ids) == 8 or own.finish_reason == "stop"), own
-        assert own.token_ids == hf_tokens(quant_ckpts["kimi_k25_int4"][1], [ids], 8)[0][:len(own.token_ids)]
-        oai = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        r = oai.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0)
-        assert r.choices[0].text == tok.decode(own.token_ids, skip_special_tokens=True)
+        with smg_gateway(srv.target, ckpt, tmp_path / "smg.log", "--disable-retries", "--disable-circuit-breaker",
+                         model="tiny") as base:
+            tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+            ids = tok.encode("Hello world", add_special_tokens=False).ids
+            own = client.generate(ids, max_tokens=8, temperature=0.0)
+            assert own.token_ids and (len(own.token_ids) == 8 or own.finish_reason == "stop"), own
+            assert own.token_ids == hf_tokens(quant_ckpts["kimi_k25_int4"][1], [ids], 8)[0][:len(own.token_ids)]
+            oai = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            r = oai.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0)
+            assert r.choices[0].text == tok.decode(own.token_ids, skip_special_tokens=True)
     finally:
-        if smg is not None:
-            smg.kill()
-            smg.wait()
         if client is not None:
             client.close()
         srv.close()

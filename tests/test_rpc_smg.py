@@ -3,21 +3,14 @@ completions and chat, plain and streaming — and the text equals the server's o
 checkpoint's tokenizer. The tiny checkpoint gets a small tokenizer (``model.tiny.write_char_tokenizer``) since it
 has none."""
 
-import json
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
-from rpc_helpers import ServerProcess, free_port, with_tokenizer
+from rpc_helpers import ServerProcess, smg_gateway, with_tokenizer
 
 from model.tiny import CHAT_TEMPLATE
 
 CKPT = "tiny_deepseek"
 MODEL = "tiny"
-SMG = Path(sys.executable).parent / "smg"
 
 
 @pytest.fixture(scope="module")
@@ -25,33 +18,13 @@ def gateway(tiny_ckpts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smg")
     ckpt = with_tokenizer(tiny_ckpts[CKPT], tmp / "ckpt")
     srv = ServerProcess(str(ckpt), ["parallel=single", f"server.served_model_name={MODEL}"], tmp / "server.log")
-    smg, client = None, None
+    client = None
     try:
         client = srv.wait_ready()
-        port = free_port()
-        log = open(tmp / "smg.log", "w")
-        smg = subprocess.Popen([str(SMG), "launch", "--worker-urls", f"grpc://{srv.target}", "--model-path", str(ckpt),
-                                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                                "--prometheus-port", str(free_port()), "--policy", "passthrough", "--disable-retries",
-                                "--disable-circuit-breaker", "--log-level", "warn"],
-                               stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert smg.poll() is None, (tmp / "smg.log").read_text()[-3000:]
-            try:
-                models = json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=2))
-                if any(m["id"] == MODEL for m in models.get("data", [])):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "smg never listed the model:\n" + (tmp / "smg.log").read_text()[-3000:]
-            time.sleep(0.2)
-        yield base, client, ckpt
+        with smg_gateway(srv.target, ckpt, tmp / "smg.log", "--disable-retries", "--disable-circuit-breaker",
+                         model=MODEL) as base:
+            yield base, client, ckpt
     finally:
-        if smg is not None:  # SIGKILL: smg's graceful stop waits a 5 s load-balancer window
-            smg.kill()
-            smg.wait()
         if client is not None:
             client.close()
         srv.close()

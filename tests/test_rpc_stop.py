@@ -4,21 +4,16 @@ that completes the match — the stream's last chunk holds it and nothing follow
 tokens returned, the tokens equal plain decoding's up to that token, and ``min_tokens`` holds the check back."""
 
 import json
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from rpc_helpers import ServerProcess, free_port
+from rpc_helpers import ServerProcess, smg_gateway
 from test_stop_strings import spanning_stop, where_it_stops
 
 from model.tokenizer import load_tokenizer
 
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 TARGET = ZOO / "target"
-SMG = Path(sys.executable).parent / "smg"
 GREEDY = dict(temperature=0.0, max_tokens=120)
 pytestmark = pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained pair is absent")
 
@@ -78,30 +73,9 @@ def test_min_tokens_with_a_stop_string_over_grpc(servers):
 @pytest.fixture(scope="module")
 def gateway(servers, tmp_path_factory):
     """smg in front of the DDTree server."""
-    log_path = tmp_path_factory.mktemp("smg") / "smg.log"
-    port = free_port()
-    target = servers["ddtree"].target
-    with open(log_path, "w") as log:
-        smg = subprocess.Popen([str(SMG), "launch", "--worker-urls", f"grpc://{target}", "--model-path", str(TARGET),
-                                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                                "--prometheus-port", str(free_port()), "--policy", "passthrough", "--disable-retries",
-                                "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert smg.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=2)).get("data"):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
+    with smg_gateway(servers["ddtree"].target, TARGET, tmp_path_factory.mktemp("smg") / "smg.log",
+                     "--disable-retries") as base:
         yield base
-    finally:
-        smg.kill()
-        smg.wait()
 
 
 def test_openai_sdk_stop_through_smg(gateway, servers):

@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import jsonschema
 import pytest
-from rpc_helpers import ServerProcess, free_port
+from rpc_helpers import ServerProcess, smg_gateway
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from test_structured import EBNF, NESTED, PATTERN
 
 from model.tokenizer import load_tokenizer
 
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
-SMG = Path(sys.executable).parent / "smg"
 SCHEMAS = [
     NESTED,
     PATTERN,
@@ -145,41 +140,19 @@ def test_server_info_says_the_grammar_starts_at_the_first_token(zoo):
 
 @pytest.fixture(scope="module")
 def kimi_gateway(tmp_path_factory):
+    from openai import OpenAI
     from tiktoken_ckpt import write_tiktoken_checkpoint
 
     tmp = tmp_path_factory.mktemp("kimi_smg")
     ckpt = write_tiktoken_checkpoint(tmp / "ckpt")
     srv = ServerProcess(str(ckpt), ["parallel=single", "model=hf", "server.served_model_name=kimi"],
                         tmp / "server.log")
-    smg = None
     try:
         client = srv.wait_ready()
-        port = free_port()
-        with open(tmp / "smg.log", "w") as log:
-            smg = subprocess.Popen([str(SMG), "launch", "--worker-urls", f"grpc://{srv.target}", "--model-path",
-                                    str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
-                                    "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "passthrough",
-                                    "--tool-call-parser", "kimik2", "--log-level", "warn"],
-                                   stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert smg.poll() is None, (tmp / "smg.log").read_text()[-3000:]
-            try:
-                if json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=2)).get("data"):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp / "smg.log").read_text()[-3000:]
-            time.sleep(0.2)
-        from openai import OpenAI
-
-        yield OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with smg_gateway(srv.target, ckpt, tmp / "smg.log", "--tool-call-parser", "kimik2") as base:
+            yield OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         client.close()
     finally:
-        if smg is not None:
-            smg.kill()
-            smg.wait()
         srv.close()
 
 

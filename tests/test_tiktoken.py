@@ -3,22 +3,14 @@ a ``tiktoken.Encoding`` built the way Kimi's ``tokenization_kimi.py`` builds it,
 ``tokenizer_config.json``), detokenizes it incrementally across a character split over several tokens, ships it
 through ``GetTokenizer``, and it serves through smg with stop strings that stop."""
 
-import json
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
-from rpc_helpers import ServerProcess, free_port
+from rpc_helpers import ServerProcess, smg_gateway
 from test_stop_strings import spanning_stop, where_it_stops
 from tiktoken_ckpt import SPECIALS, write_tiktoken_checkpoint
 
 from engine.stop_strings import IncrementalDetokenizer
 from model.tokenizer import KIMI_PATTERN, TiktokenTokenizer, load_tokenizer, read_ranks
-
-SMG = Path(sys.executable).parent / "smg"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +62,6 @@ def test_a_tiktoken_checkpoint_serves_through_smg_and_its_stop_strings_stop(ckpt
 
     srv = ServerProcess(str(ckpt), ["parallel=single", "model=hf", "server.served_model_name=kimi"],
                         tmp_path / "server.log")
-    smg = None
     try:
         client = srv.wait_ready()
         tok = load_tokenizer(ckpt)
@@ -78,31 +69,12 @@ def test_a_tiktoken_checkpoint_serves_through_smg_and_its_stop_strings_stop(ckpt
         out = client.generate(tok.encode(prompt), temperature=0.0, max_tokens=40, ignore_eos=True).token_ids
         stop = spanning_stop(tok, out)
         n = where_it_stops(tok, out, stop, 0)
-        port = free_port()
-        with open(tmp_path / "smg.log", "w") as log:
-            smg = subprocess.Popen([str(SMG), "launch", "--worker-urls", f"grpc://{srv.target}", "--model-path",
-                                    str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
-                                    "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "passthrough",
-                                    "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert smg.poll() is None, (tmp_path / "smg.log").read_text()[-3000:]
-            try:
-                if json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=2)).get("data"):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "smg.log").read_text()[-3000:]
-            time.sleep(0.2)
-        sdk = OpenAI(base_url=f"{base}/v1", api_key="none")
-        done = sdk.completions.create(model="kimi", prompt=prompt, max_tokens=40, temperature=0, stop=[stop],
-                                      extra_body={"ignore_eos": True})
+        with smg_gateway(srv.target, ckpt, tmp_path / "smg.log") as base:
+            sdk = OpenAI(base_url=f"{base}/v1", api_key="none")
+            done = sdk.completions.create(model="kimi", prompt=prompt, max_tokens=40, temperature=0, stop=[stop],
+                                          extra_body={"ignore_eos": True})
         assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == n, (stop, done)
         assert stop not in done.choices[0].text
         client.close()
     finally:
-        if smg is not None:
-            smg.kill()
-            smg.wait()
         srv.close()
