@@ -31,7 +31,7 @@ from typing import Any
 from engine.engine import Engine
 from engine.kv_manager import KvEvent
 from engine.recorder import rank_loads
-from engine.sampler import SamplingParams
+from engine.sampler import Constraint, SamplingParams
 from engine.scheduler import RequestError
 from engine.step import RequestOutput
 from engine.step_record import RankLoad, StepRecord
@@ -155,6 +155,10 @@ class AsyncEngine:
         """Ends the request if it is still in the engine (its stream gets a finished "abort" output)."""
         self._commands.put(("abort", None, request_id))
 
+    def precompile(self, constraint: Constraint) -> None:
+        """The other ranks start compiling ``constraint`` now (``Engine.precompile``, between steps); no reply."""
+        self._commands.put(("precompile", None, constraint))
+
     def close(self, stream: RequestStream) -> None:
         """Called when the consumer is done with a stream; aborts the request if it has not finished."""
         if not stream.finished:
@@ -239,6 +243,9 @@ class AsyncEngine:
             (request_id,) = args
             if self.engine.scheduler.knows(request_id):
                 self._emit(self.engine.abort_all(request_id))
+            return True
+        if kind == "precompile":
+            self.engine.precompile(*args)
             return True
         if kind == "call":
             try:

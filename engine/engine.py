@@ -30,7 +30,7 @@ from engine.grammar import GrammarBackend
 from engine.profiling import ProfileControl, ProfileDriver, ProfilePlan, RankProfiler
 from engine.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.runner import Launched, ModelRunner
-from engine.sampler import SamplingParams
+from engine.sampler import Constraint, SamplingParams
 from engine.scheduler import RequestError, Scheduler, SchedulerConfig
 from engine.speculation import Speculation
 from engine.step import RequestOutput, StepKind, StepPlan, StepResult
@@ -54,6 +54,13 @@ class WarmUpShape:
 
     batch: int
     tree_size: int
+
+
+@dataclass(frozen=True)
+class Precompile:
+    """Broadcast by :meth:`Engine.precompile`: every rank starts compiling ``constraint`` on its grammar thread."""
+
+    constraint: Constraint
 
 
 STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engine.max_num_seqs)
@@ -119,6 +126,14 @@ class Engine:
             except Exception:  # noqa: BLE001 - a subscriber's bug must not stop serving
                 log.exception("step-record subscriber %r failed; it gets no more records", fn)
                 self._subscribers.remove(fn)
+
+    def precompile(self, constraint: Constraint) -> None:
+        """A request under ``constraint`` is on its way (the server compiles it off the engine thread before admitting
+        it, and calls this when it was not compiled here yet): every other rank starts compiling it now on its grammar
+        thread, so that none compiles it on its step path when the request arrives in a plan. Nothing to do on one
+        rank."""
+        if self.plane.size > 1 and self.grammar is not None:
+            self.plane.broadcast_object(Precompile(constraint))
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
                     retain_kv: bool = False, arrival: float | None = None) -> None:
@@ -371,6 +386,9 @@ def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) 
             continue
         if isinstance(plan, ProfileControl):
             plane.gather_objects(profiler.apply(plan))
+            continue
+        if isinstance(plan, Precompile):
+            runner.precompile(plan.constraint)
             continue
         launched = None if plan == DRAIN else runner.launch_plan(plan)
         if in_flight is not None:

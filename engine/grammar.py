@@ -4,9 +4,11 @@ cached by the constraint text, and the grammar logits processor (one matcher per
 Where the matchers live: on every rank of the request's attention-DP group, replayed from the same committed tokens
 (the plan's fed tokens and the accepted drafts every rank reads back). Rank 0 does not ship mask bits: a K2 row is
 5,120 int32 words (20 KB) per sampled row and per tree node, and the draft tree is built where the draft is made —
-on every rank of the group, as the DDTree is already. A rank compiles a constraint the first time it sees it
-(cached by its text, so an agent's tool list compiles once per process); rank 0 compiled it before admission, off
-the engine thread, which is where a constraint that does not compile is refused. docs/sampling.md.
+on every rank of the group, as the DDTree is already. A constraint compiles once per process (cached by its text,
+so an agent's tool list compiles once): rank 0 compiles it before admission, off the engine thread, which is where a
+constraint that does not compile is refused; the other ranks start compiling it on their grammar thread when rank 0
+receives the request (:meth:`GrammarBackend.compile_soon`, sent by ``Engine.precompile``), so that no rank compiles
+on its step path. docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import logging
 import math
 import re
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -95,7 +99,10 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._compiler = None
         self._cache: OrderedDict[Constraint, object] = OrderedDict()
+        self._pending: dict[Constraint | None, Future] = {}  # compile_soon's work under way
+        self._thread: ThreadPoolExecutor | None = None
         self.compiles = 0  # compilations run (cache misses)
+        self.compiles_in_background = 0  # of them, run on the grammar thread (compile_soon)
         self.special: frozenset[int] = frozenset()  # ids no grammar allows (empty text: reserved), known once built
 
     @classmethod
@@ -118,12 +125,44 @@ class GrammarBackend:
                 self.special = frozenset(info.special_token_ids) - set(self.eos_ids)
             return self._compiler
 
+    def cached(self, c: Constraint) -> bool:
+        with self._lock:
+            return c in self._cache
+
+    def under_way(self, c: Constraint) -> bool:
+        """Compiled, or being compiled on the grammar thread: :meth:`compile` will not compile it in its caller."""
+        with self._lock:
+            return c in self._cache or c in self._pending
+
+    def compile_soon(self, c: Constraint | None = None) -> None:
+        """Starts compiling ``c`` (None: only building the tokenizer info, the first compile's larger part) on this
+        backend's grammar thread, unless it is compiled or under way; :meth:`compile` then waits for that work instead
+        of repeating it. xgrammar compiles outside the GIL, so the rank's step loop runs on meanwhile."""
+        with self._lock:
+            if c in self._cache or c in self._pending or (c is None and self._compiler is not None):
+                return
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            work = self._thread.submit(self.compiler) if c is None else \
+                self._thread.submit(self._compile_and_cache, c, True)
+            self._pending[c] = work
+        work.add_done_callback(lambda _: self._forget(c))
+
+    def _forget(self, c: Constraint | None) -> None:
+        with self._lock:
+            self._pending.pop(c, None)
+
     def compile(self, c: Constraint):
-        """``c``'s compiled grammar (cached); raises :class:`ConstraintError` naming the field."""
+        """``c``'s compiled grammar (cached; waits for :meth:`compile_soon`'s work on it); raises
+        :class:`ConstraintError` naming the field."""
         with self._lock:
             if c in self._cache:
                 self._cache.move_to_end(c)
                 return self._cache[c]
+            pending = self._pending.get(c)
+        return pending.result() if pending is not None else self._compile_and_cache(c)
+
+    def _compile_and_cache(self, c: Constraint, background: bool = False):
         compiler = self.compiler()
         try:
             compiled = self._compile(compiler, c)
@@ -133,6 +172,7 @@ class GrammarBackend:
             raise ConstraintError(f"{c.field} does not compile: {_message(err)}") from None
         with self._lock:
             self.compiles += 1
+            self.compiles_in_background += background
             self._cache[c] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
@@ -218,7 +258,11 @@ class GrammarMasks:
         c = req.params.constraint
         if c is None:
             return
+        started, ahead = time.perf_counter(), self.backend.under_way(c)
         m = self.backend.matcher(c)
+        if not ahead:
+            log.info("request %s: its %s compiled on the step path (%.1f ms; Engine.precompile announces it)",
+                     req.request_id, c.field, 1e3 * (time.perf_counter() - started))
         for token in req.output:  # a preempted request's output, replayed
             if not m.accept_token(token):
                 log.error("request %s: its output does not follow its %s; left unconstrained", req.request_id,
@@ -252,8 +296,6 @@ class GrammarMasks:
 
     def fill(self, slots: list[int]) -> Tensor:
         """``[R, W]`` int32 host masks at each slot's committed state (-1: every token, for unconstrained rows)."""
-        import time
-
         t0 = time.perf_counter()
         masks = torch.full((len(slots), self.words), -1, dtype=torch.int32)
         for row, slot in enumerate(slots):

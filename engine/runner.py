@@ -28,6 +28,7 @@ from engine.grammar import GrammarBackend, GrammarMasks
 from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.logits_processors import SamplingState, TreeSampling
 from engine.rank_requests import RankRequests
+from engine.sampler import Constraint
 from engine.speculation import Record, Speculation, StaticLayout, TreeRows
 from engine.staging import Readback, to_device
 from engine.step import RunnerOutput, SeqWork, StepItem, StepKind, StepPlan, StepResult, step_kind
@@ -131,6 +132,12 @@ class ModelRunner:
             index, rows = zip(*refs, strict=True)
             ids.index_copy_(0, to_device(index, torch.int64, self.device),
                             self.last_tokens[to_device(rows, torch.int64, self.device)])
+
+    def precompile(self, constraint: Constraint) -> None:
+        """Starts compiling ``constraint`` on the grammar thread (``Engine.precompile``; a rank without a grammar
+        backend has no constrained requests)."""
+        if self.sampling.grammar is not None:
+            self.sampling.grammar.backend.compile_soon(constraint)
 
     def launch_plan(self, plan: StepPlan) -> Launched:
         """:meth:`launch` of this rank's share of ``plan``, after applying its changes to the requests kept here and

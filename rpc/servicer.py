@@ -248,8 +248,9 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                 self.idle.set()
 
     async def _compile(self, constraint: Constraint | None) -> None:
-        """Compiles a constraint off the engine thread (cached by its text, so the engine's own check and the ranks of
-        this process find it compiled); raises ConstraintError (INVALID_ARGUMENT) before anything is admitted."""
+        """Compiles a constraint off the engine thread (cached by its text, so the engine's own check finds it
+        compiled), a new one announced to the other ranks first (``Engine.precompile``: they compile it on their
+        grammar threads meanwhile); raises ConstraintError (INVALID_ARGUMENT) before anything is admitted."""
         if constraint is None:
             return
         log.debug("constraint %s: %s", constraint.kind, constraint.text[:4000])
@@ -257,6 +258,8 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
         if grammar is None:
             raise convert.InvalidRequest(f"{constraint.field}: structured output needs the checkpoint's tokenizer "
                                          "(tokenizer.json or tiktoken.model)")
+        if not grammar.cached(constraint):
+            self.engine.precompile(constraint)  # the other ranks compile it meanwhile, off their step path
         await asyncio.get_running_loop().run_in_executor(None, grammar.compile, constraint)
 
     async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog):

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import jsonschema
 import pytest
-from rpc_helpers import ServerProcess, smg_gateway
+from rpc_helpers import ServerProcess, layout_args, smg_gateway
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from test_structured import EBNF, NESTED, PATTERN
 
@@ -136,6 +136,37 @@ def test_a_constraint_that_does_not_compile_is_invalid_argument_and_admits_nothi
 def test_server_info_says_the_grammar_starts_at_the_first_token(zoo):
     client, _ = zoo
     assert client.server_info()["constrained_decoding_start"] == "first_token"
+
+
+def test_new_constraints_while_overlapped_steps_run_on_two_ranks(tmp_path):
+    """Two ranks, ``engine.overlap=on``: constrained requests arrive while a plain stream's overlapped steps are in
+    flight, so the server announces each new constraint to the other rank between steps (``Engine.precompile``).
+    Every output matches its regex, the plain stream keeps the tokens it gets alone, and no rank compiled a
+    constraint on its step path (the rank logs it when one does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = [*layout_args(2), "model=tiny_kimi", "engine.overlap=on", "engine.static_steps=on",
+            "engine.max_model_len=512", "engine.num_blocks=128", "server.max_num_seqs=8"]
+    srv = ServerProcess(str(ZOO / "target"), args, tmp_path / "server.log")
+    try:
+        client = srv.wait_ready()
+        tok = load_tokenizer(ZOO / "target")
+        plain = dict(max_tokens=96, temperature=0.0, ignore_eos=True)
+        alone = client.generate(tok.encode("import os\n"), **plain).token_ids
+        regexes = [rf"(def|class) [a-z_]{{2,{k}}}\(\):" for k in range(6, 12)]
+        stream = client.stream(tok.encode("import os\n"), **plain)
+        it = iter(stream)
+        first = next(it)
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(lambda r: generate(client, tok, "# config\nx = ", max_tokens=24, temperature=0.0,
+                                                     regex=r)[0], regexes))
+        assert [t for d in [first, *it] for t in d] == list(alone)
+        for regex, text in zip(regexes, texts, strict=True):
+            assert re.fullmatch(regex, text), (regex, text)
+        assert "compiled on the step path" not in srv.log(tail=10 ** 6)
+        client.close()
+    finally:
+        srv.close()
 
 
 @pytest.fixture(scope="module")

@@ -273,6 +273,46 @@ def _arms_job(ctx, lay, requests, arms, cfg):
     return out if ctx.rank == 0 else None
 
 
+def _precompile_job(ctx, lay, pattern: str, hinted: bool):
+    """One constrained request on a tp8 engine, announced first with ``Engine.precompile`` or not; rank 0 returns
+    the tokens, every other rank the constraint's compilations it ran (all, and on its grammar thread)."""
+    from engine.engine import Engine, make_runner, worker_loop
+    from engine.grammar import GrammarBackend
+    from model.loader import load_model
+    from model.tokenizer import load_tokenizer
+
+    model = load_model(TARGET, ctx.groups(lay), torch.bfloat16)
+    grammar = GrammarBackend.for_checkpoint(TARGET, model.cfg.vocab_size, tuple(model.cfg.eos_token_ids))
+    if ctx.rank != 0:
+        compiles, in_background = grammar.compiles, grammar.compiles_in_background
+        worker_loop(make_runner(model, cfg(), None, grammar))
+        return grammar.compiles - compiles, grammar.compiles_in_background - in_background
+    engine = Engine(model, cfg(), tokenizer=load_tokenizer(TARGET), grammar=grammar)
+    constraint = Constraint("regex", pattern)
+    if hinted:
+        engine.precompile(constraint)
+    got = run_requests(engine, [("r", prompts()[0][:20], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                       constraint=constraint))])
+    engine.shutdown()
+    return got["r"]
+
+
+@pytest.mark.engine
+def test_precompile_keeps_the_other_ranks_from_compiling_on_their_step_path(pool):
+    """Announced, a new constraint compiles on every other rank's grammar thread (the step path only waits for it,
+    or finds it done); unannounced, each rank compiles it on its step path. The output matches the constraint."""
+    from model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TARGET)
+    runs = {}
+    for hinted, pattern in ((True, r"(def|class) [a-z_]{2,12}\(\):"), (False, r"(def|class) [a-z_]{2,11}\(\):")):
+        tokens, *others = pool.run(_precompile_job, layout("tp8"), pattern, hinted)
+        text = tok.decode(tokens[0], skip_special_tokens=True)
+        assert re.fullmatch(pattern, text), text
+        runs[hinted] = others
+    assert runs == {True: [(1, 1)] * 7, False: [(1, 0)] * 7}, runs
+
+
 def arms(full: bool):
     from spec_decode.config import SpecConfig
 
