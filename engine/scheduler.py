@@ -77,6 +77,9 @@ class SchedulerConfig:
     expert_tally: bool = False
     # full blocks of committed tokens indexed by a chained hash and reused by later requests (docs/kv_cache.md)
     prefix_caching: bool = True
+    # a waiting request whose next uncached block a running request is prefilling waits for that block to be
+    # committed, then hits it, rather than computing the shared prefix again (SGLang's in-batch prefix caching)
+    share_inflight_prefix: bool = True
     # "on_demand": blocks allocated per step for what it writes, recompute preemption when they run out;
     # "reserve": prompt + max_tokens reserved at admission, never preempted
     kv_allocation: str = "on_demand"
@@ -126,7 +129,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a launched step)
     num_cached: int = 0  # prompt tokens its first admission took from the prefix cache
     admitted: int = -1  # first admission's order (later = lower priority; kept across preemptions)
-    hashes: list[int] | None = None  # its tokens' prefix-block hashes while it waits (kv.prefix_hashes)
+    hashes: list[int] | None = None  # its tokens' prefix-block hashes from admission (kv.prefix_hashes)
     preemptions: int = 0
     finish_reason: str | None = None
     pending: int = 0  # overlap: tokens sampled by launched steps, not yet read back
@@ -178,6 +181,7 @@ class Scheduler:
         self._steps = itertools.count()
         self._admissions = itertools.count()
         self.preemptions = 0
+        self.prefix_waits = 0  # admissions put off until a block another request was prefilling is committed
         # why the last schedule() left work waiting: "kv" (the queue's head or a running item had no free blocks),
         # "max_num_seqs" (no rank had a running slot for the head), or "" (nothing waited)
         self.blocked = ""
@@ -285,7 +289,9 @@ class Scheduler:
     def _admit(self) -> None:
         """Admits in queue order while a rank has room and the blocks a request's first step needs; a request pinned
         to a full rank waits without holding up the others, one whose blocks are not free stops admission (FCFS).
-        Sets :attr:`blocked` when a request stays for want of a slot or of blocks."""
+        Sets :attr:`blocked` when a request stays for want of a slot or of blocks. A request whose next uncached
+        block is being prefilled waits without holding up the others (:meth:`_waits_for_prefill`)."""
+        prefilling = None
         for req in list(self.waiting):
             ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(self.dp_size))
                      if self._seats(r) + max(req.fork_n, 1) <= self.cfg.max_num_seqs]
@@ -295,6 +301,11 @@ class Scheduler:
                     return
                 continue
             tokens, hashes = req.feed_tokens, self._hashes(req)
+            if self.cfg.share_inflight_prefix and hashes:
+                prefilling = prefilling if prefilling is not None else self._prefilling()
+                if self._waits_for_prefill(hashes, ranks, prefilling):
+                    self.prefix_waits += 1
+                    continue
             pools = self.kv.pools
             dp = max(ranks, key=lambda r: (self.kv.cached_blocks(r, hashes), pools[r].num_free, -r))
             if self.cfg.kv_allocation == "reserve":
@@ -307,7 +318,9 @@ class Scheduler:
                 self.blocked = "kv"
                 return
             self.waiting.remove(req)
-            req.dp_rank, req.num_computed, req.hashes, req.sent_blocks = dp, cached, None, 0
+            req.dp_rank, req.num_computed, req.sent_blocks = dp, cached, 0
+            if prefilling is not None:
+                prefilling[dp].update(hashes[cached // self.cfg.block_size:])
             self._added.append(NewRequest(request_id=req.request_id, dp_rank=dp, prompt=tuple(req.prompt),
                                           output=tuple(req.output), params=req.params, seed=req.seed))
             if req.admitted < 0:
@@ -315,8 +328,19 @@ class Scheduler:
             running = self.running[dp]
             running.insert(sum(r.admitted < req.admitted for r in running), req)  # in priority order
 
+    def _prefilling(self) -> list[set[int]]:
+        """Per DP rank, the hashes of the full blocks its running requests have still to compute."""
+        bs = self.cfg.block_size
+        return [{h for r in running if r.hashes for h in r.hashes[r.num_computed // bs:]} for running in self.running]
+
+    def _waits_for_prefill(self, hashes: list[int], ranks: list[int], prefilling: list[set[int]]) -> bool:
+        """Whether the first block of ``hashes`` that none of ``ranks`` caches is one a request running there is
+        computing now (``engine.share_inflight_prefix``): waiting, the request hits it once it is committed."""
+        first = max(self.kv.cached_blocks(r, hashes) for r in ranks) if hashes else 0
+        return first < len(hashes) and any(hashes[first] in prefilling[r] for r in ranks)
+
     def _hashes(self, req: Request) -> list[int]:
-        """``req``'s prefix-block hashes (computed once while it waits; [] with prefix caching off)."""
+        """``req``'s prefix-block hashes (computed once from its feed tokens; [] with prefix caching off)."""
         if req.hashes is None:
             req.hashes = self.kv.prefix_hashes(req.feed_tokens) if self.cfg.prefix_caching else []
         return req.hashes
@@ -407,7 +431,7 @@ class Scheduler:
         self.kv.free(req.request_id, req.dp_rank)
         self._leave_ranks(req)
         self.running[req.dp_rank].remove(req)
-        req.num_computed, req.preemptions = 0, req.preemptions + 1
+        req.num_computed, req.preemptions, req.hashes = 0, req.preemptions + 1, None  # its output joins its feed
         if req.pinned_dp is None:
             req.dp_rank = None
         self.waiting.appendleft(req)

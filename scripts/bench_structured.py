@@ -125,7 +125,26 @@ def mask_costs(backend: GrammarBackend, prefix: bytes, batch: int = 8, reps: int
     tree_ms = 1e3 * (time.perf_counter() - t0) / (reps // 4)
     return {"vocab": backend.vocab_size, "mask_words": backend.words, "compile_ms": compile_ms,
             "fill_ms_per_row": fill_ms, f"upload_unpack_apply_ms_batch{batch}": apply_ms,
-            "tree_build_ms_budget16": tree_ms, "tree_pruned_candidates": pruned}
+            "tree_build_ms_budget16": tree_ms, "tree_pruned_candidates": pruned, **new_schema_compile(backend)}
+
+
+def new_schema_compile(backend: GrammarBackend) -> dict:
+    """A second JSON schema's compile (the tokenizer info built already) on the grammar thread, and how fast a Python
+    loop on this thread runs meanwhile, relative to alone (1.0: the compile holds no GIL)."""
+    other = dict(SCHEMA, properties=dict(SCHEMA["properties"], note={"type": "string", "maxLength": 8}))
+    c = Constraint("json_schema", json.dumps(other))
+
+    def spin(until) -> float:
+        n, t0 = 0, time.perf_counter()
+        while not until(time.perf_counter() - t0):
+            n += 1
+        return n / (time.perf_counter() - t0)
+
+    alone = spin(lambda dt: dt > 0.3)
+    t0 = time.perf_counter()
+    backend.compile_soon(c)
+    beside = spin(lambda _: backend.cached(c))
+    return {"new_schema_compile_ms": 1e3 * (time.perf_counter() - t0), "python_speed_beside_compile": beside / alone}
 
 
 def engine_for(path: Path, spec: SpecConfig, grammar: GrammarBackend, dtype=torch.float32) -> Engine:

@@ -72,7 +72,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
     grammar = GrammarBackend.for_checkpoint(ckpt, model.cfg.vocab_size, tuple(model.cfg.eos_token_ids)) \
         if load_tokenizer(ckpt) is not None else None  # every rank of a DP group keeps its requests' matchers
     if grammar is not None:
-        grammar.compile_soon()  # tokenizer info (0.8 s at a 163,840-token vocabulary) off the first constrained step
+        grammar.compile_soon()  # the tokenizer info (most of a first compile) before the first constrained step
     ranks = groups.world.gather_objects({"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     # each rank samples its own device on a thread of its own; the samples reach rank 0 with the step gathers
     telemetry = rank_sampler(model.device, server_cfg.telemetry_interval_s).start() \

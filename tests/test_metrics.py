@@ -86,12 +86,19 @@ def load(server):
     with ThreadPoolExecutor(len(jobs)) as pool:
         done = [(PROMPTS[0], first, None), *pool.map(run, jobs)]
     done += [run((SHARED, dict(max_tokens=4, ignore_eos=True))) for _ in range(2)]
-    streams = [client.stream(p, temperature=0.0, max_tokens=14, ignore_eos=True) for p in PROMPTS]
+    def until(what: str, holds) -> None:
+        deadline = time.monotonic() + patience(30)
+        while not holds(client.loads()):
+            assert time.monotonic() < deadline, f"the server never had {what}"
+            time.sleep(0.02)
+
+    streams = [client.stream(p, temperature=0.0, max_tokens=48, ignore_eos=True) for p in PROMPTS]
     with ThreadPoolExecutor(len(streams) + 1) as pool:
         futures = [pool.submit(lambda s=s: [t for d in s for t in d]) for s in streams]
-        time.sleep(0.5)  # the four hold every running slot (server.max_num_seqs=4)
+        until("four running", lambda loads: loads["num_running_reqs"] == 4)  # every slot (server.max_num_seqs=4)
         waiting = client.stream([7, 7, 7], temperature=0.0, max_tokens=14, ignore_eos=True)
         aborted = pool.submit(lambda: [t for d in waiting for t in d])
+        until("a fifth waiting for a slot", lambda loads: loads["num_waiting_reqs"] == 1)
         time.sleep(0.2)
         client.abort(waiting.request_id)
         done += [(p, f.result(), s.result) for p, f, s in zip(PROMPTS, futures, streams, strict=True)]

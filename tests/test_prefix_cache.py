@@ -190,6 +190,56 @@ def test_warm_turns_are_bit_identical_to_cold_ones(pool, preset):
         assert tau_warm == tau_cold and used_warm == used_cold == 0
 
 
+def _fan_out_job(ctx, lay, arms, prompts, cfg):
+    """Per arm, with ``engine.share_inflight_prefix`` on then off: four requests sharing a 100-token prefix arrive
+    together. Rank 0 returns per arm and setting ({rid: (tokens, logprobs, cached)}, prefill tokens computed,
+    admissions put off, blocks in use)."""
+    import dataclasses
+
+    if lay.world_size == 1 and ctx.rank != 0:
+        return None
+    model = load_model(ZOO / "target", ctx.groups(lay) if lay.world_size > 1 else build_groups(lay), torch.bfloat16)
+    shared = (prompts[0] + prompts[3])[:100]
+    requests = [(f"s{i}", shared + prompts[1 + i % 2][i:i + 6], GREEDY if i % 2 else SEEDED) for i in range(4)]
+    out = []
+    for spec in arms:
+        speculation = load_speculation(spec, model)
+        for share in (True, False):
+            arm_cfg = dataclasses.replace(cfg, share_inflight_prefix=share)
+            if ctx.rank != 0:
+                worker_loop(make_runner(model, arm_cfg, speculation))
+                continue
+            engine = Engine(model, arm_cfg, speculation=speculation)
+            got = _drive(engine, requests)
+            out.append((got, engine.stats.prefill_tokens, engine.scheduler.prefix_waits,
+                        engine.scheduler.blocks_in_use()))
+            engine.shutdown()
+    return out if ctx.rank == 0 else None
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained tiny_kimi pair is absent")
+@pytest.mark.parametrize("preset", ["single", "dp8_ep8"])
+def test_requests_arriving_together_compute_their_shared_prefix_once(pool, preset):
+    """Four agents' requests with one 100-token prefix (6 full blocks) arrive at once, in 32-token chunks: with
+    ``engine.share_inflight_prefix`` the first computes the prefix and the others wait for its blocks, then hit them
+    (under dp8_ep8 they follow it to its DP rank) — 3 × 96 prefill tokens fewer — with the tokens and log-probs of
+    the setting off, bit for bit (``engine.batch_invariant``), plain and DDTree."""
+    arms = [SpecConfig()]
+    if preset == "single":
+        arms.append(SpecConfig("ddtree", budget=16, drafter_path=str(ZOO / "drafter")))
+    prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512, block_size=16,
+                          num_blocks=256, static_steps="on", batch_invariant=True)
+    out = pool.run(_fan_out_job, layout(preset), arms, prompts, cfg)[0]
+    for i, spec in enumerate(arms):
+        (shared, prefill_on, waits, used_on), (alone, prefill_off, none, used_off) = out[2 * i], out[2 * i + 1]
+        assert {rid: o[:2] for rid, o in shared.items()} == {rid: o[:2] for rid, o in alone.items()}, spec.method
+        assert sorted(o[2] for o in shared.values()) == [0, 96, 96, 96], (spec.method, shared)
+        assert all(o[2] == 0 for o in alone.values()) and none == 0 and waits > 0
+        assert prefill_off - prefill_on == 3 * 96 and used_on == used_off == 0
+
+
 def test_without_the_flag_a_warm_turn_still_gives_hfs_greedy_tokens(tiny_ckpts):
     from rpc_helpers import hf_greedy
 
