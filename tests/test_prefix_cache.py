@@ -143,30 +143,37 @@ def second_turn(prompts, outputs):
             ("c0", prompts[0][:40] + prompts[2][:20], GREEDY)]
 
 
-def _turns_job(ctx, lay, arms, prompts, cfg):
-    """Per arm: a warm engine runs the first turn then the second; a cold one (prefix caching off) does the same,
-    re-prefilling everything. Rank 0 returns per arm and mode (second turn, its τ, blocks in use)."""
+def _engines(ctx, lay, arms, cfg, flag: str):
+    """Rank 0: an Engine per arm (a SpecConfig) with ``cfg.<flag>`` on, then off, each shut down once the caller
+    moves on; the other ranks serve them (and yield nothing)."""
     import dataclasses
 
     if lay.world_size == 1 and ctx.rank != 0:
-        return None
+        return
     model = load_model(ZOO / "target", ctx.groups(lay) if lay.world_size > 1 else build_groups(lay), torch.bfloat16)
-    out = []
     for spec in arms:
         speculation = load_speculation(spec, model)
-        for caching in (True, False):
-            arm_cfg = dataclasses.replace(cfg, prefix_caching=caching)
+        for on in (True, False):
+            arm_cfg = dataclasses.replace(cfg, **{flag: on})
             if ctx.rank != 0:
                 worker_loop(make_runner(model, arm_cfg, speculation))
                 continue
             engine = Engine(model, arm_cfg, speculation=speculation)
-            turn1 = _drive(engine, first_turn(prompts))
-            s = engine.stats
-            steps, tokens = s.spec_request_steps, s.spec_tokens
-            turn2 = _drive(engine, second_turn(prompts, {rid: o[0] for rid, o in turn1.items()}))
-            tau = (s.spec_tokens - tokens) / max(s.spec_request_steps - steps, 1)
-            out.append((turn2, tau, engine.scheduler.blocks_in_use()))
+            yield engine
             engine.shutdown()
+
+
+def _turns_job(ctx, lay, arms, prompts, cfg):
+    """Per arm: a warm engine runs the first turn then the second; a cold one (prefix caching off) does the same,
+    re-prefilling everything. Rank 0 returns per arm and mode (second turn, its τ, blocks in use)."""
+    out = []
+    for engine in _engines(ctx, lay, arms, cfg, "prefix_caching"):
+        turn1 = _drive(engine, first_turn(prompts))
+        s = engine.stats
+        steps, tokens = s.spec_request_steps, s.spec_tokens
+        turn2 = _drive(engine, second_turn(prompts, {rid: o[0] for rid, o in turn1.items()}))
+        tau = (s.spec_tokens - tokens) / max(s.spec_request_steps - steps, 1)
+        out.append((turn2, tau, engine.scheduler.blocks_in_use()))
     return out if ctx.rank == 0 else None
 
 
@@ -194,26 +201,12 @@ def _fan_out_job(ctx, lay, arms, prompts, cfg):
     """Per arm, with ``engine.share_inflight_prefix`` on then off: four requests sharing a 100-token prefix arrive
     together. Rank 0 returns per arm and setting ({rid: (tokens, logprobs, cached)}, prefill tokens computed,
     admissions put off, blocks in use)."""
-    import dataclasses
-
-    if lay.world_size == 1 and ctx.rank != 0:
-        return None
-    model = load_model(ZOO / "target", ctx.groups(lay) if lay.world_size > 1 else build_groups(lay), torch.bfloat16)
     shared = (prompts[0] + prompts[3])[:100]
     requests = [(f"s{i}", shared + prompts[1 + i % 2][i:i + 6], GREEDY if i % 2 else SEEDED) for i in range(4)]
     out = []
-    for spec in arms:
-        speculation = load_speculation(spec, model)
-        for share in (True, False):
-            arm_cfg = dataclasses.replace(cfg, share_inflight_prefix=share)
-            if ctx.rank != 0:
-                worker_loop(make_runner(model, arm_cfg, speculation))
-                continue
-            engine = Engine(model, arm_cfg, speculation=speculation)
-            got = _drive(engine, requests)
-            out.append((got, engine.stats.prefill_tokens, engine.scheduler.prefix_waits,
-                        engine.scheduler.blocks_in_use()))
-            engine.shutdown()
+    for engine in _engines(ctx, lay, arms, cfg, "share_inflight_prefix"):
+        got = _drive(engine, requests)
+        out.append((got, engine.stats.prefill_tokens, engine.scheduler.prefix_waits, engine.scheduler.blocks_in_use()))
     return out if ctx.rank == 0 else None
 
 

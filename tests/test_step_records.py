@@ -18,8 +18,9 @@ SHARED = [7, 8, 9, 10, 11, 12, 13, 14]
 WORKLOADS = [[("r0", SHARED + [1, 2, 3, 4], 16), ("r1", [5, 17, 3, 99, 150], 20), ("r2", [2, 4, 6], 12),
               ("r3", [200, 1, 77, 90, 13, 45, 46], 18)],
              [("r4", SHARED + [30, 31], 10), ("r5", SHARED + [40], 12), ("r6", [50, 51, 52], 30)]]
+# share_inflight_prefix off: engine_info_figures.json was recorded before it, when r4 and r5 prefilled side by side
 CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=4, num_blocks=20,
-                      static_steps="on")
+                      static_steps="on", share_inflight_prefix=False)
 
 
 def _run(engine):

@@ -365,7 +365,9 @@ def test_preemption_replays_processor_state(pool):
     drafter = str(ZOO / "drafter")
     ddtree = SpecConfig("ddtree", budget=8, block_size=9, drafter_path=drafter, tree_temperature=0.33)
     roomy = pool.run(_arms_job, layout("single"), requests, [(SpecConfig(), "on")], cfg())[0]
-    tight = pool.run(_arms_job, layout("single"), requests, [(SpecConfig(), "on"), (ddtree, "on")], cfg(44))[0]
+    # requests sharing a prompt would wait for each other's prefill and never press the pool (share_inflight_prefix)
+    tight_cfg = dataclasses.replace(cfg(44), share_inflight_prefix=False)
+    tight = pool.run(_arms_job, layout("single"), requests, [(SpecConfig(), "on"), (ddtree, "on")], tight_cfg)[0]
     for got, _, preempted, kv in tight:
         assert preempted > 0 and kv == 0
         assert got == roomy[0][0]

@@ -1,5 +1,7 @@
 """A tiny Kimi-style tiktoken checkpoint, written by the tests: a random DeepSeek-V3 model (HF ``save_pretrained``)
-whose vocab is a ``tiktoken.model`` of the 256 bytes plus BPE merges learnt here from this repository's text, then
+whose vocab is a ``tiktoken.model`` of the 256 bytes plus BPE merges learnt here from ``tiktoken_corpus.txt`` (a
+frozen copy of an earlier README's first 20,000 bytes: the random model's answers follow the vocabulary, and tests
+that read them should not move when the README does), then
 Kimi's 256 special ids named in ``tokenizer_config.json`` (``added_tokens_decoder``, ``auto_map`` naming
 ``tokenization_kimi`` as Kimi's checkpoints do) and a chat template; no ``tokenizer.json``."""
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from model.tiny import write_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
+CORPUS = Path(__file__).resolve().parent / "tiktoken_corpus.txt"
 SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 10: "<|im_system|>",
             11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
             14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>", 254: "[UNK]",
@@ -52,7 +54,7 @@ def learn_merges(text: bytes, count: int) -> list[bytes]:
 def write_tiktoken_checkpoint(out_dir: str | Path, merges: int = 240) -> Path:
     """The checkpoint at ``out_dir``; returns it."""
     out = Path(out_dir)
-    tokens = [bytes([b]) for b in range(256)] + learn_merges((ROOT / "README.md").read_bytes()[:20000], merges)
+    tokens = [bytes([b]) for b in range(256)] + learn_merges(CORPUS.read_bytes(), merges)
     base = len(tokens)
     write_tiny("tiny_deepseek", out, vocab_size=base + 256, bos_token_id=base, eos_token_id=base + 1)
     (out / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
