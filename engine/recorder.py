@@ -29,10 +29,14 @@ from parallelism.comm import CommCounter
 
 def rank_loads(sched: Scheduler) -> tuple[RankLoad, ...]:
     """Per attention-DP rank: requests, blocks and prefix-cache hit rate (unpinned waiting requests on rank 0)."""
-    waiting = [sum(r.pinned_dp == dp for r in sched.waiting) for dp in range(sched.dp_size)]
-    waiting[0] += sum(r.pinned_dp is None for r in sched.waiting)
+    waiting, deferred = [0] * sched.dp_size, [0] * sched.dp_size
+    for r in sched.waiting:
+        dp = r.pinned_dp if r.pinned_dp is not None else 0
+        waiting[dp] += 1
+        deferred[dp] += r.deferred
     uncached = sched.waiting_uncached_tokens() if sched.waiting else 0
-    return tuple(RankLoad(running=len(sched.running[dp]), waiting=waiting[dp], blocks_used=pool.num_used,
+    return tuple(RankLoad(running=len(sched.running[dp]), waiting=waiting[dp], deferred=deferred[dp],
+                          blocks_used=pool.num_used,
                           blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
                           waiting_uncached_tokens=uncached if dp == 0 else 0, cache_hit_rate=sched.kv.hit_rate_of(dp))
                  for dp, pool in enumerate(sched.kv.pools))

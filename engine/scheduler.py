@@ -130,6 +130,7 @@ class Request:
     num_cached: int = 0  # prompt tokens its first admission took from the prefix cache
     admitted: int = -1  # first admission's order (later = lower priority; kept across preemptions)
     hashes: list[int] | None = None  # its tokens' prefix-block hashes from admission (kv.prefix_hashes)
+    deferred: bool = False  # the last admission pass put it off for a prefix being prefilled (share_inflight_prefix)
     preemptions: int = 0
     finish_reason: str | None = None
     pending: int = 0  # overlap: tokens sampled by launched steps, not yet read back
@@ -292,6 +293,8 @@ class Scheduler:
         Sets :attr:`blocked` when a request stays for want of a slot or of blocks. A request whose next uncached
         block is being prefilled waits without holding up the others (:meth:`_waits_for_prefill`)."""
         prefilling = None
+        for req in self.waiting:
+            req.deferred = False
         for req in list(self.waiting):
             ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(self.dp_size))
                      if self._seats(r) + max(req.fork_n, 1) <= self.cfg.max_num_seqs]
@@ -304,6 +307,7 @@ class Scheduler:
             if self.cfg.share_inflight_prefix and hashes:
                 prefilling = prefilling if prefilling is not None else self._prefilling()
                 if self._waits_for_prefill(hashes, ranks, prefilling):
+                    req.deferred = True
                     self.prefix_waits += 1
                     continue
             pools = self.kv.pools

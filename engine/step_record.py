@@ -36,6 +36,7 @@ class RankLoad:
 
     running: int = 0
     waiting: int = 0
+    deferred: int = 0  # of the waiting, those put off for a prefix another request is prefilling
     blocks_used: int = 0
     blocks_cached: int = 0
     blocks_total: int = 1

@@ -43,7 +43,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 TAU_BUCKETS = tuple(float(n) for n in range(1, 17))
 FINISH_REASONS = ("stop", "length", "abort", "error")
-WAITING_REASONS = ("capacity", "deferred")  # vLLM's; every waiting request here waits for capacity
+WAITING_REASONS = ("capacity", "deferred")  # vLLM's reasons
 ENERGY_WINDOW_S = 10.0  # joules per output token over this window
 BASE_LABELS = ("model_name", "engine")
 
@@ -68,7 +68,8 @@ FAMILIES = _families(
     Family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
     Family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
     Family("vllm:num_requests_waiting_by_reason", "gauge", "Number of waiting requests by reason: 'capacity' = "
-           "waiting for KV blocks or a running slot; 'deferred' = never here.", ("reason",)),
+           "waiting for KV blocks or a running slot; 'deferred' = waiting for a shared prefix another request is "
+           "prefilling (engine.share_inflight_prefix).", ("reason",)),
     Family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
     Family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens."),
     Family("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
@@ -191,16 +192,18 @@ class MetricsExporter:
                 self._step(d, r)
 
     def _scheduler(self, d: dict, r: StepRecord) -> None:
-        t, running, waiting, used, total = r.tokens, 0, 0, 0, 0
+        t, running, waiting, deferred, used, total = r.tokens, 0, 0, 0, 0, 0
         blocks = d["switchyard:kv_blocks"]
         for dp, k in enumerate(r.kv):
-            running, waiting, used, total = running + k.running, waiting + k.waiting, used + k.blocks_used, \
-                total + k.blocks_total
+            running, waiting, deferred = running + k.running, waiting + k.waiting, deferred + k.deferred
+            used, total = used + k.blocks_used, total + k.blocks_total
             label = str(dp)
             blocks[(label, "used")], blocks[(label, "cached")], blocks[(label, "free")] = \
                 k.blocks_used, k.blocks_cached, k.blocks_free
         d["vllm:num_requests_running"][()] = running
-        d["vllm:num_requests_waiting"][()] = d["vllm:num_requests_waiting_by_reason"][("capacity",)] = waiting
+        d["vllm:num_requests_waiting"][()] = waiting
+        by_reason = d["vllm:num_requests_waiting_by_reason"]
+        by_reason[("capacity",)], by_reason[("deferred",)] = waiting - deferred, deferred
         d["vllm:kv_cache_usage_perc"][()] = used / total if total else 0.0
         d["vllm:prefix_cache_queries"][()] += t.prompt_queried
         d["vllm:prefix_cache_hits"][()] += t.prompt_cached

@@ -310,6 +310,24 @@ def _gpu_record(t: float, energy_mj: dict[int, float], tokens: int, throttle=("s
                       idle_s={"host_bound": 0.006})
 
 
+def test_deferred_waiting_requests_have_their_own_reason():
+    """``vllm:num_requests_waiting_by_reason``: of 4 waiting on two DP ranks, 3 put off for a prefix being prefilled
+    are ``deferred``, the rest ``capacity``."""
+    import dataclasses
+
+    from engine.step_record import RankLoad
+    from rpc.metrics import MetricsExporter
+
+    e = MetricsExporter("m")
+    e.observe(dataclasses.replace(_gpu_record(1.0, {0: 0}, tokens=1),
+                                  kv=(RankLoad(waiting=3, deferred=2, blocks_total=10),
+                                      RankLoad(waiting=1, deferred=1, blocks_total=10))))
+    m = samples(e.text().decode())
+    assert m[("vllm:num_requests_waiting", ())] == 4
+    assert m[("vllm:num_requests_waiting_by_reason", (("reason", "capacity"),))] == 1
+    assert m[("vllm:num_requests_waiting_by_reason", (("reason", "deferred"),))] == 3
+
+
 def test_exporter_on_fake_gpu_samples():
     """Per-rank power, activity (ratios), SM clock (Hz), throttle reasons, the energy counter from NVML's energy
     readings, joules per output token over the window, device seconds per step; no CPU metrics."""
