@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -96,7 +97,8 @@ class GrammarBackend:
     def __init__(self, ckpt_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...]):
         self.ckpt_dir, self.vocab_size, self.eos_ids = Path(ckpt_dir), vocab_size, tuple(eos_ids)
         self.words = math.ceil(vocab_size / 32)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the work under way (held briefly)
+        self._building = threading.Lock()  # building the tokenizer info (seconds at a large vocabulary)
         self._compiler = None
         self._cache: OrderedDict[Constraint, object] = OrderedDict()
         self._pending: dict[Constraint | None, Future] = {}  # compile_soon's work under way
@@ -107,8 +109,9 @@ class GrammarBackend:
 
     @classmethod
     def for_checkpoint(cls, ckpt_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarBackend:
-        """One backend per checkpoint per process (the ranks of a test pool and the server share it)."""
-        key = (str(Path(ckpt_dir).resolve()), vocab_size, tuple(eos_ids))
+        """One backend per checkpoint per process (a forked child gets its own: a grammar thread does not survive a
+        fork)."""
+        key = (os.getpid(), str(Path(ckpt_dir).resolve()), vocab_size, tuple(eos_ids))
         if key not in cls._shared:
             cls._shared[key] = cls(ckpt_dir, vocab_size, eos_ids)
         return cls._shared[key]
@@ -116,7 +119,7 @@ class GrammarBackend:
     def compiler(self):
         import xgrammar as xgr
 
-        with self._lock:
+        with self._building:
             if self._compiler is None:
                 vocab, kind, prefix = vocab_of_checkpoint(self.ckpt_dir, self.vocab_size)
                 info = xgr.TokenizerInfo(vocab, getattr(xgr.VocabType, kind), vocab_size=self.vocab_size,
@@ -160,7 +163,9 @@ class GrammarBackend:
                 self._cache.move_to_end(c)
                 return self._cache[c]
             pending = self._pending.get(c)
-        return pending.result() if pending is not None else self._compile_and_cache(c)
+        if pending is not None and not pending.cancel():  # queued behind other work: compiled here instead
+            return pending.result()
+        return self._compile_and_cache(c)
 
     def _compile_and_cache(self, c: Constraint, background: bool = False):
         compiler = self.compiler()
@@ -260,9 +265,9 @@ class GrammarMasks:
             return
         started, ahead = time.perf_counter(), self.backend.under_way(c)
         m = self.backend.matcher(c)
-        if not ahead:
-            log.info("request %s: its %s compiled on the step path (%.1f ms; Engine.precompile announces it)",
-                     req.request_id, c.field, 1e3 * (time.perf_counter() - started))
+        if not ahead:  # every rank of the group waits for this one at the next collective
+            log.warning("request %s: its %s compiled on the step path (%.1f ms; Engine.precompile announces it)",
+                        req.request_id, c.field, 1e3 * (time.perf_counter() - started))
         for token in req.output:  # a preempted request's output, replayed
             if not m.accept_token(token):
                 log.error("request %s: its output does not follow its %s; left unconstrained", req.request_id,

@@ -297,6 +297,10 @@ class KVManager:
     def table(self, request_id: str) -> list[int]:
         return self.requests[request_id].table
 
+    def committed_blocks(self, request_id: str) -> int:
+        """The request's leading full blocks whose KV is written and indexed (:meth:`commit`)."""
+        return len(self.requests[request_id].hashes)
+
     def retain(self, request_id: str) -> None:
         """Keep this request's blocks past plain LRU when it is freed (an agent turn that ended in a tool call)."""
         if request_id in self.requests:

@@ -182,7 +182,8 @@ class Scheduler:
         self._steps = itertools.count()
         self._admissions = itertools.count()
         self.preemptions = 0
-        self.prefix_waits = 0  # admissions put off until a block another request was prefilling is committed
+        self.prefix_waits = 0  # admission passes that put a request off for a block another is prefilling
+        self._last_fed: set[str] = set()  # the requests the last plan fed (share_inflight_prefix waits only on them)
         # why the last schedule() left work waiting: "kv" (the queue's head or a running item had no free blocks),
         # "max_num_seqs" (no rank had a running slot for the head), or "" (nothing waited)
         self.blocked = ""
@@ -209,8 +210,8 @@ class Scheduler:
             raise RequestError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds "
                                f"max_model_len {self.cfg.max_model_len}")
         if params.n > self.cfg.max_num_seqs:
-            raise RequestError(f"n={params.n} is above engine.max_num_seqs={self.cfg.max_num_seqs} (a request's "
-                               "samples run at once on one DP rank)")
+            raise RequestError(f"n={params.n} is above max_num_seqs={self.cfg.max_num_seqs} (engine.max_num_seqs, "
+                               "server.max_num_seqs when served): a request's samples run at once on one DP rank")
         need = blocks_for(self.request_slots(len(prompt), params.max_tokens), self.cfg.block_size)
         if need > self.cfg.num_blocks:
             raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt)} + max_tokens "
@@ -323,7 +324,7 @@ class Scheduler:
                 return
             self.waiting.remove(req)
             req.dp_rank, req.num_computed, req.sent_blocks = dp, cached, 0
-            if prefilling is not None:
+            if prefilling is not None:  # admitted now: those behind it wait for what it will compute
                 prefilling[dp].update(hashes[cached // self.cfg.block_size:])
             self._added.append(NewRequest(request_id=req.request_id, dp_rank=dp, prompt=tuple(req.prompt),
                                           output=tuple(req.output), params=req.params, seed=req.seed))
@@ -333,9 +334,11 @@ class Scheduler:
             running.insert(sum(r.admitted < req.admitted for r in running), req)  # in priority order
 
     def _prefilling(self) -> list[set[int]]:
-        """Per DP rank, the hashes of the full blocks its running requests have still to compute."""
-        bs = self.cfg.block_size
-        return [{h for r in running if r.hashes for h in r.hashes[r.num_computed // bs:]} for running in self.running]
+        """Per DP rank, the hashes of the full blocks not yet committed of the running requests the last plan fed (one
+        stalled for want of blocks is not waited for: it may not move until older requests end)."""
+        kv, fed = self.kv, self._last_fed
+        return [{h for r in running if r.hashes and r.request_id in fed
+                 for h in r.hashes[kv.committed_blocks(r.request_id):]} for running in self.running]
 
     def _waits_for_prefill(self, hashes: list[int], ranks: list[int], prefilling: list[set[int]]) -> bool:
         """Whether the first block of ``hashes`` that none of ``ranks`` caches is one a request running there is
@@ -399,11 +402,13 @@ class Scheduler:
                     row += 1
             work.append(items)
         if not scheduled:  # not broadcast: the ranks hear of the changes with the next plan that has work
+            self._last_fed = set()
             return StepPlan(next(self._steps), work, overlap=overlap)
         plan = StepPlan(next(self._steps), work, overlap=overlap, added=tuple(self._added),
                         finished=tuple(self._finished), blocks=blocks, copies=tuple(self._copies))
         self._added, self._finished, self._copies = [], [], []
         self._scheduled[plan.step_id] = scheduled
+        self._last_fed = set(scheduled)
         return plan
 
     @staticmethod

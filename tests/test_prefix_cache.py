@@ -159,8 +159,10 @@ def _engines(ctx, lay, arms, cfg, flag: str):
                 worker_loop(make_runner(model, arm_cfg, speculation))
                 continue
             engine = Engine(model, arm_cfg, speculation=speculation)
-            yield engine
-            engine.shutdown()
+            try:
+                yield engine
+            finally:  # releases the other ranks also when the caller fails
+                engine.shutdown()
 
 
 def _turns_job(ctx, lay, arms, prompts, cfg):
@@ -200,32 +202,41 @@ def test_warm_turns_are_bit_identical_to_cold_ones(pool, preset):
 def test_waiting_for_a_prefix_being_prefilled_is_reported_as_deferred():
     """Scheduler alone: of four requests sharing 100 tokens, the first prefills (32-token chunks) and the other three
     wait as ``deferred`` (``vllm:num_requests_waiting_by_reason``) until its blocks are committed, then start at the
-    shared 96 tokens; a fifth with its own prompt is admitted past them; nothing is deferred with the setting off."""
+    shared 96 tokens — also with ``engine.overlap=on``, where a chunk's blocks are committed a step after it is
+    planned; a fifth with its own prompt is admitted past them; nothing is deferred with the setting off."""
     import dataclasses
 
     from engine.recorder import rank_loads
     from engine.scheduler import Scheduler
     from engine.step import StepResult
 
-    for share in (True, False):
+    def result(plan):
+        return {w.request_id: StepResult([5], [0.0], [[]]) for w in plan.work[0] if w.sample}
+
+    for share, overlap in ((True, "off"), (True, "on"), (False, "off")):
         cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512, block_size=16,
-                              num_blocks=64, share_inflight_prefix=share)
+                              num_blocks=64, share_inflight_prefix=share, overlap=overlap)
         sched = Scheduler(cfg, 1, 4096, (1,))
         shared = list(range(10, 110))
         for i in range(4):
             sched.add(f"s{i}", shared + [200 + i] * 6, dataclasses.replace(GREEDY, max_tokens=2), 0)
         sched.add("own", list(range(300, 320)), dataclasses.replace(GREEDY, max_tokens=2), 0)
-        starts, deferred = {}, []
-        while sched.has_work():
-            plan = sched.schedule()
+        starts, deferred, in_flight = {}, [], None
+        while sched.has_work() or in_flight is not None:
+            plan = sched.schedule() if sched.has_work() else None
+            if in_flight is not None:  # overlap: the previous plan's results come back after this one is planned
+                sched.update(in_flight, result(in_flight))
             deferred.append(rank_loads(sched)[0].deferred)
-            for w in plan.work[0]:
+            for w in plan.work[0] if plan is not None else ():
                 starts.setdefault(w.request_id, w.start)
-            sched.update(plan, {w.request_id: StepResult([5], [0.0], [[]]) for w in plan.work[0] if w.sample})
+            if overlap == "on":
+                in_flight = plan
+            elif plan is not None:
+                sched.update(plan, result(plan))
         if share:
             waited = deferred.index(0)
-            assert waited >= 1 and set(deferred[:waited]) == {3} and not any(deferred[waited:]), deferred
-            assert starts == {"s0": 0, "own": 0, "s1": 96, "s2": 96, "s3": 96}
+            assert waited >= 1 and set(deferred[:waited]) == {3} and not any(deferred[waited:]), (overlap, deferred)
+            assert starts == {"s0": 0, "own": 0, "s1": 96, "s2": 96, "s3": 96}, overlap
         else:
             assert not any(deferred) and set(starts.values()) == {0}
         assert sched.blocks_in_use() == 0

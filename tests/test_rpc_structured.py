@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import grpc
 import jsonschema
 import pytest
+from patience import patience
 from rpc_helpers import ServerProcess, layout_args, smg_gateway
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from test_structured import EBNF, NESTED, PATTERN
@@ -181,13 +183,14 @@ def kimi_gateway(tmp_path_factory):
     try:
         client = srv.wait_ready()
         with smg_gateway(srv.target, ckpt, tmp / "smg.log", "--tool-call-parser", "kimik2") as base:
-            yield OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            yield OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0), srv
         client.close()
     finally:
         srv.close()
 
 
 def test_openai_response_format_json_schema_through_smg(kimi_gateway):
+    kimi_gateway, _ = kimi_gateway
     schema = TOOLS[0]["function"]["parameters"]
     r = kimi_gateway.chat.completions.create(
         model="kimi", messages=[{"role": "user", "content": "weather?"}], max_tokens=80, temperature=0,
@@ -202,6 +205,7 @@ def test_kimi_tool_choice_required_through_smg_gives_valid_tool_calls(kimi_gatew
     (``tests/tiktoken_ckpt.py``): several prompts, at least one parsed. (For some, the random model writes a valid call,
     then ``$<|im_system|>`` and EOS, and smg 1.13's kimik2 parser returns that as content with no tool_calls: a
     gateway parse of a worker output that obeys the tag.)"""
+    kimi_gateway, _ = kimi_gateway
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     parsed = 0
     for text in ("hi", "weather?", "Set an alarm", "call a tool"):
@@ -223,10 +227,17 @@ def test_kimi_tool_choice_required_through_smg_gives_valid_tool_calls(kimi_gatew
 def test_n_samples_through_smg_equal_standalone_seeded_requests(kimi_gateway):
     """``n=3`` through smg's OpenAI chat endpoint: three choices, indexed 0..2, and choice i is the text a standalone
     request with seed s + i gets (the worker's rule for ``n > 1``), over the same gateway."""
+    kimi_gateway, srv = kimi_gateway
     msgs, seed = [{"role": "user", "content": "weather in Oslo?"}], 11
     sampling = {"model": "kimi", "messages": msgs, "max_tokens": 24, "temperature": 1.0}
     r = kimi_gateway.chat.completions.create(n=3, seed=seed, **sampling)
     assert sorted(c.index for c in r.choices) == [0, 1, 2], r
+    # one worker request carried the three samples (smg did not fan the request out itself): its log line
+    deadline = time.monotonic() + patience(10)
+    while not (lines := [ln for ln in srv.log(tail=10 ** 6).splitlines() if f"request {r.id}" in ln]):
+        assert time.monotonic() < deadline, "the worker logged no request " + r.id
+        time.sleep(0.1)
+    assert len(lines) == 1 and "output 72 tokens" in lines[0], lines
     texts = {c.index: c.message.content for c in r.choices}
     alone = [kimi_gateway.chat.completions.create(seed=seed + i, **sampling).choices[0].message.content
              for i in range(3)]

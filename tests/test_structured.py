@@ -402,7 +402,7 @@ def test_samples_to_be_forked_hold_their_running_slots():
     for rid, n, max_tokens in (("a", 3, 6), ("c", 1, 4), ("b", 2, 4)):
         sched.add(rid, list(range(10, 40)), SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n,
                                                            ignore_eos=True), 7)
-    with pytest.raises(RequestError, match="n=5 is above engine.max_num_seqs=4"):
+    with pytest.raises(RequestError, match="n=5 is above max_num_seqs=4"):
         sched.add("d", [1, 2, 3], SamplingParams(max_tokens=2, n=5), 0)
     most, b_started_while_a_ran, finished = 0, False, []
     while sched.has_work():
