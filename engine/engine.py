@@ -154,8 +154,8 @@ class Engine:
         return self.abort_all(request_id)[-1]
 
     def abort_all(self, request_id: str) -> list[RequestOutput]:
-        """Ends ``request_id`` now: one finished output per sample still running (n > 1), each recorded as ended
-        (the stats record, /metrics)."""
+        """Ends ``request_id`` now: one finished output per sample still running (n > 1). Each goes to the stats
+        record (``StepRecorder.aborted``), which ends the request once, at the first (the abort in /metrics)."""
         outs = self.scheduler.abort_all(request_id) or [self.scheduler.abort(request_id)]  # unknown id: RequestError
         now = time.monotonic()
         for out in outs:
