@@ -82,12 +82,23 @@ class LogitsProcessor(Protocol):
 
 
 class _PerSlot:
-    """Device tensors indexed by slot, grown on demand (a new slot past the end doubles them)."""
+    """Device tensors indexed by slot, grown on demand (a new slot past the end doubles them); ``used``: the slots
+    whose requests use the feature. Reads no history unless a subclass overrides :meth:`tracks` and :meth:`commit`."""
 
     def __init__(self, device: torch.device):
         self.device, self.capacity = device, 0
         self.tensors: dict[str, Tensor] = {}
         self.fills: dict[str, object] = {}
+        self.used: set[int] = set()
+
+    def tracks(self, slot: int) -> bool:
+        return False
+
+    def commit(self, slots: list[int], tokens: list[int | None], device_tokens: Tensor) -> None:
+        pass
+
+    def applies(self, slots: list[int]) -> bool:
+        return any(s in self.used for s in slots)
 
     def make(self, name: str, tail: tuple[int, ...], dtype: torch.dtype, fill) -> None:
         self.tensors[name] = torch.full((self.capacity, *tail), fill, dtype=dtype, device=self.device)
@@ -117,7 +128,7 @@ class LogitBias(_PerSlot):
 
     def __init__(self, vocab: int, device: torch.device):
         super().__init__(device)
-        self.vocab, self.width, self.used = vocab, 0, set()
+        self.vocab, self.width = vocab, 0
 
     def add(self, slot: int, req: NewRequest) -> None:
         pairs = req.params.logit_bias
@@ -143,15 +154,6 @@ class LogitBias(_PerSlot):
             self["ids"][slot] = self.vocab
             self["bias"][slot] = 0.0
 
-    def tracks(self, slot: int) -> bool:
-        return False
-
-    def commit(self, slots, tokens, device_tokens) -> None:
-        pass
-
-    def applies(self, slots: list[int]) -> bool:
-        return any(s in self.used for s in slots)
-
     def apply(self, logits: Tensor, rows: Rows) -> Tensor:
         ids, bias = self["ids"][rows.slot_index], self["bias"][rows.slot_index]  # [R, K]
         add = torch.zeros(logits.shape[0], self.vocab + 1, dtype=logits.dtype, device=logits.device)
@@ -165,7 +167,7 @@ class MinTokens(_PerSlot):
 
     def __init__(self, vocab: int, eos_ids: tuple[int, ...], device: torch.device):
         super().__init__(device)
-        self.vocab, self.eos, self.width, self.used = vocab, tuple(eos_ids), 0, set()
+        self.vocab, self.eos, self.width = vocab, tuple(eos_ids), 0
         self.make("min", (), torch.int64, 0)
 
     def banned(self, p: SamplingParams) -> list[int]:
@@ -192,15 +194,6 @@ class MinTokens(_PerSlot):
             self.used.discard(slot)
             self["min"][slot] = 0
 
-    def tracks(self, slot: int) -> bool:
-        return False
-
-    def commit(self, slots, tokens, device_tokens) -> None:
-        pass
-
-    def applies(self, slots: list[int]) -> bool:
-        return any(s in self.used for s in slots)
-
     def apply(self, logits: Tensor, rows: Rows) -> Tensor:
         ids = self["ids"][rows.slot_index]  # [R, K]
         active = (rows.num_generated < self["min"][rows.slot_index])[:, None].expand_as(ids)
@@ -217,7 +210,7 @@ class Penalties(_PerSlot):
 
     def __init__(self, vocab: int, device: torch.device):
         super().__init__(device)
-        self.vocab, self.used = vocab, set()
+        self.vocab = vocab
 
     def add(self, slot: int, req: NewRequest) -> None:
         p = req.params
@@ -253,9 +246,6 @@ class Penalties(_PerSlot):
         rows = to_device([slots[i] for i in keep], torch.int64, self.device)
         self["counts"].index_put_((rows, device_tokens[index]), torch.ones(len(keep), dtype=torch.int32,
                                                                            device=self.device), accumulate=True)
-
-    def applies(self, slots: list[int]) -> bool:
-        return any(s in self.used for s in slots)
 
     def apply(self, logits: Tensor, rows: Rows) -> Tensor:
         return apply_penalties(logits, self["prompt"][rows.slot_index], self.counts(rows), self["rep"][rows.slot_index],

@@ -136,6 +136,12 @@ def build_tree_host(logq: torch.Tensor, root_token: int | torch.Tensor, budget: 
             heapq.heappush(heap, (neg_score + lp[d][r] - lp[d][r + 1], d, r + 1, parent))
         if d + 1 < d_max:
             heapq.heappush(heap, (neg_score - lp[d + 1][0], d + 1, 0, len(popped) - 1))
+    return _tree_of_pops(popped, root_token, budget, logq.device)[0]
+
+
+def _tree_of_pops(popped: list[tuple], root_token, budget: int, device: torch.device) -> tuple[DraftTree, list[int]]:
+    """The DraftTree of a best-first search's pops ``(depth, -score, token, parent pop, ...)``: nodes ordered by depth,
+    then score, then pop, padded to ``budget``; and that order (the pop of node n + 1)."""
     order = sorted(range(len(popped)), key=lambda i: (popped[i][0], popped[i][1], i))
     node_of = {p: n + 1 for n, p in enumerate(order)}
     pad = budget - len(order)
@@ -147,10 +153,10 @@ def build_tree_host(logq: torch.Tensor, root_token: int | torch.Tensor, budget: 
         rows.append([*rows[parents[i]], i])
     ancestors = torch.zeros(budget + 1, budget + 1, dtype=torch.bool)
     ancestors[[i for i, r in enumerate(rows) for _ in r], [j for r in rows for j in r]] = True
-    dev = logq.device
-    return DraftTree(tokens=torch.tensor(tokens, device=dev), parents=torch.tensor(parents, device=dev),
-                     depth=torch.tensor(depth, device=dev),
-                     valid=torch.arange(budget + 1, device=dev) <= len(order), ancestors=ancestors.to(dev))
+    tree = DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
+                     depth=torch.tensor(depth, device=device),
+                     valid=torch.arange(budget + 1, device=device) <= len(order), ancestors=ancestors.to(device))
+    return tree, order
 
 
 def tree_paths(tree: DraftTree) -> set[tuple[int, ...]]:
@@ -252,23 +258,12 @@ def build_tree_grammar(logq: torch.Tensor, root_token: int, budget: int, grammar
             cands[me] = candidates(pop_masks[me], d + 1)
             if cands[me][0]:
                 heapq.heappush(heap, (neg_score - cands[me][0][0], d + 1, 0, me))
-    order = sorted(range(len(popped)), key=lambda i: (popped[i][0], popped[i][1], i))
-    node_of = {p: n + 1 for n, p in enumerate(order)}
-    pad = budget - len(order)
-    tokens = [int(root_token)] + [popped[p][2] for p in order] + [0] * pad
-    parents = [-1] + [node_of.get(popped[p][3], 0) for p in order] + [0] * pad
-    depth = [0] + [popped[p][0] + 1 for p in order] + [1] * pad
+    tree, order = _tree_of_pops(popped, root_token, budget, torch.device("cpu"))
     masks.fill_(-1)
     masks[0] = pop_masks[budget]
     for n, p in enumerate(order):
         masks[n + 1] = pop_masks[p]
-    rows: list[list[int]] = [[0]]
-    for i in range(1, budget + 1):
-        rows.append([*rows[parents[i]], i])
-    ancestors = torch.zeros(budget + 1, budget + 1, dtype=torch.bool)
-    ancestors[[i for i, r in enumerate(rows) for _ in r], [j for r in rows for j in r]] = True
-    return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depth=torch.tensor(depth),
-                     valid=torch.arange(budget + 1) <= len(order), ancestors=ancestors), pruned
+    return tree, pruned
 
 
 def _chain_grammar(logq: torch.Tensor, root_token: int, grammar, masks: torch.Tensor,
