@@ -148,6 +148,7 @@ def test_new_constraints_while_overlapped_steps_run_on_two_ranks(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     args = [*layout_args(2), "model=tiny_kimi", "engine.overlap=on", "engine.static_steps=on",
+            "engine.batch_invariant=true",  # the stream's tokens alone = in a batch, by construction on any CPU
             "engine.max_model_len=512", "engine.num_blocks=128", "server.max_num_seqs=8"]
     srv = ServerProcess(str(ZOO / "target"), args, tmp_path / "server.log")
     try:
