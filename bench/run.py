@@ -23,7 +23,7 @@ from bench.cost.shapes import ModelShape
 from bench.metrics import RequestRecord, comm_per_output_token, decode_step_time_s, summarize_requests
 from bench.report import write_reports
 from bench.telemetry import compute_floors, energy_per_token_j, sampler_summary, verdict
-from engine.telemetry import TelemetrySampler
+from engine.worker.telemetry import TelemetrySampler
 from model.config import load_config
 from model.expert_tally import touched_per_layer
 from parallelism.launch import free_port

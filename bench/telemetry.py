@@ -1,6 +1,6 @@
 """Telemetry summaries for the bench and the per-cell verdict.
 
-The samplers live in the runtime (``engine/telemetry.py``: NVML per GPU, or CPU utilisation, on a daemon thread);
+The samplers live in the runtime (``engine/worker/telemetry.py``: NVML per GPU, or CPU utilisation, on a daemon thread);
 the bench samples the whole box with them while a cell runs and summarises the samples here.
 
 :func:`verdict` classifies a cell as bound by memory, compute, interconnect or host/launch overhead from its
@@ -16,7 +16,7 @@ from itertools import pairwise
 from bench.cost.formulas import Floors, step_floors
 from bench.cost.hardware import Hardware
 from bench.cost.shapes import ModelShape
-from engine.telemetry import GPU_METRICS, NvmlBackend, TelemetrySampler
+from engine.worker.telemetry import GPU_METRICS, NvmlBackend, TelemetrySampler
 
 
 def sampler_summary(sampler: TelemetrySampler, since: int = 0) -> dict:

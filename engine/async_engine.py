@@ -28,13 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import RequestError
+from engine.core.kv_manager import KvEvent
+from engine.core.step_record import RankLoad, StepRecord
 from engine.engine import Engine
-from engine.kv_manager import KvEvent
-from engine.recorder import rank_loads
-from engine.sampler import Constraint, SamplingParams
-from engine.scheduler import RequestError
+from engine.params import Constraint, SamplingParams
 from engine.step import RequestOutput
-from engine.step_record import RankLoad, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +255,9 @@ class AsyncEngine:
             return True
         sched = self.engine.scheduler
         try:
-            if sched.num_running() + sched.num_waiting() >= self.capacity:
-                raise Overloaded(f"server at capacity: {sched.num_running()} running + {sched.num_waiting()} "
+            s = sched.stats()
+            if s.running + s.waiting >= self.capacity:
+                raise Overloaded(f"server at capacity: {s.running} running + {s.waiting} "
                                  f"waiting (server.max_num_seqs * attn_dp + server.max_queue = {self.capacity})")
             self.engine.add_request(*args)
             self._reply(fut)
@@ -303,7 +303,7 @@ class AsyncEngine:
         while self._emitted and self._emitted[0][0] < cutoff:
             self._emitted.popleft()
         sched, record = engine.scheduler, engine.last_record
-        per_dp = record.kv if record is not None and record.t_end >= self._commands_at else rank_loads(sched)
+        per_dp = record.kv if record is not None and record.t_end >= self._commands_at else sched.stats().per_dp
         gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(sched.dp_size)]
         self.loads = Loads(per_dp=per_dp, kv_block_size=sched.cfg.block_size, gen_tokens_per_s=tuple(gen),
                            steps=engine.stats.steps)

@@ -1,4 +1,4 @@
-"""The engine on rank 0 and the worker loop on the other ranks.
+"""The engine on rank 0 (the other ranks run ``engine/worker/loop.py``).
 
 Rank 0 holds the scheduler. Each step it broadcasts the plan (a small picklable object) to every
 rank over the gloo control group, runs its own share, and gathers the sampled tokens from the rank that
@@ -10,8 +10,8 @@ rank launches step n+1 first — its decodes take step n's tokens on the device 
 reads back step n; rank 0 schedules step n+1 before it has step n's tokens. :data:`DRAIN` closes the pipeline
 when there is nothing new to launch. Why and what it costs: ``docs/gpu_path.md`` ("Host per step").
 
-Every finished step (and idle heartbeat) becomes one :class:`engine.step_record.StepRecord`, built on rank 0 from
-every rank's :class:`~engine.step_record.RankReport` (results, coverage, telemetry sample) and handed to
+Every finished step (and idle heartbeat) becomes one :class:`engine.core.step_record.StepRecord`, built on rank 0 from
+every rank's :class:`~engine.step.RankReport` (results, coverage, telemetry sample) and handed to
 :attr:`Engine.stats` and the subscribers (:meth:`Engine.subscribe`). :class:`~engine.profiling.ProfileControl`
 messages start and stop ``torch.profiler`` on every rank between steps.
 """
@@ -24,47 +24,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.capture import GraphCoverage, eager_reason
-from engine.cuda_graphs import StepShape
-from engine.grammar import GrammarBackend
-from engine.profiling import ProfileControl, ProfileDriver, ProfilePlan, RankProfiler
-from engine.recorder import DeviceSpan, EngineStats, StepRecorder
-from engine.runner import Launched, ModelRunner
-from engine.sampler import Constraint, SamplingParams
-from engine.scheduler import RequestError, Scheduler, SchedulerConfig
-from engine.speculation import Speculation
-from engine.step import RequestOutput, StepKind, StepPlan, StepResult
-from engine.step_record import RankReport, StepRecord
-from engine.stop_strings import Detokenize
-from engine.telemetry import TelemetrySampler
-from model.kernel_select import launch_kernels
+from engine.config import RequestError, SchedulerConfig
+from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
+from engine.core.requests import sample_id
+from engine.core.scheduler import Scheduler
+from engine.core.step_record import StepRecord
+from engine.params import Constraint, SamplingParams
+from engine.profiling import ProfileDriver, ProfilePlan
+from engine.sampling.grammar import GrammarBackend
+from engine.step import GraphCoverage, RankReport, RequestOutput, StepKind, StepPlan, StepResult
+from engine.stop_strings import Detokenize, StopChecks
+from engine.worker.cuda_graphs import StepShape
+from engine.worker.loop import DRAIN, HEARTBEAT, SHUTDOWN, Precompile, WarmUpShape, control_plane, make_runner
+from engine.worker.runner import Launched
+from engine.worker.speculation import Speculation
+from engine.worker.telemetry import TelemetrySampler
 from model.transformer import CausalLM
-from parallelism.comm import Comm, ParallelGroups
 
 log = logging.getLogger(__name__)
-
-SHUTDOWN = "shutdown"
-HEARTBEAT = "heartbeat"  # idle liveness round trip: no forward, no data collectives
-DRAIN = "drain"  # overlap: nothing new to launch; read back and gather the step in flight
-
-
-@dataclass(frozen=True)
-class WarmUpShape:
-    """Broadcast by :meth:`Engine.warm_up`: every rank runs (captures) static shape ``(batch, tree_size)`` once."""
-
-    batch: int
-    tree_size: int
-
-
-@dataclass(frozen=True)
-class Precompile:
-    """Broadcast by :meth:`Engine.precompile`: every rank starts compiling ``constraint`` on its grammar thread."""
-
-    constraint: Constraint
-
-
-STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engine.max_num_seqs)
-
 
 @dataclass
 class _InFlight:
@@ -93,10 +70,11 @@ class Engine:
         self.runner = make_runner(model, cfg, speculation, grammar)
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
                                    spec_reserve_slots=speculation.facts.spec_reserve_slots if speculation else 0,
-                                   tokenizer=tokenizer, namespace=cache_namespace(model, speculation),
+                                   namespace=cache_namespace(model, speculation),
                                    retain_after=retain_after_ids(tokenizer))
+        self.stops = StopChecks(tokenizer)  # stop strings: matched here, between the readback and the core's update
         self.stats = EngineStats()
-        self.recorder = StepRecorder(self.scheduler, self.groups.counter)
+        self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
         self.telemetry = telemetry
         self.profiling = ProfileDriver(self.plane, model.groups.rank, model.device)
         self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
@@ -145,8 +123,13 @@ class Engine:
                 raise RequestError(f"{params.constraint.field}: structured output needs the checkpoint's tokenizer "
                                    "(tokenizer.json or tiktoken.model), and this engine was started without one")
             self.grammar.compile(params.constraint)  # ConstraintError names it; cached (the server compiled it)
+        if params.stop and self.stops.tokenizer is None:
+            raise RequestError(f"stop {list(params.stop)[:3]}: stop strings need the checkpoint's tokenizer "
+                               "(tokenizer.json or tiktoken.model), and this engine was started without one")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv)
+        keys = [request_id] if params.n == 1 else [sample_id(request_id, i) for i in range(params.n)]
+        self.stops.add(keys, prompt, params)
         self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -157,6 +140,7 @@ class Engine:
         """Ends ``request_id`` now: one finished output per sample still running (n > 1). Each goes to the stats
         record (``StepRecorder.aborted``), which ends the request once, at the first (the abort in /metrics)."""
         outs = self.scheduler.abort_all(request_id) or [self.scheduler.abort(request_id)]  # unknown id: RequestError
+        self._forget_stops(outs)
         now = time.monotonic()
         for out in outs:
             self.recorder.aborted(out, now)
@@ -214,7 +198,7 @@ class Engine:
             self._subscribers = subscribers
         sched.kv.clear()  # its blocks are nobody's prefix
         self.stats, self.last_record = EngineStats(warmup_shapes=warm.warmup_shapes), None
-        self.recorder = StepRecorder(sched, self.groups.counter)
+        self.recorder = StepRecorder(sched.stats, self.groups.counter)
         dt = time.perf_counter() - t0
         self.stats.warmup_shapes.append({"kind": StepKind.PREFILL, "batch": sched.dp_size, "tokens": tokens,
                                          "seconds": dt, "graph": False, "skipped": False,
@@ -271,10 +255,17 @@ class Engine:
             if report.results:
                 merged.update(report.results)
         t2 = time.perf_counter()
-        outputs = self.scheduler.update(d.plan, merged)
+        outputs = self.scheduler.update(d.plan, merged, self.stops.scan(merged))
+        self._forget_stops(outputs)
         self.recorder.host("readback", t2 - t1)
         self.recorder.host("update", time.perf_counter() - t2)
         return reports, merged, outputs
+
+    def _forget_stops(self, outputs: list[RequestOutput]) -> None:
+        """Samples that ended drop their stop-string checks."""
+        if len(self.stops):
+            self.stops.forget([key for o in outputs if o.finished for key in (o.request_id,
+                                                                                 sample_id(o.request_id, o.index))])
 
     def _sample(self) -> dict | None:
         return self.telemetry.fresh() if self.telemetry is not None else None
@@ -332,67 +323,3 @@ def retain_after_ids(tokenizer) -> frozenset[int]:
     return frozenset(i[0] for i in ids if len(i) == 1)
 
 
-def control_plane(groups: ParallelGroups) -> Comm:
-    """Where plans and results travel: the gloo control group over every rank. On GPUs the world group is NCCL,
-    whose object collectives stage through the device and make the host wait for the step in flight."""
-    return groups.control or groups.world
-
-
-def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None,
-                grammar: GrammarBackend | None = None) -> ModelRunner:
-    """The rank's ModelRunner, speculating with ``speculation`` (None: off), constraining with ``grammar`` (None:
-    structured output refused), and static decode/verify steps per
-    ``cfg.static_steps``; ``cfg.batch_invariant`` switches the model to its batch-invariant kernels (off: to the set
-    they were made from)."""
-    cfg = cfg.for_model(model.cfg.max_position_embeddings)
-    kernels = launch_kernels(model.kernels, cfg.batch_invariant)
-    if kernels is not model.kernels:
-        model.use_kernels(kernels)
-    on_cuda = model.device.type == "cuda"
-    static = cfg.static_steps == "on" or (cfg.static_steps == "auto" and on_cuda)
-    sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()
-    return ModelRunner(model, cfg.num_blocks, cfg.block_size, speculation, static_batch_sizes=sizes,
-                       max_model_len=cfg.max_model_len,
-                       eager_reason="" if sizes else eager_reason(model, cfg.static_steps),
-                       overlap=cfg.overlap == "on" and speculation is None, expert_tally=cfg.expert_tally,
-                       grammar=grammar)
-
-
-def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) -> None:
-    """Non-zero ranks: execute broadcast plans until shutdown — in rank 0's order (``Engine.step``): launch the
-    new plan, then read back and gather the step in flight, then this plan's unless it overlaps. Each gather sends
-    a :class:`RankReport` with ``telemetry``'s newest sample."""
-    groups = runner.model.groups
-    plane, in_flight = control_plane(groups), None
-    profiler = RankProfiler(groups.rank, runner.model.device)
-
-    def report(step: Launched | None) -> RankReport:
-        sample = telemetry.fresh() if telemetry is not None else None
-        if step is None:
-            return RankReport(None, {}, sample)
-        out = runner.finish(step)
-        return RankReport(out.results, out.coverage, sample)
-
-    while True:
-        plan = plane.broadcast_object(None)
-        if plan == SHUTDOWN:
-            return
-        if plan == HEARTBEAT:
-            plane.gather_objects(report(None))
-            continue
-        if isinstance(plan, WarmUpShape):
-            runner.warm_up(plan.batch, plan.tree_size)
-            plane.gather_objects(None)
-            continue
-        if isinstance(plan, ProfileControl):
-            plane.gather_objects(profiler.apply(plan))
-            continue
-        if isinstance(plan, Precompile):
-            runner.precompile(plan.constraint)
-            continue
-        launched = None if plan == DRAIN else runner.launch_plan(plan)
-        if in_flight is not None:
-            plane.gather_objects(report(in_flight))
-        in_flight = launched if launched is not None and plan.overlap else None
-        if launched is not None and not plan.overlap:
-            plane.gather_objects(report(launched))

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from engine.sampler import SamplingParams
+from engine.params import SamplingParams
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,3 +142,40 @@ class RequestOutput:
     stop_reason: int | str | None = None  # finish_reason "stop": the stop token id or stop string (None: EOS)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     index: int = 0  # which of the request's n samples (n > 1: request_id is the request's, shared by its samples)
+
+
+@dataclass
+class GraphCoverage:
+    """Per step kind (:class:`engine.step.StepKind`): steps run, steps that replayed a graph, the last reason one
+    ran eager."""
+
+    steps: dict[StepKind, int] = field(default_factory=lambda: dict.fromkeys(StepKind, 0))
+    replays: dict[StepKind, int] = field(default_factory=lambda: dict.fromkeys(StepKind, 0))
+    reasons: dict[StepKind, str] = field(default_factory=dict)
+
+    def record(self, kind: StepKind, replayed: bool, reason: str = "") -> None:
+        self.steps[kind] += 1
+        if replayed:
+            self.replays[kind] += 1
+        elif reason:
+            self.reasons[kind] = reason
+
+    def summary(self) -> dict[StepKind, dict]:
+        """``{kind: {"replays": r, "steps": n, "coverage": r/n, "eager_reason": str}}`` for kinds that ran."""
+        return {k: {"replays": self.replays[k], "steps": n, "coverage": self.replays[k] / n,
+                    "eager_reason": self.reasons.get(k, "")}
+                for k, n in self.steps.items() if n}
+
+
+Record = tuple[bool, str]  # a coverage record: (replayed, why not)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's share of a step's result gather (or of a heartbeat's): the sampled ``results`` (None on ranks
+    that do not hold the logits), its coverage records ``{kind: (replayed, why not)}`` and its telemetry sample when
+    the sampler took one since the last gather (``engine.telemetry.TelemetrySampler.fresh``)."""
+
+    results: dict[str, StepResult] | None
+    coverage: dict[StepKind, Record]
+    telemetry: dict | None = None

@@ -7,11 +7,20 @@
 - generation ends at the token that completes the match (``finish_reason="stop"``, the matched string reported);
   that token is the last one returned, so the tokens returned and ``completion_tokens`` agree. The text is the
   gateway's to trim (``include_stop_str_in_output`` says whether the string stays in it).
+
+The check runs on the engine thread, outside the core (:class:`StopChecks`): between a step's readback and the
+core's update it reads each result and tells the core the index of the token that completes a match; the core cuts
+the result there, as it cuts at a stop id, so a request stops at the same step, and a DDTree step at the same token,
+as when the scheduler matched strings itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
+
+from engine.params import SamplingParams
+from engine.step import StepResult
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded ahead of the output: a tokenizer may render a token by its left context
 
@@ -55,3 +64,49 @@ class StopStrings:
         if not check or not new:
             return None
         return next((s for s in self.stops if text.find(s, max(len(text) - len(new) - len(s) + 1, 0)) >= 0), None)
+
+
+class StopChecks:
+    """The stop-string checks of every running request that has stop strings, keyed by the core's id of each sample
+    (a request's own id, or ``engine.core.requests.sample_id`` of each of its n samples)."""
+
+    def __init__(self, tokenizer: Detokenize | None):
+        self.tokenizer = tokenizer
+        self._checks: dict[str, tuple[StopStrings, int]] = {}  # id → (its check, min_tokens)
+        self._seen: dict[str, int] = {}  # id → output tokens fed to its check
+
+    def add(self, keys: list[str], prompt: list[int], params: SamplingParams) -> None:
+        """Starts the check of each sample ``keys`` of a request with ``params.stop`` (none without; the engine
+        refuses stop strings when it has no tokenizer)."""
+        if not params.stop:
+            return
+        for key in keys:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
+            self._checks[key], self._seen[key] = (StopStrings(params.stop, detok), params.min_tokens), 0
+
+    def scan(self, results: Mapping[str, StepResult]) -> dict[str, tuple[int, str]]:
+        """Feeds each checked request's new tokens; returns id → (index of the token that completes a stop string,
+        the string) for those that matched. Every token is fed until then, to keep the text whole."""
+        found = {}
+        for key, result in results.items():
+            entry = self._checks.get(key)
+            if entry is None:
+                continue
+            check, min_tokens = entry
+            for i, token in enumerate(result.tokens):
+                self._seen[key] += 1
+                matched = check.add(token, self._seen[key] >= min_tokens)
+                if matched is not None:
+                    found[key] = (i, matched)
+                    break
+        return found
+
+    def forget(self, keys: list[str]) -> None:
+        """Those samples ended: their checks go."""
+        for key in keys:
+            self._checks.pop(key, None)
+            self._seen.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._checks)
+

@@ -1,7 +1,7 @@
 """The torch reference kernels: one implementation per op, what the model runs on CPU and what each Triton kernel
 is checked against (same call signatures; :mod:`model.kernel_select` chooses between the two sets).
 
-Paged cache layout (engine/kv_cache.py): one flat tensor per entry kind, ``[num_slots, ...]`` with
+Paged cache layout (engine/worker/kv_cache.py): one flat tensor per entry kind, ``[num_slots, ...]`` with
 ``num_slots = num_blocks * block_size``; key position ``p`` of sequence ``b`` lives in slot
 ``block_tables[b, p // block_size] * block_size + p % block_size``. ``context_lens[b]`` counts every cached
 key of sequence ``b`` including this step's tokens (the engine writes them before it attends), so a decode

@@ -56,7 +56,7 @@ class TiktokenTokenizer:
         import tiktoken
 
         ranks = read_ranks(ranks_file)
-        self.ranks = ranks  # token bytes → id (structured output's vocabulary, engine/grammar.py)
+        self.ranks = ranks  # token bytes → id (structured output's vocabulary, engine/sampling/grammar.py)
         base = len(ranks)
         named = {int(i): entry["content"] for i, entry in config.get("added_tokens_decoder", {}).items()}
         reserved = range(base, base + NUM_RESERVED_SPECIAL) if kimi else ()

@@ -24,7 +24,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
 from engine.async_engine import Loads
-from engine.kv_manager import NO_PARENT, KvEvent, wire_hash
+from engine.core.kv_manager import NO_PARENT, KvEvent, wire_hash
 
 LOG_BATCHES = 10_000
 

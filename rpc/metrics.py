@@ -26,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.utils import floatToGoString
 
-from engine.step_record import HOST_PHASES, IDLE_REASONS, LAUNCH_PARTS, StepRecord
-from engine.telemetry import THROTTLE_REASONS
+from engine.core.step_record import HOST_PHASES, IDLE_REASONS, LAUNCH_PARTS, StepRecord
+from engine.worker.telemetry import THROTTLE_REASONS
 
 log = logging.getLogger(__name__)
 

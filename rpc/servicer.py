@@ -32,9 +32,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 from smg_grpc_proto.generated import common_pb2
 
 from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Loads, Overloaded
+from engine.core.kv_manager import wire_hash
 from engine.engine import Engine
-from engine.kv_manager import wire_hash
-from engine.sampler import Constraint
+from engine.params import Constraint
 from engine.step import RequestOutput
 from model.tokenizer import tiktoken_file
 from rpc import convert, info
@@ -92,7 +92,8 @@ class ModelFacts:
 
 def _flush(engine: Engine) -> tuple[bool, int]:
     """On the engine thread: (flushed, requests in the engine)."""
-    busy = engine.scheduler.num_running() + engine.scheduler.num_waiting()
+    s = engine.scheduler.stats()
+    busy = s.running + s.waiting
     return (not engine.has_work() and engine.scheduler.kv.clear()), busy
 
 
@@ -127,14 +128,14 @@ def _kv_info(engine: Engine) -> dict:
     """The KV manager's state: settings, prefix-cache counters, and per attention-DP rank blocks used (referenced),
     cached (indexed) and free (empty or evictable), with a digest of the index's block hashes."""
     sched, cfg = engine.scheduler, engine.scheduler.cfg
-    kv, pools = sched.kv, sched.kv.pools
+    kv, pools, s = sched.kv, sched.kv.pools, sched.stats()
     used, total = sum(p.num_used for p in pools), sum(p.num_blocks for p in pools)
     return {"prefix_caching": cfg.prefix_caching, "allocation": cfg.kv_allocation, "kv_block_size": cfg.block_size,
             "retention_s": cfg.kv_retention_s, "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
-            "hit_rate": kv.hit_rate, "evictions": sum(p.evictions for p in pools), "preemptions": sched.preemptions,
+            "hit_rate": kv.hit_rate, "evictions": sum(p.evictions for p in pools), "preemptions": s.preemptions,
             "blocks_used": used, "blocks_total": total, "usage": used / total,
             "index_digest": index_digest(wire_hash(h) for p in pools for h in p.index),
-            "per_dp": [{"running": len(sched.running[dp]), "blocks_used": p.num_used, "blocks_cached": p.num_cached,
+            "per_dp": [{"running": s.per_dp[dp].running, "blocks_used": p.num_used, "blocks_cached": p.num_cached,
                         "blocks_free": p.num_free, "index_digest": index_digest(wire_hash(h) for h in p.index)}
                        for dp, p in enumerate(pools)]}
 

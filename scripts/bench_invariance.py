@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from engine.config import SchedulerConfig
 from engine.engine import Engine
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.params import SamplingParams
 from model.loader import load_model
 from parallelism.comm import build_groups
 from parallelism.layout import Layout

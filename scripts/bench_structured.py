@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from engine.config import SchedulerConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.grammar import GrammarBackend, unpack_bits  # noqa: E402
-from engine.sampler import Constraint, SamplingParams  # noqa: E402
-from engine.scheduler import SchedulerConfig  # noqa: E402
+from engine.params import Constraint, SamplingParams  # noqa: E402
+from engine.sampling.grammar import GrammarBackend, unpack_bits  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 from parallelism.comm import build_groups  # noqa: E402

@@ -19,10 +19,11 @@ from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_loggin
 from omegaconf import DictConfig, OmegaConf
 from preflight import one_line_errors, preflight
 
-from engine.engine import Engine, make_runner, worker_loop
-from engine.kv_budget import size_kv_cache
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.worker.kv_budget import size_kv_cache
+from engine.worker.loop import make_runner, worker_loop
 from model.loader import DeviceConfig, load_target
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups

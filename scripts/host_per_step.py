@@ -4,7 +4,7 @@
 
 One rank, the committed tiny_kimi pair, static steps on, ``--batch`` greedy requests of ``--tokens`` tokens,
 ``--repeats`` engine lifetimes (the least time of each phase is kept: the box is shared). The phases are the step
-records' (``engine/step_record.py``: ``schedule``, ``launch`` — of it the speculator's ``draft`` and the ``target``
+records' (``engine/core/step_record.py``: ``schedule``, ``launch`` — of it the speculator's ``draft`` and the ``target``
 step —, ``readback``, ``update``), per decode or verify step, read by subscribing to the engine; on CUDA also the
 step's device span. Off CUDA the launch computes on the host; on CUDA it only queues kernels or replays graphs.
 Finer splits are in a ``StartProfile`` trace (docs/metrics.md, "Profiling").
@@ -17,10 +17,10 @@ import argparse
 import torch
 from tiny_kimi import decode_batch, load_pair
 
+from engine.config import SchedulerConfig
+from engine.core.step_record import HOST_PHASES, LAUNCH_PARTS, StepRecord
 from engine.engine import Engine
-from engine.scheduler import SchedulerConfig
 from engine.step import StepKind
-from engine.step_record import HOST_PHASES, LAUNCH_PARTS, StepRecord
 
 PHASES = (*HOST_PHASES[:2], *LAUNCH_PARTS, *HOST_PHASES[2:], "device")
 

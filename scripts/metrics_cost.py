@@ -20,11 +20,11 @@ import time
 import torch
 from tiny_kimi import decode_batch, load_pair
 
+from engine.config import SchedulerConfig
+from engine.core.step_record import StepRecord
 from engine.engine import Engine
-from engine.scheduler import SchedulerConfig
-from engine.step import StepKind
-from engine.step_record import RankReport, StepRecord
-from engine.telemetry import CpuBackend, TelemetrySampler
+from engine.step import RankReport, StepKind
+from engine.worker.telemetry import CpuBackend, TelemetrySampler
 from rpc.metrics import exporter_for
 
 

@@ -30,11 +30,12 @@ from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_loggin
 from omegaconf import DictConfig, OmegaConf
 from preflight import debug_requested, one_line, one_line_errors, preflight
 
-from engine.engine import Engine, make_runner, worker_loop
-from engine.grammar import GrammarBackend
-from engine.kv_budget import size_kv_cache
-from engine.scheduler import SchedulerConfig
-from engine.telemetry import rank_sampler
+from engine.config import SchedulerConfig
+from engine.engine import Engine
+from engine.sampling.grammar import GrammarBackend
+from engine.worker.kv_budget import size_kv_cache
+from engine.worker.loop import make_runner, worker_loop
+from engine.worker.telemetry import rank_sampler
 from model.loader import DeviceConfig, load_target
 from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups

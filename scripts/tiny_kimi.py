@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.engine import Engine
-from engine.sampler import SamplingParams
+from engine.params import SamplingParams
 from model.loader import load_model
 from parallelism.comm import build_groups
 from parallelism.layout import Layout

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kv_cache import PagedKVCache
-from engine.logits_processors import Rows
-from engine.speculation import (
+from engine.sampling.logits_processors import Rows
+from engine.step import SeqWork, StepKind, StepResult
+from engine.worker.kv_cache import PagedKVCache
+from engine.worker.speculation import (
     NodeSampler,
     Speculation,
     SpeculationFacts,
@@ -19,7 +20,6 @@ from engine.speculation import (
     StaticTarget,
     TargetForward,
 )
-from engine.step import SeqWork, StepKind, StepResult
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.dflash import DFlashDrafter

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVSpec, PagedKVCache, SeqSlots
-from engine.logits_processors import Rows, SamplingState, TreeSampling
-from engine.sampler import SampleOutput
-from engine.speculation import NodeSampler, TreeRows
+from engine.sampling.logits_processors import Rows, SamplingState, TreeSampling
+from engine.sampling.sampler import SampleOutput
 from engine.step import SeqWork, StepResult
+from engine.worker.kv_cache import KVSpec, PagedKVCache, SeqSlots
+from engine.worker.speculation import NodeSampler, TreeRows
 from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig

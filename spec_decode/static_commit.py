@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.blocks import scratch_table
-from engine.capture import CapturedGraphs
+from engine.worker.capture import CapturedGraphs
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree
 

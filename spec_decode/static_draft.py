@@ -1,5 +1,5 @@
 """Static drafting: the drafter step at a fixed (batch, block) shape over preallocated buffers, so that a
-CUDA graph can capture it (``engine/cuda_graphs.py`` does the same for the target's decode and verify steps).
+CUDA graph can capture it (``engine/worker/cuda_graphs.py`` does the same for the target's decode and verify steps).
 
 A :class:`StaticDraft` holds every input of one draft step — each sequence's bonus token, next position,
 block table, context length and the slots of its block's positions — in buffers of fixed shape ``[B, ...]``,
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from engine.blocks import scratch_table
-from engine.capture import CapturedGraphs, kernel_blocker
 from engine.step import SeqWork
+from engine.worker.capture import CapturedGraphs, kernel_blocker
 from spec_decode.dflash import Attend
 from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree

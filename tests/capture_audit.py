@@ -253,8 +253,8 @@ def audited_capture() -> Iterator[AuditLog]:
     Yields the log."""
     from fake_capture import ReplayGraph
 
-    import engine.capture as cg
-    import engine.runner as runner
+    import engine.worker.capture as cg
+    import engine.worker.runner as runner
 
     log = AuditLog([], [])
     active: list[CaptureAudit] = []  # the strict region's audit while it runs

@@ -40,7 +40,7 @@ class ReplayGraph:
 
 @contextmanager
 def faked_capture(fail: bool = False):
-    import engine.capture as cg
+    import engine.worker.capture as cg
 
     def capture(run, pool=None):
         outputs = run()

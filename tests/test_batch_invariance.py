@@ -106,7 +106,7 @@ def test_rope_and_gumbel_noise_rows():
     """cos/sin come from a table built once (a position's entry does not depend on the step's other positions), and
     the sampler's noise from :mod:`model.fixed_math` logs: row-invariant with 8 frequencies and a vocab of 203.
     (Coverage: torch's ``cos`` and ``log`` did not differ between tail and body on the CPUs measured.)"""
-    from engine.sampler import gumbel_noise
+    from engine.sampling.sampler import gumbel_noise
     from model.config import RopeConfig
     from model.rope import Rotary
 
@@ -339,7 +339,8 @@ def _arms_job(ctx, lay, runs, arms, cfg, path=ZOO / "target"):
     (a request list) with ``cfg``; rank 0 returns ``[[{rid: (tokens, reason)} per run] per arm]``."""
     import dataclasses
 
-    from engine.engine import Engine, make_runner, worker_loop
+    from engine.engine import Engine
+    from engine.worker.loop import make_runner, worker_loop
     from model.loader import load_model
     from parallelism.comm import build_groups
     from spec_decode.speculation import load_speculation
@@ -380,7 +381,7 @@ def arms_and_runs(max_tokens: int, full: bool = True):
 
 
 def invariant_cfg(on: bool = True):
-    from engine.scheduler import SchedulerConfig
+    from engine.config import SchedulerConfig
 
     return SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
                            num_blocks=256, static_steps="on", batch_invariant=on)
@@ -409,7 +410,7 @@ def test_trained_pair_tokens_identical_in_bf16(pool, preset, max_tokens, full):
 @pytest.mark.engine
 def test_gqa_model_tokens_identical_in_bf16(pool, tiny_ckpts, random_drafter):
     """The GQA path (tiny Qwen3-MoE, untrained drafter): plain, DDTree and graphs-off plain agree with the flag on."""
-    from engine.sampler import SamplingParams
+    from engine.params import SamplingParams
     from spec_decode.config import SpecConfig
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -428,7 +429,7 @@ def test_int4_model_tokens_identical_in_bf16(pool, tmp_path, random_drafter):
     (budget 16) gives plain decoding's greedy tokens (static steps) at batch 4, and prompt 0 alone its batch tokens."""
     from quant_ckpts import script
 
-    from engine.sampler import SamplingParams
+    from engine.params import SamplingParams
     from spec_decode.config import SpecConfig
 
     path, _ = script().write_preset("kimi_k25_int4", tmp_path)

@@ -10,9 +10,9 @@ from capture_audit import CaptureUnsafe, audit_region, audited_capture, check, s
 
 from bench.gpu.fixtures import random_model, random_speculator
 from engine.blocks import blocks_for
-from engine.runner import ModelRunner
-from engine.sampler import SamplingParams
+from engine.params import SamplingParams
 from engine.step import SeqWork
+from engine.worker.runner import ModelRunner
 from model.kernel_select import batch_invariant_kernels
 from spec_decode.config import SpecConfig
 from spec_decode.speculation import speculation_from

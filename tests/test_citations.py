@@ -4,7 +4,7 @@ Citations are read from the Markdown pages (``README.md``, ``docs/**/*.md``: bac
 targets and prose), from the comments, docstrings and string constants of every ``*.py`` file, and from the string
 values of ``docs/*.json`` (the ``source`` fields of ``docs/kernel_efficiency.json``). A citation of ours is
 
-- a path whose first component is one of our top-level names (:data:`TOP_LEVEL`) — ``engine/scheduler.py``,
+- a path whose first component is one of our top-level names (:data:`TOP_LEVEL`) — ``engine/core/scheduler.py``,
   ``docs/kv_cache.md``, ``conf/parallel/``, globs such as ``tests/test_rpc*.py`` — resolved from the repository
   root, or from the citing page's folder for a Markdown link target;
 - a bare ``*.md`` name with no folder (``NOTES.md``), which must be some file of the repository; in Markdown and
@@ -202,7 +202,7 @@ def test_the_citations_are_read_from_every_kind_of_source():
     found = {(c.where.split(":")[0], c.cited) for c in citations(ROOT)}
     assert ("README.md", "docs/kv_cache.md") in found
     assert ("docs/cost_model.md", "kernel_efficiency.json") in found  # a link relative to its page
-    assert ("engine/speculation.py", "tests/test_speculation_contract.py") in found  # a docstring
+    assert ("engine/worker/speculation.py", "tests/test_speculation_contract.py") in found  # a docstring
     assert ("docs/kernel_efficiency.json", "docs/gpu_first_run.md") in found  # a source field
     assert any(w == "bench/cost/hardware.py" and c == "docs/field_notes.md" for w, c in found)  # a data string
 

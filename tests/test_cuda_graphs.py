@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bench.gpu.fixtures import random_model, random_tree
-from engine.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape
-from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+from engine.worker.cuda_graphs import GraphRunner, StaticSeq, StaticStep, StepShape
+from engine.worker.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from model.batch import ForwardBatch
 from model.loader import load_model
 from parallelism.comm import build_groups
@@ -192,7 +192,7 @@ def test_a_dispatcher_that_waits_on_the_host_blocks_capture(tiny_ckpts):
     """The all-to-all reads its row counts on the host, and so do the torch reference kernels, so no forward
     through either is captured: the runner gets the reason up front and never tries (a failed capture half-way
     through NCCL collectives is no fallback)."""
-    from engine.capture import CapturedGraphs, capture_blocker, eager_reason
+    from engine.worker.capture import CapturedGraphs, capture_blocker, eager_reason
     from model.kernel_select import reference_kernels
 
     alltoall = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout(dispatcher="alltoall")))
@@ -214,7 +214,7 @@ def test_a_dispatcher_that_waits_on_the_host_blocks_capture(tiny_ckpts):
 def test_steps_over_the_dispatchers_graph_token_bound_are_not_tried(tiny_ckpts):
     """DeepEP's low-latency path (the graph-safe one) holds at most ``deepep_max_decode_tokens`` tokens per rank:
     a decode shape within it is tried, a verify shape over it gets the reason up front, on every rank alike."""
-    from engine.capture import CapturedGraphs, token_limit_blocker
+    from engine.worker.capture import CapturedGraphs, token_limit_blocker
 
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
     assert token_limit_blocker(model, 10_000) == ""  # the allreduce dispatcher has no bound
@@ -236,7 +236,7 @@ def test_one_rank_runs_a_key_whose_capture_failed_eagerly_and_replays_the_others
     static outputs (several ranks stop instead: ``test_a_capture_that_fails_on_one_rank_stops_every_rank``)."""
     from fake_capture import faked_capture
 
-    from engine.capture import CapturedGraphs
+    from engine.worker.capture import CapturedGraphs
 
     graphs, box = CapturedGraphs(), {"value": 1.0}
     run = lambda: (torch.tensor([box["value"]]), None)  # noqa: E731 - a step whose inputs live in ``box``
@@ -256,7 +256,7 @@ def test_a_warm_up_that_raises_is_an_error_not_an_eager_fallback(monkeypatch):
     """The warm-up runs are eager steps: one that raises would fail as an eager step too, so it propagates
     (``capture_graph`` wraps only the capture itself in GraphCaptureError; it needs CUDA, so it is stood in
     for here by one whose warm-up raises)."""
-    import engine.capture as cg
+    import engine.worker.capture as cg
 
     def broken(run, pool):
         raise ValueError("Triton: out of shared memory")

@@ -5,10 +5,11 @@ import pytest
 import torch
 from layouts import layout
 
-from engine.engine import Engine, worker_loop
-from engine.runner import ModelRunner
-from engine.sampler import SamplingParams
-from engine.scheduler import RequestError, SchedulerConfig
+from engine.config import RequestError, SchedulerConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.worker.loop import worker_loop
+from engine.worker.runner import ModelRunner
 from model.loader import load_model
 from model.tiny import load_hf
 from parallelism.comm import build_groups
@@ -41,7 +42,7 @@ def run_requests(engine, requests, abort_after=None):
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
         steps += 1
-        if abort_after and steps == abort_after[1] and abort_after[0] in engine.scheduler.requests:
+        if abort_after and steps == abort_after[1] and engine.scheduler.knows(abort_after[0]):
             reasons[abort_after[0]] = engine.abort(abort_after[0]).finish_reason
     return {rid: (tokens[rid], reasons[rid]) for rid in tokens}
 

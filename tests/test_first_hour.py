@@ -21,8 +21,8 @@ import pytest
 from patience import patience
 from rpc_helpers import ServerProcess, free_port
 
-from engine.kv_budget import blocks_for_memory, max_concurrency, size_kv_cache
-from engine.scheduler import RequestError, SchedulerConfig
+from engine.config import RequestError, SchedulerConfig
+from engine.worker.kv_budget import blocks_for_memory, max_concurrency, size_kv_cache
 from model.checkpoint_errors import CheckpointError, check_checkpoint_files, open_shard
 from model.config import ConfigError, load_config, parse_config
 from model.layout_fit import check_layout_fits, layout_problems

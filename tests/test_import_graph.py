@@ -29,6 +29,10 @@ ALLOWED = {
     "bench": {"parallelism", "model", "engine", "spec_decode", "rpc"},
 }
 PACKAGES = tuple(ALLOWED)
+# Inside engine/, packages by where code runs: rank 0's core and every rank's worker share only the modules below them
+# (wire types, params, config) and never import each other; sampling (every rank) imports neither.
+NEVER = {"engine.core": ("engine.worker",), "engine.worker": ("engine.core",),
+         "engine.sampling": ("engine.core", "engine.worker")}
 NOT_WITH_THE_RUNTIME = ("matplotlib", "pynvml", "bench")  # import engine.engine must not pull these in
 
 @functools.cache
@@ -183,6 +187,36 @@ def test_no_package_import_cycle_through(package):
 def test_package_imports_only_the_packages_below_it(package):
     wrong = {dst: why for dst, why in package_graph()[package].items() if dst not in ALLOWED[package]}
     assert not wrong, f"{package} may import only {sorted(ALLOWED[package])}; it imports: {wrong}"
+
+
+def forbidden_arrows(graph: dict[str, dict[str, int]]) -> list[str]:
+    """``importer:line → imported`` for every arrow :data:`NEVER` rules out."""
+    def inside(mod: str, pkg: str) -> bool:
+        return mod == pkg or mod.startswith(pkg + ".")
+
+    return [f"{mod}:{line} → {target}" for mod, edges in sorted(graph.items()) for target, line in edges.items()
+            for src, banned in NEVER.items() if inside(mod, src) and any(inside(target, b) for b in banned)]
+
+
+def test_core_and_worker_never_import_each_other():
+    """Rank 0's core (scheduler, KV manager, recorder) and every rank's worker (runner, KV cache, graphs) meet only
+    in the wire types below them; sampling imports neither."""
+    bad = forbidden_arrows(module_graph())
+    assert not bad, "engine/core and engine/worker import each other:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("spelling", ["from engine.core.scheduler import Scheduler",
+                                      "from ..core import scheduler", "import engine.core.kv_manager as kv"])
+def test_a_planted_worker_to_core_import_fails(tmp_path, spelling):
+    """The rule sees absolute, relative and aliased spellings."""
+    files = {"engine/__init__.py": "", "engine/core/__init__.py": "", "engine/core/scheduler.py": "",
+             "engine/core/kv_manager.py": "", "engine/worker/__init__.py": "",
+             "engine/worker/runner.py": f"def f():\n    {spelling}\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    bad = forbidden_arrows(graph_of(tmp_path, ("engine",)))
+    assert bad and all(b.startswith("engine.worker.runner:2 → engine.core") for b in bad), bad
 
 
 @functools.cache

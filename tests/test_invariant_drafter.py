@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kv_cache import KVSpec, PagedKVCache
 from engine.step import SeqWork
+from engine.worker.kv_cache import KVSpec, PagedKVCache
 from model.kernel_select import batch_invariant_kernels
 from model.loader import load_model
 from parallelism.comm import build_groups

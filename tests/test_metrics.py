@@ -248,7 +248,7 @@ def test_profile_writes_one_loadable_trace_per_rank(server):
 
 # ---------------------------------------------------------------------------------------- without a server
 def test_idle_seconds_hand_worked():
-    from engine.step_record import idle_seconds
+    from engine.core.step_record import idle_seconds
 
     got = idle_seconds(gap_s=2.0, gap_empty_s=1.5, wall_s=1.0, host_s=0.25, blocked="kv", draining=False)
     assert got == {"no_work": 1.5, "blocked_kv": 0.75, "admission_limit": 0.0, "host_bound": 0.75, "draining": 0.0}
@@ -262,9 +262,9 @@ def test_idle_reasons_move_when_requests_wait_for_kv(tiny_ckpts):
     """``engine.kv_allocation=reserve`` on a pool that holds one request at a time: the others wait for blocks, so
     blocked_kv grows while the engine steps; between the turns and after them the heartbeats count no_work; a
     one-slot engine counts admission_limit instead. Through the exporter, as /metrics shows it."""
+    from engine.config import SchedulerConfig
     from engine.engine import Engine
-    from engine.sampler import SamplingParams
-    from engine.scheduler import SchedulerConfig
+    from engine.params import SamplingParams
     from model.loader import load_model
     from parallelism.comm import build_groups
     from parallelism.layout import Layout
@@ -294,8 +294,8 @@ def test_idle_reasons_move_when_requests_wait_for_kv(tiny_ckpts):
 
 
 def _gpu_record(t: float, energy_mj: dict[int, float], tokens: int, throttle=("sw_power_cap",)):
+    from engine.core.step_record import RankLoad, StepRecord, TokenCounts
     from engine.step import StepKind
-    from engine.step_record import RankLoad, StepRecord, TokenCounts
 
     gpus = {r: {"gpus": [{"index": r, "power_w": 300.0, "power_limit_w": 1100.0, "energy_mj": e,
                           "sm_clock_mhz": 1980.0, "sm_active_pct": 41.0, "tensor_active_pct": 12.0,
@@ -315,7 +315,7 @@ def test_deferred_waiting_requests_have_their_own_reason():
     are ``deferred``, the rest ``capacity``."""
     import dataclasses
 
-    from engine.step_record import RankLoad
+    from engine.core.step_record import RankLoad
     from rpc.metrics import MetricsExporter
 
     e = MetricsExporter("m")
@@ -357,7 +357,7 @@ DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana_dashboard
 
 def exported_names() -> set[str]:
     """Every sample name the exporter can put on the page: speculation on, a GPU rank and a CPU rank seen."""
-    from engine.step_record import StepRecord
+    from engine.core.step_record import StepRecord
     from rpc.metrics import MetricsExporter
 
     e = MetricsExporter("m", draft_positions=4, drafted_per_step=4)
@@ -425,10 +425,10 @@ def test_profile_plan_starts_and_ends_on_the_steps_asked(tiny_ckpts, tmp_path):
     """One rank in-process: a plan from step 2 for 2 steps starts before the engine's third step and writes its trace
     after the fourth, by itself; a second plan while one is pending is refused; StopProfile before the start step
     cancels without files; a bad activity names the field."""
+    from engine.config import SchedulerConfig
     from engine.engine import Engine
+    from engine.params import SamplingParams
     from engine.profiling import ProfileError, ProfilePlan, trace_path
-    from engine.sampler import SamplingParams
-    from engine.scheduler import SchedulerConfig
     from model.loader import load_model
     from parallelism.comm import build_groups
     from parallelism.layout import Layout

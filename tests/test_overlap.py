@@ -10,9 +10,10 @@ import pytest
 from layouts import layout
 from test_spec_engine import specs
 
-from engine.engine import Engine, make_runner, worker_loop
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.worker.loop import make_runner, worker_loop
 from model.loader import load_model
 from parallelism.comm import build_groups
 
@@ -121,7 +122,7 @@ def test_scheduler_plans_the_next_step_before_the_tokens_are_back():
     """Hand-worked: with overlap the second plan feeds a placeholder that points at the first plan's row; a
     request whose in-flight token reaches max_tokens is not planned again; one that stops while the next step is
     in flight gets no token from it and frees its blocks once."""
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
     from engine.step import StepResult
 
     sched = Scheduler(dataclasses.replace(CFG, overlap="on", max_num_batched_tokens=64), 1, 203, (1,))

@@ -1,4 +1,5 @@
-"""Prefix caching, on-demand blocks and recompute preemption (``engine/kv_manager.py``, ``engine/scheduler.py``).
+"""Prefix caching, on-demand blocks and recompute preemption (``engine/core/kv_manager.py``,
+``engine/core/scheduler.py``).
 
 - The manager by hand: chained hashes, a hit never covering the prompt's last token, LRU eviction tail-first,
   retention, flush refused while blocks are referenced, the events that describe the index.
@@ -17,10 +18,12 @@ import pytest
 import torch
 from layouts import layout
 
-from engine.engine import Engine, make_runner, worker_loop
-from engine.kv_manager import NO_PARENT, KVManager, KVManagerConfig, chain_hash
-from engine.sampler import SamplingParams
-from engine.scheduler import RequestError, SchedulerConfig
+from engine.config import RequestError, SchedulerConfig
+from engine.core.kv_manager import NO_PARENT, KVManager, KVManagerConfig, chain_hash
+from engine.core.requests import Request
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.worker.loop import make_runner, worker_loop
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
@@ -39,6 +42,11 @@ def manager(num_blocks=8, block_size=4, retention_s=0.0, clock=None):
     return kv
 
 
+def request(rid, tokens):
+    """A request as the KV manager reads it, placed on DP rank 0."""
+    return Request(rid, list(tokens), SamplingParams(), 0, dp_rank=0)
+
+
 def take(kv, n, now=0.0):
     return kv.pools[0].allocate(n, now)
 
@@ -46,46 +54,48 @@ def take(kv, n, now=0.0):
 def test_hashes_chain_and_a_hit_stops_before_the_last_prompt_tokens_block():
     kv = manager()
     tokens = list(range(10))  # blocks [0..3], [4..7], and 8, 9 in a third
-    hashes = kv.prefix_hashes(tokens)
+    a, b = request("a", tokens), request("b", tokens)
+    hashes = kv.hashes(a)
     assert hashes == [chain_hash(NO_PARENT, (0, 1, 2, 3), b"test"),
                       chain_hash(hashes[0], (4, 5, 6, 7), b"test")]
-    assert len(kv.prefix_hashes(list(range(8)))) == 1  # 8 tokens: token 7 sits in block 1, whose logits we need
+    assert len(kv.index.hashes(list(range(8)))) == 1  # 8 tokens: token 7 sits in block 1, whose logits we need
     assert chain_hash(NO_PARENT, (0, 1, 2, 3), b"other") != hashes[0]  # another namespace, another hash
-    assert kv.admit("a", 0, tokens, hashes, 10) == 0
-    kv.commit("a", 0, tokens, 9)  # 9 committed: two full blocks
+    assert kv.admit(a, 0, 10) == 0
+    kv.commit(a, 9)  # 9 committed: two full blocks
     assert [e.kind for e in kv.drain_events()] == ["stored", "stored"]
     assert kv.pools[0].num_cached == 2 and kv.cached_blocks(0, hashes) == 2
-    kv.free("a", 0)
+    kv.free(a)
     assert kv.blocks_in_use() == 0 and kv.pools[0].num_free == 8 and kv.pools[0].consistent()
-    assert kv.admit("b", 0, tokens, hashes, 10) == 8  # the two cached blocks, then one fresh
-    assert kv.table("b")[:2] == kv.pools[0].cached_prefix(hashes) and kv.hit_rate == 8 / 20
+    assert kv.admit(b, 0, 10) == 8  # the two cached blocks, then one fresh
+    assert kv.table(b)[:2] == kv.pools[0].cached_prefix(hashes) and kv.hit_rate == 8 / 20
 
 
 def test_eviction_takes_empty_blocks_first_then_lru_tail_first():
     kv = manager(num_blocks=4)
     tokens = list(range(13))
-    kv.admit("a", 0, tokens, kv.prefix_hashes(tokens), 13)  # all 4 blocks
-    kv.commit("a", 0, tokens, 12)  # 3 full blocks cached
-    table = list(kv.table("a"))
-    kv.free("a", 0)
+    a = request("a", tokens)
+    kv.admit(a, 0, 13)  # all 4 blocks
+    kv.commit(a, 12)  # 3 full blocks cached
+    table = list(kv.table(a))
+    kv.free(a)
     kv.drain_events()
     assert take(kv, 1) == [table[3]]  # the uncached block first
     got = take(kv, 2)  # then evictions: the request's tail block first
     assert got == [table[2], table[1]]
-    assert [(e.kind, e.hashes) for e in kv.drain_events()] == [("removed", (kv.prefix_hashes(tokens)[2],)),
-                                                               ("removed", (kv.prefix_hashes(tokens)[1],))]
+    assert [(e.kind, e.hashes) for e in kv.drain_events()] == [("removed", (kv.index.hashes(tokens)[2],)),
+                                                               ("removed", (kv.index.hashes(tokens)[1],))]
 
 
 def test_retained_blocks_outlive_plain_lru_until_their_deadline():
     now = [0.0]
     kv = manager(num_blocks=4, retention_s=10.0, clock=lambda: now[0])
-    for rid, first in (("tool", 100), ("plain", 200)):
-        tokens = list(range(first, first + 5))
-        kv.admit(rid, 0, tokens, kv.prefix_hashes(tokens), 5)  # 2 blocks each, 1 full committed
-        kv.commit(rid, 0, tokens, 4)
-    kv.retain("tool")
-    kv.free("tool", 0)
-    kv.free("plain", 0)
+    tool, plain = request("tool", range(100, 105)), request("plain", range(200, 205))
+    for req in (tool, plain):
+        kv.admit(req, 0, 5)  # 2 blocks each, 1 full committed
+        kv.commit(req, 4)
+    kv.retain(tool)
+    kv.free(tool)
+    kv.free(plain)
     cached = {b for b in range(4) if b in kv.pools[0].hash_of}
     got = take(kv, 3)  # 2 empty, then the plain LRU block: the retained one survives
     assert len(set(got) & cached) == 1 and kv.pools[0].num_cached == 1
@@ -97,11 +107,11 @@ def test_retained_blocks_outlive_plain_lru_until_their_deadline():
 
 def test_flush_is_refused_while_blocks_are_referenced():
     kv = manager()
-    tokens = list(range(9))
-    kv.admit("a", 0, tokens, kv.prefix_hashes(tokens), 9)
-    kv.commit("a", 0, tokens, 8)
+    a = request("a", range(9))
+    kv.admit(a, 0, 9)
+    kv.commit(a, 8)
     assert not kv.clear() and kv.pools[0].num_cached == 2
-    kv.free("a", 0)
+    kv.free(a)
     kv.drain_events()
     assert kv.clear() and kv.pools[0].num_cached == 0 and kv.pools[0].num_free == 8
     assert [e.kind for e in kv.drain_events()] == ["cleared"]
@@ -109,7 +119,7 @@ def test_flush_is_refused_while_blocks_are_referenced():
 
 def test_a_pool_smaller_than_one_max_length_request_is_refused():
     with pytest.raises(RequestError, match="cannot hold one max_model_len=512 request"):
-        from engine.scheduler import Scheduler
+        from engine.core.scheduler import Scheduler
         Scheduler(SchedulerConfig(max_model_len=512, block_size=16, num_blocks=20), 1, 203, (1,), spec_reserve_slots=17)
 
 
@@ -206,8 +216,7 @@ def test_waiting_for_a_prefix_being_prefilled_is_reported_as_deferred():
     planned; a fifth with its own prompt is admitted past them; nothing is deferred with the setting off."""
     import dataclasses
 
-    from engine.recorder import rank_loads
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
     from engine.step import StepResult
 
     def result(plan):
@@ -226,7 +235,7 @@ def test_waiting_for_a_prefix_being_prefilled_is_reported_as_deferred():
             plan = sched.schedule() if sched.has_work() else None
             if in_flight is not None:  # overlap: the previous plan's results come back after this one is planned
                 sched.update(in_flight, result(in_flight))
-            deferred.append(rank_loads(sched)[0].deferred)
+            deferred.append(sched.stats().per_dp[0].deferred)
             for w in plan.work[0] if plan is not None else ():
                 starts.setdefault(w.request_id, w.start)
             if overlap == "on":
@@ -251,7 +260,8 @@ def _fan_out_job(ctx, lay, arms, prompts, cfg):
     out = []
     for engine in _engines(ctx, lay, arms, cfg, "share_inflight_prefix"):
         got = _drive(engine, requests)
-        out.append((got, engine.stats.prefill_tokens, engine.scheduler.prefix_waits, engine.scheduler.blocks_in_use()))
+        out.append((got, engine.stats.prefill_tokens, engine.scheduler.stats().prefix_waits,
+                    engine.scheduler.blocks_in_use()))
     return out if ctx.rank == 0 else None
 
 
@@ -308,10 +318,10 @@ def _storm(model, cfg, requests, abort_at, spec=None):
             tokens[o.request_id] += o.new_tokens
         steps += 1
         for rid, at in abort_at.items():
-            if at == steps and rid in engine.scheduler.requests:
+            if at == steps and engine.scheduler.knows(rid):
                 engine.abort(rid)
     sched = engine.scheduler
-    result = tokens, sched.preemptions, sched.blocks_in_use(), all(p.consistent() for p in sched.kv.pools)
+    result = tokens, sched.stats().preemptions, sched.blocks_in_use(), all(p.consistent() for p in sched.kv.pools)
     engine.shutdown()
     return result
 

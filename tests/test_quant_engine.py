@@ -12,7 +12,7 @@ from test_spec_engine import PROMPTS as SPEC_PROMPTS
 from test_spec_engine import _job as spec_job
 from test_spec_engine import specs
 
-from engine.sampler import SamplingParams
+from engine.params import SamplingParams
 from model.tiny import load_hf
 
 CKPTS = ("kimi_k25_int4", "qwen3_int4", "deepseek_fp8", "qwen3_fp8")

@@ -167,8 +167,8 @@ def quant_triton_set(w8a8: bool):
 def test_quantized_static_steps_on_the_triton_kernel_set(quant_ckpts, ckpt, w8a8):
     """A quantized model wired to the Triton kernels (interpreted): a static decode and a static tree-verify
     step give the torch references' logits (the same W8A16/W8A8 scheme) — the path a captured graph replays."""
-    from engine.cuda_graphs import StaticSeq, StaticStep, StepShape
-    from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+    from engine.worker.cuda_graphs import StaticSeq, StaticStep, StepShape
+    from engine.worker.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
     from model.batch import ForwardBatch
     from model.kernel_select import reference_kernels
     from model.loader import load_model

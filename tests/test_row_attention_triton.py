@@ -20,7 +20,7 @@ import pytest
 import torch
 from capture_audit import check, stub_triton_launches, triton_kernel_set
 
-from engine.capture import kernel_blocker
+from engine.worker.capture import kernel_blocker
 from model import kernels
 from model.kernel_select import INVARIANT_ATTENTION_OPS, batch_invariant_kernels, reference_kernels
 from model.tree_mask import ancestor_mask
@@ -173,8 +173,8 @@ def test_a_token_is_the_same_in_prefill_decode_and_tree_verify(preset, tiny_ckpt
     """The tiny models (MLA, GQA) on the Triton batch-invariant set, fp32: tokens t6, t7, t8's logits are
     bit-identical as rows of a 9-token prefill (``masked_attention``), t8's as a static decode step, and all three
     as nodes 0, 1 and 3 of a static tree verify after 6 tokens (node 2: a sibling of node 1 at position 7)."""
-    from engine.cuda_graphs import StaticSeq, StaticStep, StepShape
-    from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+    from engine.worker.cuda_graphs import StaticSeq, StaticStep, StepShape
+    from engine.worker.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
     from model.batch import ForwardBatch
     from model.loader import load_model
     from parallelism.comm import build_groups

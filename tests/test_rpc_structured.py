@@ -92,8 +92,8 @@ def test_constrained_outputs_are_valid_over_grpc(zoo):
     assert reason == "stop" and re.fullmatch(r"\((?:[1-9][0-9]?[+*])*[1-9][0-9]?\)", text), text
     import xgrammar
 
-    from engine.grammar import GrammarBackend
-    from engine.sampler import Constraint
+    from engine.params import Constraint
+    from engine.sampling.grammar import GrammarBackend
 
     parse = xgrammar.GrammarMatcher(GrammarBackend.for_checkpoint(ZOO / "target", 4096, (0,)).compile(
         Constraint("grammar", EBNF)))

@@ -12,16 +12,8 @@ import re
 import pytest
 import torch
 
-from engine.sampler import (
-    GAMMA,
-    SamplingBatch,
-    SamplingError,
-    SamplingParams,
-    filter_logits,
-    gumbel_noise,
-    mix64,
-    sample,
-)
+from engine.params import SamplingError, SamplingParams
+from engine.sampling.sampler import GAMMA, SamplingBatch, filter_logits, gumbel_noise, mix64, sample
 
 EOS = (7,)
 
@@ -35,7 +27,7 @@ def batch(params, seeds=None, num_generated=None) -> SamplingBatch:
 def state_sample(logits, params, seeds=None, num_generated=None, depth=None):
     """Samples ``logits`` rows through a rank's sampling state (its logits processors: min_tokens here), one slot per
     row; ``depth``: tree rows at those depths (``TreeSampling`` offsets ``num_generated`` by them)."""
-    from engine.logits_processors import Rows, SamplingState
+    from engine.sampling.logits_processors import Rows, SamplingState
     from engine.step import NewRequest
 
     n = len(params)

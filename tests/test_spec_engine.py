@@ -10,10 +10,11 @@ import torch
 from layouts import layout
 from test_engine import run_requests
 
-from engine.engine import Engine, make_runner, worker_loop
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
 from engine.step import SeqWork
+from engine.worker.loop import make_runner, worker_loop
 from model.kernel_select import native_bf16_matmul
 from model.loader import load_model
 from parallelism.comm import build_groups
@@ -177,7 +178,7 @@ def test_static_steps_walk_the_trained_pairs_deep_paths_at_t1(pool):
 def _speculator(tiny_ckpts, drafter_path, num_blocks=12):
     """A Speculator (DDTree, budget 10, block 5) over the tiny DeepSeek target with a paged cache of 4-token
     blocks, and a seeded generator for target features."""
-    from engine.kv_cache import KVSpec, PagedKVCache
+    from engine.worker.kv_cache import KVSpec, PagedKVCache
     from spec_decode.dflash import DFlashDrafter
     from spec_decode.speculator import Speculator
 
@@ -374,7 +375,7 @@ def _faked_capture_job(ctx, lay, path, prompts, spec, params, fail_rank=-1):
     (tokens, coverage) dynamic); with ``fail_rank`` every rank returns its GraphCaptureError message."""
     from fake_capture import faked_capture
 
-    import engine.capture as cg
+    import engine.worker.capture as cg
     from model.kernel_select import reference_kernels
 
     model = load_model(path, ctx.groups(lay))

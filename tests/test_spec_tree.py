@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SamplingBatch, SamplingParams, sample
+from engine.params import SamplingParams
+from engine.sampling.sampler import SamplingBatch, sample
 from model.tree_mask import ancestor_mask
 from spec_decode.config import SpecConfig, SpecConfigError
 from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, tree_paths, walk

@@ -1,4 +1,4 @@
-"""engine/ uses speculative decoding only through the contract in ``engine/speculation.py``: every attribute the
+"""engine/ uses speculative decoding only through the contract in ``engine/worker/speculation.py``: every attribute the
 engine reads off an injected speculator is a member of the :class:`engine.speculation.Speculator` Protocol, every
 one it reads off a :class:`~engine.speculation.Speculation` or its facts is a field of theirs, the contract names
 no ``Any`` (nor an untyped ``Callable[..., …]``), and the implementations on both sides have the Protocols'
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import runner, speculation
+from engine.worker import runner, speculation
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTRACT = ROOT / "engine" / "speculation.py"
+CONTRACT = ROOT / "engine" / "worker" / "speculation.py"
 
 
 def protocol_members(cls: type) -> set[str]:
@@ -129,7 +129,7 @@ def test_the_implementations_have_the_protocols_members():
     assert not _signature_matches(DFlashSpeculator, speculation.Speculator)
     assert not _signature_matches(runner._DynamicTarget, speculation.TargetForward)
     assert not _signature_matches(runner._StaticTarget, speculation.StaticTarget)
-    from engine.logits_processors import TreeSampling
+    from engine.sampling.logits_processors import TreeSampling
 
     assert not _signature_matches(TreeSampling, speculation.NodeSampler)
     assert "feature_layers" in inspect.getsource(DFlashSpeculator.__init__)

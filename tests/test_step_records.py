@@ -1,4 +1,4 @@
-"""One stats record per step (``engine/step_record.py``): folding the records gives the figures EngineInfo reported
+"""One stats record per step (``engine/core/step_record.py``): folding the records gives the figures EngineInfo reported
 before the records existed (captured from the engine at 2710802 on the same workloads), and every rank's graph
 coverage arrives with the step."""
 
@@ -6,9 +6,10 @@ import dataclasses
 
 from test_spec_engine import specs
 
-from engine.engine import Engine, make_runner, worker_loop
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.worker.loop import make_runner, worker_loop
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.speculation import load_speculation

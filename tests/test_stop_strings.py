@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from layouts import layout
 
+from engine.config import RequestError, SchedulerConfig
 from engine.engine import Engine
-from engine.sampler import SamplingParams
-from engine.scheduler import RequestError, SchedulerConfig
+from engine.params import SamplingParams
 from engine.stop_strings import IncrementalDetokenizer
 from model.loader import load_model
 from model.tokenizer import load_tokenizer

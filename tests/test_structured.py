@@ -24,8 +24,9 @@ import torch
 from layouts import layout
 from test_engine import run_requests
 
-from engine.logits_processors import Rows, SamplingState, TreeSampling
-from engine.sampler import Constraint, SamplingBatch, SamplingParams, sample
+from engine.params import Constraint, SamplingParams
+from engine.sampling.logits_processors import Rows, SamplingState, TreeSampling
+from engine.sampling.sampler import SamplingBatch, sample
 from engine.step import NewRequest
 
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
@@ -38,8 +39,8 @@ def test_plain_decoding_with_penalties_equals_the_reference_over_hf_logits(tiny_
     """Greedy and seeded T=1 with penalties through the engine (fp32 tiny DeepSeek) equal, token for token, a loop
     that takes HF transformers' logits of each prefix, applies :func:`vllm_penalties` and draws with the same
     counter-based sampler."""
+    from engine.config import SchedulerConfig
     from engine.engine import Engine
-    from engine.scheduler import SchedulerConfig
     from model.loader import load_model
     from model.tiny import load_hf
     from parallelism.comm import build_groups
@@ -147,14 +148,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def backend():
-    from engine.grammar import GrammarBackend
+    from engine.sampling.grammar import GrammarBackend
 
     return GrammarBackend.for_checkpoint(TARGET, json.loads((TARGET / "config.json").read_text())["vocab_size"], (0,))
 
 
 @pytest.mark.parametrize("chain", (False, True), ids=("ddtree", "dflash"))
 def test_a_grammar_built_tree_holds_only_allowed_paths_with_their_masks(chain):
-    from engine.grammar import unpack_bits
+    from engine.sampling.grammar import unpack_bits
     from model.tokenizer import load_tokenizer
     from spec_decode.tree import build_tree_grammar, build_tree_host, tree_paths
 
@@ -246,8 +247,9 @@ def valid(kind: str, check, text: str) -> bool:
 def _arms_job(ctx, lay, requests, arms, cfg):
     """Each arm (SpecConfig, static_steps) on a fresh engine over ``requests``; rank 0 returns
     ``[{rid: (tokens, reason)}]`` per arm and the drafts its grammars pruned."""
-    from engine.engine import Engine, make_runner, worker_loop
-    from engine.grammar import GrammarBackend
+    from engine.engine import Engine
+    from engine.sampling.grammar import GrammarBackend
+    from engine.worker.loop import make_runner, worker_loop
     from model.loader import load_model
     from model.tokenizer import load_tokenizer
     from parallelism.comm import build_groups
@@ -268,7 +270,7 @@ def _arms_job(ctx, lay, requests, arms, cfg):
         engine = Engine(model, arm_cfg, speculation=speculation, tokenizer=load_tokenizer(TARGET), grammar=grammar)
         got = run_requests(engine, requests)
         pruned = engine.runner.speculator.spec.pruned if speculation is not None else 0
-        out.append((got, pruned, engine.scheduler.preemptions, engine.scheduler.blocks_in_use()))
+        out.append((got, pruned, engine.scheduler.stats().preemptions, engine.scheduler.blocks_in_use()))
         engine.shutdown()
     return out if ctx.rank == 0 else None
 
@@ -276,8 +278,9 @@ def _arms_job(ctx, lay, requests, arms, cfg):
 def _precompile_job(ctx, lay, pattern: str, hinted: bool):
     """One constrained request on a tp8 engine, announced first with ``Engine.precompile`` or not; rank 0 returns
     the tokens, every other rank the constraint's compilations it ran (all, and on its grammar thread)."""
-    from engine.engine import Engine, make_runner, worker_loop
-    from engine.grammar import GrammarBackend
+    from engine.engine import Engine
+    from engine.sampling.grammar import GrammarBackend
+    from engine.worker.loop import make_runner, worker_loop
     from model.loader import load_model
     from model.tokenizer import load_tokenizer
 
@@ -324,7 +327,7 @@ def arms(full: bool):
 
 
 def cfg(num_blocks: int = 256):
-    from engine.scheduler import SchedulerConfig
+    from engine.config import SchedulerConfig
 
     return SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
                            num_blocks=num_blocks, static_steps="on", batch_invariant=True)
@@ -376,25 +379,31 @@ def test_preemption_replays_processor_state(pool):
 # ----------------------------------------------------------------------------------------------- n > 1
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one():
-    from engine.kv_manager import KVManager, KVManagerConfig
+    from engine.core.kv_manager import KVManager, KVManagerConfig
+    from engine.core.requests import Request
+
+    def request(rid, n):
+        return Request(rid, list(range(n)), SamplingParams(), 0, dp_rank=0)
 
     kv = KVManager(KVManagerConfig(num_blocks=16, kv_block_size=4, dp_size=1))
-    kv.admit("p", 0, list(range(10)), [], 10)  # 10 tokens: blocks 0, 1 full, block 2 partial
-    table = kv.table("p")
-    computed, copy = kv.fork("p", "c0", 0, 10)
-    assert computed == 10 and kv.table("c0")[:2] == table[:2] and copy == (table[2], kv.table("c0")[2])
+    p, c0, q, d = request("p", 10), request("c0", 10), request("q", 8), request("d", 8)
+    kv.admit(p, 0, 10)  # 10 tokens: blocks 0, 1 full, block 2 partial
+    table = kv.table(p)
+    computed, copy = kv.fork(p, c0, 10)
+    assert computed == 10 and kv.table(c0)[:2] == table[:2] and copy == (table[2], kv.table(c0)[2])
     assert kv.pools[0].refs[table[0]] == 2 and kv.pools[0].refs[table[2]] == 1
-    kv.free("p", 0)
-    kv.free("c0", 0)
+    kv.free(p)
+    kv.free(c0)
     assert kv.blocks_in_use() == 0 and kv.pools[0].consistent()
-    kv.admit("q", 0, list(range(8)), [], 8)
-    assert kv.fork("q", "d", 0, 8) == (8, None)  # whole blocks: nothing to copy
+    kv.admit(q, 0, 8)
+    assert kv.fork(q, d, 8) == (8, None)  # whole blocks: nothing to copy
 
 
 def test_samples_to_be_forked_hold_their_running_slots():
     """``max_num_seqs`` counts a request's samples from its admission: with 4 slots, an n=3 request, an n=1 and an
     n=2 one never run more than 4 sequences, n=2 waits until the n=3 group ends, and n=5 is refused."""
-    from engine.scheduler import RequestError, Scheduler, SchedulerConfig
+    from engine.config import RequestError, SchedulerConfig
+    from engine.core.scheduler import Scheduler
     from engine.step import StepResult
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16,
@@ -407,7 +416,7 @@ def test_samples_to_be_forked_hold_their_running_slots():
     most, b_started_while_a_ran, finished = 0, False, []
     while sched.has_work():
         plan = sched.schedule()
-        most = max(most, sched.num_running())
+        most = max(most, sched.stats().running)
         running = {w.request_id.split("\x1f")[0] for w in plan.work[0]}
         b_started_while_a_ran |= {"a", "b"} <= running
         out = sched.update(plan, {w.request_id: StepResult([5], [0.0], [[]]) for w in plan.work[0] if w.sample})
@@ -419,7 +428,8 @@ def test_samples_to_be_forked_hold_their_running_slots():
 
 def _n_job(ctx, lay, spec_arms, prompt):
     """``n=4`` seeded at T=1 against four standalone requests seeded s + i, per arm; prefill tokens of each."""
-    from engine.engine import Engine, make_runner, worker_loop
+    from engine.engine import Engine
+    from engine.worker.loop import make_runner, worker_loop
     from model.loader import load_model
     from parallelism.comm import build_groups
     from spec_decode.speculation import load_speculation

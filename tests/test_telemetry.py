@@ -10,7 +10,14 @@ from bench.cost.formulas import Floors, step_bytes, step_flops
 from bench.cost.hardware import Hardware
 from bench.cost.shapes import ModelShape
 from bench.telemetry import compute_floors, energy_per_token_j, power_during, sampler_summary, summarize, verdict
-from engine.telemetry import CpuBackend, NvmlBackend, TelemetrySampler, cpu_utilisation, open_backend, parse_proc_stat
+from engine.worker.telemetry import (
+    CpuBackend,
+    NvmlBackend,
+    TelemetrySampler,
+    cpu_utilisation,
+    open_backend,
+    parse_proc_stat,
+)
 from parallelism.layout import Layout
 
 # ------------------------------------------------------------------------------------------- CPU side
@@ -49,7 +56,7 @@ def test_rank_sampler_hands_each_sample_to_the_gather_once():
     """A serving rank off CUDA samples CPU use (with the reason); ``fresh()`` gives the newest sample once."""
     import torch
 
-    from engine.telemetry import rank_sampler
+    from engine.worker.telemetry import rank_sampler
 
     sampler = rank_sampler(torch.device("cpu"), interval_s=10)
     assert sampler.source == "cpu" and sampler.reason == "no NVML/GPU: the rank runs on cpu"
@@ -191,7 +198,7 @@ def test_a_cuda_rank_samples_its_own_gpu(monkeypatch):
     CUDA cannot report the device's UUID); a GPU NVML does not know falls back to CPU figures with the reason."""
     import torch
 
-    from engine.telemetry import rank_backend
+    from engine.worker.telemetry import rank_backend
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     backend = rank_backend(torch.device("cuda", 1), nvml=FakeNvml())

@@ -253,8 +253,8 @@ def test_half_precision_paths(kernel, ref, inputs):
 def test_model_static_steps_on_the_triton_kernel_set(preset, tiny_ckpts):
     """The whole model wired to the Triton kernels (interpreted): a static decode step and a static tree-verify
     step give the torch references' logits — the path a captured CUDA graph replays."""
-    from engine.cuda_graphs import StaticSeq, StaticStep, StepShape
-    from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+    from engine.worker.cuda_graphs import StaticSeq, StaticStep, StepShape
+    from engine.worker.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
     from model.batch import ForwardBatch
     from model.kernel_select import KernelSet, reference_kernels
     from model.loader import load_model
@@ -290,9 +290,9 @@ def test_model_static_steps_on_the_triton_kernel_set(preset, tiny_ckpts):
 def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
     """The static draft step (the drafter's block attending through the paged tree-verify kernel) drafts the
     same logits and trees with the Triton kernels (interpreted) as with the torch references."""
-    from engine.kv_cache import KVSpec, PagedKVCache
-    from engine.sampler import SamplingParams
+    from engine.params import SamplingParams
     from engine.step import SeqWork
+    from engine.worker.kv_cache import KVSpec, PagedKVCache
     from model.kernel_select import KernelSet, reference_kernels
     from model.loader import load_model
     from parallelism.comm import build_groups

@@ -11,9 +11,10 @@ from layouts import layout
 from test_engine import PROMPTS, run_requests
 from test_spec_engine import specs, static_steps
 
-from engine.engine import Engine, make_runner, worker_loop
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.worker.loop import make_runner, worker_loop
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
@@ -103,7 +104,7 @@ def test_static_step_bytes_and_the_memory_verdict_on_fake_numbers():
     """Verify logits grow as batch × nodes × vocab: a Kimi-K2-sized vocab at batch 64 × 257 nodes needs over 100
     GiB, a decode step of batch 1 a few MiB; the verdict keeps 10 % of the free memory back and sets no limit
     off CUDA."""
-    from engine.capture import SAMPLING_BYTES_PER_LOGIT, memory_blocker, static_step_bytes
+    from engine.worker.capture import SAMPLING_BYTES_PER_LOGIT, memory_blocker, static_step_bytes
 
     dims = dict(vocab=163840, hidden=7168, intermediate=18432, dtype_bytes=2)
     decode = static_step_bytes(batch=1, tree_size=1, **dims)
@@ -123,7 +124,7 @@ def test_static_step_bytes_and_the_memory_verdict_on_fake_numbers():
 
 def _guard_job(ctx, lay, path, free_on_rank3):
     """Rank 3 reports ``free_on_rank3`` free bytes (the others: no limit); warm-up then runs the requests."""
-    import engine.runner as runner_mod
+    import engine.worker.runner as runner_mod
 
     saved = runner_mod.free_device_memory
     runner_mod.free_device_memory = lambda device: free_on_rank3 if ctx.rank == 3 else None
@@ -138,7 +139,7 @@ def test_shapes_that_do_not_fit_on_one_rank_are_skipped_on_every_rank(pool, tiny
     agreed over the control group, or the ranks would enter different steps), the reason names rank 3 and is
     logged and recorded; a batch of 6 then runs the dynamic path with that reason, and the tokens are the cold
     engine's."""
-    from engine.capture import static_step_bytes
+    from engine.worker.capture import static_step_bytes
 
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
     cfg = model.cfg

@@ -25,12 +25,12 @@ import torch
 
 from bench import REPO
 from bench.gpu import projection
+from engine.config import SchedulerConfig
+from engine.core.recorder import EngineStats
+from engine.core.step_record import StepRecord
 from engine.engine import Engine
-from engine.recorder import EngineStats
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.params import SamplingParams
 from engine.step import StepKind
-from engine.step_record import StepRecord
 from model.loader import DeviceConfig, load_target
 from parallelism.comm import build_groups
 from parallelism.layout import Layout

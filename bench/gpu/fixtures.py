@@ -9,8 +9,8 @@ import torch
 
 from bench import REPO
 from engine.blocks import blocks_for, token_slots
-from engine.cuda_graphs import StaticSeq, StepShape
-from engine.kv_cache import KVSpec, PagedKVCache
+from engine.worker.cuda_graphs import StaticSeq, StepShape
+from engine.worker.kv_cache import KVSpec, PagedKVCache
 from model.config import parse_config
 from model.kernel_select import select_kernels
 from model.transformer import CausalLM

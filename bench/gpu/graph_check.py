@@ -9,7 +9,7 @@ import torch
 
 from bench.gpu.fixtures import check_setup, random_seqs
 from bench.gpu.harness import check_rows, cuda_time_s
-from engine.cuda_graphs import GraphRunner, StaticSeq, StepShape
+from engine.worker.cuda_graphs import GraphRunner, StaticSeq, StepShape
 
 
 def gpu_check(device: torch.device, budget_s: float) -> dict:

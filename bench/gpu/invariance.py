@@ -27,9 +27,9 @@ import torch
 from bench.gpu.engine_check import ZOO, Arm, first_diff, load_prompts, run_arm
 from bench.gpu.harness import check_rows
 from bench.gpu.row_cases import BF16_ONLY, MODEL, ROW_CASES, TINY, Dims, kernel_ops, row_mismatches
+from engine.config import SchedulerConfig
 from engine.engine import Engine
-from engine.sampler import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.params import SamplingParams
 from model.kernel_select import KernelSet, batch_invariant_kernels, select_kernels
 from model.loader import DeviceConfig, load_target
 from parallelism.comm import build_groups

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from bench.telemetry import power_during
-from engine.telemetry import NvmlBackend
+from engine.worker.telemetry import NvmlBackend
 from parallelism import nvml
 
 

@@ -18,9 +18,9 @@ from bench.gpu.fixtures import random_model, random_seqs
 from bench.gpu.harness import cuda_time_s
 from bench.gpu.roofline import KIMI_SLICE, TINY_SLICE, SliceShape, install_routing
 from engine.blocks import blocks_for
-from engine.cuda_graphs import GraphRunner, StepShape
-from engine.kv_cache import KVSpec, PagedKVCache
 from engine.step import SeqWork
+from engine.worker.cuda_graphs import GraphRunner, StepShape
+from engine.worker.kv_cache import KVSpec, PagedKVCache
 from model.kernel_select import select_kernels
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig

@@ -27,8 +27,8 @@ from bench.gpu.fixtures import random_model, random_seqs
 from bench.gpu.harness import copy_bandwidth, cuda_time_s
 from bench.gpu.power import PowerMeter
 from engine.blocks import blocks_for
-from engine.cuda_graphs import GraphRunner, StepShape
-from engine.kv_cache import KVSpec, PagedKVCache
+from engine.worker.cuda_graphs import GraphRunner, StepShape
+from engine.worker.kv_cache import KVSpec, PagedKVCache
 from model.expert_tally import ExpertTally
 from model.kernel_select import select_kernels
 
@@ -217,7 +217,7 @@ def _watts(power: PowerMeter | None, name: str, fn: Callable[[], object]) -> flo
 
 def _row(model, cache, runner, routing: str, batch: int, context: int, seqs, bw: float, power: PowerMeter | None,
          kv_per_token: int, device: torch.device) -> dict:
-    from engine.cuda_graphs import StepShape
+    from engine.worker.cuda_graphs import StepShape
 
     shape = StepShape(batch, 1)
     step = runner.step(shape)

@@ -18,10 +18,9 @@ import torch
 from bench.gpu.fixtures import GPU_CHECK_CASES, check_setup, random_speculator
 from bench.gpu.harness import check_rows, cuda_time_s
 from engine.blocks import blocks_for
-from engine.capture import GraphCoverage
-from engine.runner import ModelRunner
-from engine.sampler import SamplingParams
-from engine.step import SeqWork
+from engine.params import SamplingParams
+from engine.step import GraphCoverage, SeqWork
+from engine.worker.runner import ModelRunner
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
 from spec_decode.speculation import speculation_from

@@ -1,4 +1,4 @@
-"""Capture helpers and CUDA-graph coverage, shared by the target's static steps (``engine/cuda_graphs.py``) and
+"""Capture helpers and CUDA-graph coverage, shared by the target's static steps (``engine/worker/cuda_graphs.py``) and
 spec_decode's static draft and commit.
 
 :class:`CapturedGraphs` captures a step per key once and replays it; the blockers decide up front why a model
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
-from engine.step import StepKind
 from parallelism.comm import Comm
 
 T = TypeVar("T")
@@ -112,29 +110,6 @@ def eager_reason(model, static_steps: str) -> str:
     if model.device.type != "cuda":
         return "no CUDA device" if not torch.cuda.is_available() else "model not on a CUDA device"
     return capture_blocker(model) or f"static steps off (engine.static_steps={static_steps})"
-
-
-@dataclass
-class GraphCoverage:
-    """Per step kind (:class:`engine.step.StepKind`): steps run, steps that replayed a graph, the last reason one
-    ran eager."""
-
-    steps: dict[StepKind, int] = field(default_factory=lambda: dict.fromkeys(StepKind, 0))
-    replays: dict[StepKind, int] = field(default_factory=lambda: dict.fromkeys(StepKind, 0))
-    reasons: dict[StepKind, str] = field(default_factory=dict)
-
-    def record(self, kind: StepKind, replayed: bool, reason: str = "") -> None:
-        self.steps[kind] += 1
-        if replayed:
-            self.replays[kind] += 1
-        elif reason:
-            self.reasons[kind] = reason
-
-    def summary(self) -> dict[StepKind, dict]:
-        """``{kind: {"replays": r, "steps": n, "coverage": r/n, "eager_reason": str}}`` for kinds that ran."""
-        return {k: {"replays": self.replays[k], "steps": n, "coverage": self.replays[k] / n,
-                    "eager_reason": self.reasons.get(k, "")}
-                for k, n in self.steps.items() if n}
 
 
 @contextmanager

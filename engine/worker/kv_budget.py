@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import torch
 
-from engine.kv_cache import KVSpec
-from engine.scheduler import SchedulerConfig
-from engine.speculation import Speculation
+from engine.config import SchedulerConfig
+from engine.worker.kv_cache import KVSpec
+from engine.worker.speculation import Speculation
 from model.transformer import CausalLM
 
 log = logging.getLogger("engine.kv")

@@ -16,22 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.blocks import blocks_for
-from engine.capture import (
-    capture_blocker,
-    free_device_memory,
-    memory_blocker,
-    no_host_sync,
-    static_step_bytes,
-)
-from engine.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
-from engine.grammar import GrammarBackend, GrammarMasks
-from engine.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
-from engine.logits_processors import SamplingState, TreeSampling
-from engine.rank_requests import RankRequests
-from engine.sampler import Constraint
-from engine.speculation import Record, Speculation, StaticLayout, TreeRows
+from engine.params import Constraint
+from engine.sampling.grammar import GrammarBackend, GrammarMasks
+from engine.sampling.logits_processors import SamplingState, TreeSampling
 from engine.staging import Readback, to_device
-from engine.step import RunnerOutput, SeqWork, StepItem, StepKind, StepPlan, StepResult, step_kind
+from engine.step import Record, RunnerOutput, SeqWork, StepItem, StepKind, StepPlan, StepResult, step_kind
+from engine.worker.capture import capture_blocker, free_device_memory, memory_blocker, no_host_sync, static_step_bytes
+from engine.worker.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
+from engine.worker.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+from engine.worker.rank_requests import RankRequests
+from engine.worker.speculation import Speculation, StaticLayout, TreeRows
 from model.batch import ForwardBatch
 from model.expert_tally import ExpertTally
 from model.transformer import CausalLM

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.blocks import blocks_for
 
@@ -190,12 +191,67 @@ class KVManagerConfig:
     namespace: bytes = b""
 
 
+class KVRequest(Protocol):
+    """What the KV manager reads of a request (``engine.core.requests.Request``)."""
+
+    request_id: str
+    dp_rank: int | None
+    retain_kv: bool
+    hashes: list[int] | None
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def feed_tokens(self) -> list[int]: ...
+
+
+class PrefixIndex:
+    """Prefix caching on: full blocks of committed tokens are keyed by chained hashes under a namespace."""
+
+    def __init__(self, block_size: int, namespace: bytes):
+        self.block_size, self.namespace = block_size, namespace
+
+    def hashes(self, tokens: list[int]) -> list[int]:
+        """Chained hashes of the full blocks of ``tokens`` that a hit may cover: never the block holding the last
+        token, whose logits must be computed."""
+        bs, out, parent = self.block_size, [], NO_PARENT
+        for i in range((len(tokens) - 1) // bs):
+            parent = chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]), self.namespace)
+            out.append(parent)
+        return out
+
+    def index(self, pool: BlockPool, blocks: RequestBlocks, tokens: list[int], committed: int) -> None:
+        """Hashes every full block the first ``committed`` of ``tokens`` complete and stores it in ``pool``."""
+        bs = self.block_size
+        for i in range(len(blocks.hashes), min(committed // bs, len(blocks.table))):
+            parent = blocks.hashes[-1] if blocks.hashes else NO_PARENT
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, block_tokens, self.namespace)
+            blocks.hashes.append(h)
+            if blocks.table[i] not in pool.hash_of:
+                pool.store(blocks.table[i], h, parent, block_tokens)
+
+
+class NoPrefixIndex(PrefixIndex):
+    """Prefix caching off (``engine.prefix_caching=false``): no request has a hash, so none hits, and nothing is
+    indexed."""
+
+    def hashes(self, tokens: list[int]) -> list[int]:
+        return []
+
+    def index(self, pool: BlockPool, blocks: RequestBlocks, tokens: list[int], committed: int) -> None:
+        return None
+
+
 class KVManager:
     """Per attention-DP rank pools and every request's blocks. The scheduler asks it for blocks (:meth:`admit`,
-    :meth:`allocate`, :meth:`free`) and tells it which tokens are committed (:meth:`commit`)."""
+    :meth:`allocate`, :meth:`free`) and tells it which tokens are committed (:meth:`commit`); each takes the request
+    (a :class:`KVRequest`), whose prefix hashes live on it (:meth:`hashes`)."""
 
     def __init__(self, cfg: KVManagerConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
+        self.index = (PrefixIndex if cfg.prefix_caching else NoPrefixIndex)(cfg.kv_block_size, cfg.namespace)
         self.recording = False  # keep events for a publisher (the server's SubscribeKvEvents) to drain
         self.events: list[KvEvent] = []
         self.pools = [BlockPool(cfg.num_blocks, cfg.kv_block_size, dp, self._record) for dp in range(cfg.dp_size)]
@@ -208,33 +264,33 @@ class KVManager:
             self.events.append(event)
 
     # ---- lookups -----------------------------------------------------------------------------------------
-    def prefix_hashes(self, tokens: list[int]) -> list[int]:
-        """Chained hashes of the full blocks of ``tokens`` that a hit may cover: never the block holding the last
-        token, whose logits must be computed."""
-        bs, out, parent = self.cfg.kv_block_size, [], NO_PARENT
-        for i in range((len(tokens) - 1) // bs):
-            parent = chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]), self.cfg.namespace)
-            out.append(parent)
-        return out
+    def hashes(self, req: KVRequest) -> list[int]:
+        """``req``'s prefix-block hashes, computed once from its feed tokens (none with prefix caching off)."""
+        if req.hashes is None:
+            req.hashes = self.index.hashes(req.feed_tokens)
+        return req.hashes
 
     def cached_blocks(self, dp: int, hashes: list[int]) -> int:
-        """Blocks of ``hashes`` that ``dp``'s pool holds, from the first (0 with prefix caching off)."""
-        return len(self.pools[dp].cached_prefix(hashes)) if self.cfg.prefix_caching else 0
+        """Blocks of ``hashes`` that ``dp``'s pool holds, from the first."""
+        return len(self.pools[dp].cached_prefix(hashes))
+
+    def num_free(self, dp: int) -> int:
+        """Blocks ``dp``'s pool can hand out now (empty or cached unreferenced)."""
+        return self.pools[dp].num_free
 
     # ---- admission and growth ------------------------------------------------------------------------------
-    def admit(self, request_id: str, dp: int, tokens: list[int], hashes: list[int], reserve: int,
-              retain: bool = False) -> int | None:
-        """Starts ``request_id`` on ``dp``: takes its cached prefix and allocates what makes ``reserve`` token
-        slots. Returns the tokens served from the cache, or None (nothing taken) when the blocks are not free."""
-        pool = self.pools[dp]
-        hit = pool.cached_prefix(hashes) if self.cfg.prefix_caching else []
+    def admit(self, req: KVRequest, dp: int, reserve: int) -> int | None:
+        """Starts ``req`` on ``dp``: takes its cached prefix and allocates what makes ``reserve`` token slots.
+        Returns the tokens served from the cache, or None (nothing taken) when the blocks are not free."""
+        pool, hashes, tokens = self.pools[dp], self.hashes(req), req.feed_tokens
+        hit = pool.cached_prefix(hashes)
         need = max(blocks_for(reserve, self.cfg.kv_block_size) - len(hit), 0)
         pool.take(hit)
         fresh = pool.allocate(need, self.clock())
         if fresh is None:
             pool.release(hit, None)
             return None
-        self.requests[request_id] = RequestBlocks(hit + fresh, list(hashes[:len(hit)]), retain)
+        self.requests[req.request_id] = RequestBlocks(hit + fresh, list(hashes[:len(hit)]), req.retain_kv)
         cached = len(hit) * self.cfg.kv_block_size
         self.prompt_tokens += len(tokens)
         self.cached_tokens += cached
@@ -242,24 +298,25 @@ class KVManager:
         self.cached_by_dp[dp] += cached
         return cached
 
-    def allocate(self, request_id: str, dp: int, slots: int) -> bool:
-        """Grows the request's table to ``slots`` token slots; False (nothing taken) when the blocks are not free."""
-        table = self.requests[request_id].table
+    def allocate(self, req: KVRequest, slots: int) -> bool:
+        """Grows ``req``'s table to ``slots`` token slots; False (nothing taken) when the blocks are not free."""
+        table = self.requests[req.request_id].table
         need = blocks_for(slots, self.cfg.kv_block_size) - len(table)
         if need <= 0:
             return True
-        fresh = self.pools[dp].allocate(need, self.clock())
+        fresh = self.pools[req.dp_rank].allocate(need, self.clock())
         if fresh is None:
             return False
         table += fresh
         return True
 
-    def fork(self, parent: str, child: str, dp: int, tokens: int) -> tuple[int, tuple[int, int] | None]:
-        """``child`` starts from ``parent``'s first ``tokens`` computed tokens (``n > 1``: one prompt, n samples): it
-        references the parent's full blocks (ref-counted, shared, never written again) and gets a fresh block for the
-        partial last one, whose entries the ranks copy. Returns ``(tokens the child has computed, (src, dst) block
-        copy or None)``; with no free block for the copy the child has only the full blocks (it recomputes the rest)."""
-        src, pool, bs = self.requests[parent], self.pools[dp], self.cfg.kv_block_size
+    def fork(self, parent: KVRequest, child: KVRequest, tokens: int) -> tuple[int, tuple[int, int] | None]:
+        """``child`` starts from ``parent``'s first ``tokens`` computed tokens (``n > 1``: one prompt, n samples) on
+        the parent's rank: it references the parent's full blocks (ref-counted, shared, never written again) and gets
+        a fresh block for the partial last one, whose entries the ranks copy. Returns ``(tokens the child has
+        computed, (src, dst) block copy or None)``; with no free block for the copy the child has only the full blocks
+        (it recomputes the rest)."""
+        src, pool, bs = self.requests[parent.request_id], self.pools[parent.dp_rank], self.cfg.kv_block_size
         full = tokens // bs
         shared = src.table[:full]
         pool.take(shared)
@@ -269,42 +326,34 @@ class KVManager:
             if fresh is not None:
                 table.append(fresh[0])
                 copy = (src.table[full], fresh[0])
-        self.requests[child] = RequestBlocks(table, list(src.hashes[:full]), src.retain)
+        self.requests[child.request_id] = RequestBlocks(table, list(src.hashes[:full]), src.retain)
         return (tokens if copy is not None else full * bs), copy
 
-    def commit(self, request_id: str, dp: int, tokens: list[int], committed: int) -> None:
-        """The first ``committed`` of ``tokens`` have their target and drafter KV written: index every full block
-        they complete (prefix caching on)."""
-        req = self.requests.get(request_id)
-        if req is None or not self.cfg.prefix_caching:
-            return
-        bs, pool = self.cfg.kv_block_size, self.pools[dp]
-        for i in range(len(req.hashes), min(committed // bs, len(req.table))):
-            parent = req.hashes[-1] if req.hashes else NO_PARENT
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, block_tokens, self.cfg.namespace)
-            req.hashes.append(h)
-            if req.table[i] not in pool.hash_of:
-                pool.store(req.table[i], h, parent, block_tokens)
+    def commit(self, req: KVRequest, committed: int) -> None:
+        """The first ``committed`` of ``req``'s tokens have their target and drafter KV written: index every full
+        block they complete."""
+        blocks = self.requests.get(req.request_id)
+        if blocks is not None:
+            self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed)
 
-    def free(self, request_id: str, dp: int) -> None:
-        """Drops the request's blocks (end, abort, preemption): committed full blocks stay cached."""
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            retain = self.clock() + self.cfg.retention_s if req.retain and self.cfg.retention_s > 0 else None
-            self.pools[dp].release(req.table, retain)
+    def free(self, req: KVRequest) -> None:
+        """Drops ``req``'s blocks (end, abort, preemption): committed full blocks stay cached."""
+        blocks = self.requests.pop(req.request_id, None)
+        if blocks is not None:
+            retain = self.clock() + self.cfg.retention_s if blocks.retain and self.cfg.retention_s > 0 else None
+            self.pools[req.dp_rank].release(blocks.table, retain)
 
-    def table(self, request_id: str) -> list[int]:
-        return self.requests[request_id].table
+    def table(self, req: KVRequest) -> list[int]:
+        return self.requests[req.request_id].table
 
-    def committed_blocks(self, request_id: str) -> int:
-        """The request's leading full blocks whose KV is written and indexed (:meth:`commit`)."""
-        return len(self.requests[request_id].hashes)
+    def committed_blocks(self, req: KVRequest) -> int:
+        """``req``'s leading full blocks whose KV is written and indexed (:meth:`commit`)."""
+        return len(self.requests[req.request_id].hashes)
 
-    def retain(self, request_id: str) -> None:
-        """Keep this request's blocks past plain LRU when it is freed (an agent turn that ended in a tool call)."""
-        if request_id in self.requests:
-            self.requests[request_id].retain = True
+    def retain(self, req: KVRequest) -> None:
+        """Keep ``req``'s blocks past plain LRU when it is freed (an agent turn that ended in a tool call)."""
+        if req.request_id in self.requests:
+            self.requests[req.request_id].retain = True
 
     # ---- admin and accounting -------------------------------------------------------------------------------
     def clear(self) -> bool:

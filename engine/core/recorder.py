@@ -5,41 +5,24 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.capture import GraphCoverage
-from engine.scheduler import Scheduler
-from engine.step import RequestOutput, StepKind, StepPlan, StepResult
-from engine.step_record import (
+from engine.core.scheduler import SchedulerStats
+from engine.core.step_record import (
     HOST_PHASES,
     IDLE_REASONS,
     LAUNCH_PARTS,
-    RankLoad,
-    RankReport,
     RequestEnd,
     RequestTimes,
     StepRecord,
     TokenCounts,
     idle_seconds,
 )
+from engine.step import GraphCoverage, RankReport, RequestOutput, StepKind, StepPlan, StepResult
 from parallelism.comm import CommCounter
-
-
-def rank_loads(sched: Scheduler) -> tuple[RankLoad, ...]:
-    """Per attention-DP rank: requests, blocks and prefix-cache hit rate (unpinned waiting requests on rank 0)."""
-    waiting, deferred = [0] * sched.dp_size, [0] * sched.dp_size
-    for r in sched.waiting:
-        dp = r.pinned_dp if r.pinned_dp is not None else 0
-        waiting[dp] += 1
-        deferred[dp] += r.deferred
-    uncached = sched.waiting_uncached_tokens() if sched.waiting else 0
-    return tuple(RankLoad(running=len(sched.running[dp]), waiting=waiting[dp], deferred=deferred[dp],
-                          blocks_used=pool.num_used,
-                          blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
-                          waiting_uncached_tokens=uncached if dp == 0 else 0, cache_hit_rate=sched.kv.hit_rate_of(dp))
-                 for dp, pool in enumerate(sched.kv.pools))
 
 
 class DeviceSpan:
@@ -76,14 +59,15 @@ class StepRecorder:
     """Rank 0's record builder. Holds what a record needs from before its step: when the previous record ended,
     the host phases of calls not yet attributed, the counters' values at the previous record, request clocks."""
 
-    def __init__(self, sched: Scheduler, counter: CommCounter, clock=time.monotonic):
-        self.sched, self.counter, self.clock = sched, counter, clock
+    def __init__(self, stats: Callable[[], SchedulerStats], counter: CommCounter, clock=time.monotonic):
+        """``stats``: the scheduler's (``Scheduler.stats``), read at each event and record."""
+        self.stats, self.counter, self.clock = stats, counter, clock
         self.prev_end = clock()
         self._start: float | None = None  # the first Engine.step call not yet attributed to a record
         self._host = dict.fromkeys(HOST_PHASES + LAUNCH_PARTS, 0.0)
         self._blocked = ""
         self._comm = self._comm_now()
-        self._kv = (sched.kv.prompt_tokens, sched.kv.cached_tokens, sched.preemptions)
+        self._kv = self._kv_totals(stats())
         self._clocks: dict[str, _Clock] = {}
         self._arrivals: list[float] = []  # of requests added since the previous record
         self._ended: list[RequestEnd] = []  # aborts since the previous record
@@ -108,12 +92,12 @@ class StepRecorder:
                 clock = self._clocks.get(w.request_id)
                 if clock is not None and clock.scheduled is None:
                     clock.scheduled = at
-        self._blocked = self.sched.blocked
+        self._blocked = self.stats().blocked
 
     def aborted(self, out: RequestOutput, at: float) -> None:
         """An abort between steps: its end rides on the next record."""
         self._ended += self._end(out, at)
-        if self._empty_from is None and not self.sched.has_work():
+        if self._empty_from is None and not self.stats().has_work:
             self._empty_from = at
 
     # ---- records ------------------------------------------------------------------------------------------
@@ -145,16 +129,17 @@ class StepRecorder:
                     committed += k
                     accepted.append(k - 1)
             by_dp.append(given)
-        queried, cached, preempted = self._kv_deltas()
+        s = self.stats()
+        queried, cached, preempted = self._kv_deltas(s)
         tokens = TokenCounts(prompt_computed=prompt, prompt_queried=queried, prompt_cached=cached,
                              generated=sum(emitted.values()), decoded=decoded, spec_requests=len(accepted),
                              spec_committed=committed)
         record = StepRecord(
             step_id=plan.step_id, kind=plan.kind, t_end=now, gap_s=gap, wall_s=wall, host_ms=host, device_ms=device_ms,
             tokens=tokens, generated_by_dp=tuple(by_dp), accepted=tuple(accepted),
-            graphs=tuple(r.coverage for r in reports), comm=self._comm_delta(), kv=rank_loads(self.sched),
+            graphs=tuple(r.coverage for r in reports), comm=self._comm_delta(), kv=s.per_dp,
             preemptions=preempted, requests=self._times(outputs, now), telemetry=_samples(reports), idle_s=idle)
-        self._close(now)
+        self._close(now, s)
         return record
 
     def heartbeat(self, reports: list[RankReport], started: float, draining: bool) -> StepRecord:
@@ -163,12 +148,13 @@ class StepRecorder:
         gap = max(now - self.prev_end, 0.0)
         idle = idle_seconds(gap_s=gap, gap_empty_s=self._empty_until(now), wall_s=0.0, host_s=0.0, blocked="",
                             draining=draining)
-        queried, cached, preempted = self._kv_deltas()
+        s = self.stats()
+        queried, cached, preempted = self._kv_deltas(s)
         record = StepRecord(step_id=None, kind=None, t_end=now, gap_s=max(started - self.prev_end, 0.0),
                             wall_s=now - started, tokens=TokenCounts(prompt_queried=queried, prompt_cached=cached),
-                            comm=self._comm_delta(), kv=rank_loads(self.sched), preemptions=preempted,
+                            comm=self._comm_delta(), kv=s.per_dp, preemptions=preempted,
                             requests=self._times([], now), telemetry=_samples(reports), idle_s=idle)
-        self._close(now)
+        self._close(now, s)
         return record
 
     # ---- helpers ------------------------------------------------------------------------------------------
@@ -180,11 +166,11 @@ class StepRecorder:
         first = min(self._arrivals, default=end)
         return max(min(first, end) - max(self._empty_from, self.prev_end), 0.0)
 
-    def _close(self, now: float) -> None:
+    def _close(self, now: float, s: SchedulerStats) -> None:
         self.prev_end, self._start = now, None
         self._host = dict.fromkeys(self._host, 0.0)
         self._arrivals.clear()
-        self._empty_from = None if self.sched.has_work() else now
+        self._empty_from = None if s.has_work else now
 
     def _times(self, outputs: list[RequestOutput], now: float) -> RequestTimes:
         ttft, itl, prompts, cached = [], [], 0, 0
@@ -230,10 +216,13 @@ class StepRecorder:
                 out[k] = (calls - c0, nbytes - b0)
         return out
 
-    def _kv_deltas(self) -> tuple[int, int, int]:
+    @staticmethod
+    def _kv_totals(s: SchedulerStats) -> tuple[int, int, int]:
+        return s.prompt_tokens, s.cached_tokens, s.preemptions
+
+    def _kv_deltas(self, s: SchedulerStats) -> tuple[int, int, int]:
         """Prompt tokens looked up and served by the prefix cache, and preemptions, since the previous record."""
-        kv, sched = self.sched.kv, self.sched
-        now = (kv.prompt_tokens, kv.cached_tokens, sched.preemptions)
+        now = self._kv_totals(s)
         deltas = tuple(b - a for a, b in zip(self._kv, now, strict=True))
         self._kv = now
         return deltas

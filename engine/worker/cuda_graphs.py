@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.blocks import scratch_table, token_slots
-from engine.capture import CapturedGraphs, token_limit_blocker
-from engine.kv_cache import PagedKVCache
 from engine.staging import copy_in
 from engine.step import StepKind
+from engine.worker.capture import CapturedGraphs, token_limit_blocker
+from engine.worker.kv_cache import PagedKVCache
 from model.batch import ForwardBatch, PagedTables
 from model.transformer import CausalLM
 from parallelism.deepep import before_graph_replay

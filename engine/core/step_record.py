@@ -1,5 +1,5 @@
-"""One stats record per step: :class:`StepRecord`, built once on rank 0 (``engine/recorder.py``) and handed to every
-subscriber — EngineInfo's counters (:class:`engine.recorder.EngineStats`), the Prometheus exporter
+"""One stats record per step: :class:`StepRecord`, built once on rank 0 (``engine/core/recorder.py``) and handed to
+every subscriber — EngineInfo's counters (:class:`engine.recorder.EngineStats`), the Prometheus exporter
 (``rpc/metrics.py``), the bench and ``scripts/host_per_step.py``. What each rank sends with a step's result gather
 is a :class:`RankReport`. Definitions (idle reasons included): ``docs/metrics.md``."""
 
@@ -8,23 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.speculation import Record
-from engine.step import StepKind, StepResult
+from engine.step import Record, StepKind
 
 IDLE_REASONS = ("no_work", "blocked_kv", "admission_limit", "host_bound", "draining")
 HOST_PHASES = ("schedule", "launch", "readback", "update")  # rank 0's phases of Engine.step
 LAUNCH_PARTS = ("draft", "target")  # launch split by the runner: the speculator's draft, then the target step
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """One rank's share of a step's result gather (or of a heartbeat's): the sampled ``results`` (None on ranks
-    that do not hold the logits), its coverage records ``{kind: (replayed, why not)}`` and its telemetry sample when
-    the sampler took one since the last gather (``engine.telemetry.TelemetrySampler.fresh``)."""
-
-    results: dict[str, StepResult] | None
-    coverage: dict[StepKind, Record]
-    telemetry: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

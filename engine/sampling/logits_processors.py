@@ -12,7 +12,7 @@ is no "move" event (vLLM's ``BatchUpdate`` has one because its batch is condense
 A row is a plain sampling row or a tree node (:class:`Rows`): a node at depth d draws output index
 ``num_generated + d`` and its history is the request's plus the tokens on its ancestor path (``Rows.path``), so
 every processor is exact on every DDTree / DFlash node. Processors, in the order applied: logit bias, min_tokens,
-the grammar mask (``engine/grammar.py``), penalties (vLLM's formulas, ``vllm/model_executor/layers/utils.py``).
+the grammar mask (``engine/sampling/grammar.py``), penalties (vLLM's formulas, ``vllm/model_executor/layers/utils.py``).
 Log-probs stay the raw model's (:func:`engine.sampler.sample`). docs/sampling.md.
 """
 
@@ -26,7 +26,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from engine.sampler import SampleOutput, SamplingBatch, SamplingParams, _int64, host_flags, sample, top_k_of
+from engine.params import SamplingParams
+from engine.sampling.sampler import SampleOutput, SamplingBatch, _int64, host_flags, sample, top_k_of
 from engine.staging import to_device
 from engine.step import NewRequest, SeqWork, StepResult
 
@@ -270,7 +271,8 @@ def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor, 
 
 
 class GrammarWalk(Protocol):
-    """A constrained request's grammar as the speculative tree builder walks it on the host (``engine/grammar.py``)."""
+    """A constrained request's grammar as the speculative tree builder walks it on the host
+    (``engine/sampling/grammar.py``)."""
 
     words: int  # int32 words of one bitmask row
 

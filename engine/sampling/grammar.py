@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from engine.logits_processors import Rows
-from engine.sampler import Constraint
+from engine.params import Constraint
+from engine.sampling.logits_processors import Rows
 from engine.staging import to_device
 from engine.step import NewRequest
 

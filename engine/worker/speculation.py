@@ -16,13 +16,11 @@ from typing import Protocol
 
 import torch
 
-from engine.kv_cache import PagedKVCache, SeqSlots
-from engine.logits_processors import GrammarWalk, Rows
-from engine.sampler import SampleOutput
-from engine.step import SeqWork, StepKind, StepResult
+from engine.sampling.logits_processors import GrammarWalk, Rows
+from engine.sampling.sampler import SampleOutput
+from engine.step import Record, SeqWork, StepKind, StepResult
+from engine.worker.kv_cache import PagedKVCache, SeqSlots
 from model.transformer import CausalLM
-
-Record = tuple[bool, str]  # a coverage record: (replayed, why not)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from engine.logits_processors import SamplingState
-from engine.sampler import SamplingParams
+from engine.params import SamplingParams
+from engine.sampling.logits_processors import SamplingState
 from engine.step import SeqWork, StepItem, StepPlan
 
 ITEM_FIELDS = tuple(f.name for f in fields(StepItem))

@@ -1,0 +1,88 @@
+"""Admission: which waiting requests start, on which attention-DP rank, with what KV reserve (a policy object).
+
+- First come first served. A request is placed on the rank holding its longest cached prefix, then the one with
+  most free blocks (``GenerateRequest.data_parallel_rank``, when set, pins it); a request pinned to a full rank waits
+  without holding up the others, one whose blocks are not free stops admission.
+- The reserve: the blocks of its first chunk (``on_demand``) or of its whole request (``reserve``: prompt +
+  max_tokens capped at max_model_len, plus the speculative scratch); the cached prefix needs none.
+- ``share_inflight_prefix``: a request whose next uncached block a running request is computing now waits (without
+  holding up the others) and hits that block once it is committed, rather than computing the shared prefix again.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.config import SchedulerConfig
+from engine.core.journal import RankJournal
+from engine.core.kv_manager import KVManager
+from engine.core.requests import Request, RequestTable
+
+
+class Admission:
+    def __init__(self, cfg: SchedulerConfig, table: RequestTable, kv: KVManager, journal: RankJournal):
+        self.cfg, self.table, self.kv, self.journal = cfg, table, kv, journal
+        self._order = itertools.count()
+        self.prefix_waits = 0  # admission passes that put a request off for a block another is prefilling
+
+    def admit(self, last_fed: set[str]) -> str:
+        """Admits in queue order while a rank has room and the blocks a request's first step needs. ``last_fed``:
+        the requests the last plan fed (only their blocks are waited for: one stalled for want of blocks may not move
+        until older requests end). Returns why a request stayed: "max_num_seqs" (no running slot), "kv" (no free
+        blocks) or "" (none did for either)."""
+        blocked, prefilling, table = "", None, self.table
+        for req in table.waiting:
+            req.deferred = False
+        for req in list(table.waiting):
+            ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(table.dp_size))
+                     if table.seats(r) + max(req.fork_n, 1) <= self.cfg.max_num_seqs]
+            if not ranks:
+                blocked = blocked or "max_num_seqs"
+                if req.pinned_dp is None:
+                    return blocked
+                continue
+            hashes = self.kv.hashes(req)
+            if self.cfg.share_inflight_prefix and hashes:
+                prefilling = prefilling if prefilling is not None else self._prefilling(last_fed)
+                if self._waits_for_prefill(hashes, ranks, prefilling):
+                    req.deferred = True
+                    self.prefix_waits += 1
+                    continue
+            dp = max(ranks, key=lambda r: (self.kv.cached_blocks(r, hashes), self.kv.num_free(r), -r))
+            cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes))
+            if cached is None:
+                return "kv"
+            table.waiting.remove(req)
+            req.dp_rank, req.num_computed = dp, cached
+            if prefilling is not None:  # admitted now: those behind it wait for what it will compute
+                prefilling[dp].update(hashes[cached // self.cfg.block_size:])
+            self.journal.joined(req)
+            if req.admitted < 0:
+                req.admitted, req.num_cached = next(self._order), cached
+            table.place(req, dp)
+        return blocked
+
+    def _reserve(self, req: Request, dp: int, hashes: list[int]) -> int:
+        """Token slots ``req`` takes at admission on ``dp`` (cached prefix included)."""
+        if self.cfg.kv_allocation == "reserve":
+            return self.table.request_slots(len(req.prompt), req.params.max_tokens)
+        hit = self.kv.cached_blocks(dp, hashes) * self.cfg.block_size
+        return hit + min(len(req.feed_tokens) - hit, self.cfg.max_num_batched_tokens)
+
+    def _prefilling(self, last_fed: set[str]) -> list[set[int]]:
+        """Per DP rank, the hashes of the full blocks not yet committed of the running requests the last plan fed."""
+        kv = self.kv
+        return [{h for r in running if r.hashes and r.request_id in last_fed for h in r.hashes[kv.committed_blocks(r):]}
+                for running in self.table.running]
+
+    def _waits_for_prefill(self, hashes: list[int], ranks: list[int], prefilling: list[set[int]]) -> bool:
+        """Whether the first block of ``hashes`` that none of ``ranks`` caches is one a request running there is
+        computing now: waiting, the request hits it once it is committed."""
+        first = max(self.kv.cached_blocks(r, hashes) for r in ranks)
+        return first < len(hashes) and any(hashes[first] in prefilling[r] for r in ranks)
+
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens of waiting requests not in the prefix cache (their best rank's hit)."""
+        return sum(len(req.tokens) - max(self.kv.cached_blocks(dp, self.kv.hashes(req))
+                                         for dp in range(self.table.dp_size)) * self.cfg.block_size
+                   for req in self.table.waiting)

@@ -1,0 +1,193 @@
+"""Continuous batching with chunked prefill, on-demand KV blocks with recompute preemption, prefix caching,
+admission limits and abort; one waiting queue, one running set per attention-DP rank.
+
+The scheduler only wires its components and keeps their order within a step (each file says its policy):
+the request table (``requests.py``: intake, validation, ``n > 1`` fan-out, where each request is), admission
+(``admission.py``: placement on DP ranks, the reserve, deferral behind a prefix being prefilled), the step planner
+(``planner.py``: the items, preemption, overlap), the output processor (``outputs.py``: finish reasons, outputs)
+and the journal of what the ranks must learn (``journal.py``). Blocks are the KV manager's (``kv_manager.py``).
+
+- Committed tokens (KV of target and drafter written, ids known) are handed to the KV manager after every step;
+  it indexes their full blocks.
+- Limits apply per DP rank, as with vLLM's per-DP-rank engines: ``max_num_seqs`` running,
+  ``max_num_batched_tokens`` fed per forward.
+- Every end (stop, length, abort, error) releases the request's blocks.
+- ``overlap`` (``engine.overlap=on``, plain decoding only): a request that stops (or is aborted) at step n may be in
+  step n+1 already: that step's token for it is discarded, and its blocks were freed once, when it ended.
+- ``n > 1``: one request prefills the prompt but its last token and then forks into n samples (seeds ``seed + i``)
+  that share its full blocks; a forking request holds n running slots from admission.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.blocks import blocks_for
+from engine.config import RequestError, SchedulerConfig
+from engine.core.admission import Admission
+from engine.core.journal import RankJournal
+from engine.core.kv_manager import KVManager, KVManagerConfig
+from engine.core.outputs import OutputProcessor
+from engine.core.planner import StepPlanner
+from engine.core.requests import Request, RequestTable
+from engine.core.step_record import RankLoad
+from engine.params import SamplingParams
+from engine.step import RequestOutput, StepPlan, StepResult
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerStats:
+    """The scheduler at one moment (:meth:`Scheduler.stats`). ``blocked``: why the last plan left work waiting —
+    "kv" (no free blocks for the queue's head or a running item), "max_num_seqs" (no running slot for the head) or
+    "". Token and preemption figures count since start."""
+
+    per_dp: tuple[RankLoad, ...]
+    blocked: str
+    running: int
+    waiting: int
+    blocks_in_use: int
+    preemptions: int
+    prefix_waits: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+
+    @property
+    def has_work(self) -> bool:
+        return self.running + self.waiting > 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 spec_reserve_slots: int = 0, namespace: bytes = b"", retain_after: frozenset[int] = frozenset()):
+        """``spec_reserve_slots`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing
+        that many KV slots (its tree). ``namespace``: what the prefix cache's hashes are computed under (model,
+        drafter, KV dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV."""
+        if cfg.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len is unset: resolve it with for_model first")
+        need = blocks_for(cfg.max_model_len + spec_reserve_slots, cfg.block_size)
+        if need > cfg.num_blocks:  # vLLM's rule: else a request that fits max_model_len could wait forever
+            raise RequestError(f"engine.num_blocks={cfg.num_blocks} (blocks of {cfg.block_size} tokens) cannot "
+                               f"hold one max_model_len={cfg.max_model_len} request plus its speculative scratch of "
+                               f"{spec_reserve_slots} slots: it needs {need} blocks; raise engine.num_blocks or "
+                               "lower engine.max_model_len")
+        self.cfg, self.dp_size, self.spec_reserve_slots = cfg, dp_size, spec_reserve_slots
+        self.overlap = cfg.overlap == "on" and spec_reserve_slots == 0  # a verify's next start needs its accepted count
+        self.kv = KVManager(KVManagerConfig(num_blocks=cfg.num_blocks, kv_block_size=cfg.block_size,
+                                            dp_size=dp_size, prefix_caching=cfg.prefix_caching,
+                                            retention_s=cfg.kv_retention_s, namespace=namespace))
+        self.table = RequestTable(cfg, dp_size, vocab_size, spec_reserve_slots)
+        self.journal = RankJournal()
+        self.admission = Admission(cfg, self.table, self.kv, self.journal)
+        self.planner = StepPlanner(cfg, self.table, self.kv, self.journal, spec_reserve_slots, self.overlap)
+        self.outputs = OutputProcessor(cfg, self.kv, eos_token_ids, self.overlap, retain_after, self._finish,
+                                       self._fork)
+        self._steps = itertools.count()
+        self._last_fed: set[str] = set()  # the requests the last plan fed (share_inflight_prefix waits only on them)
+        self._blocked = ""
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
+            retain_kv: bool = False) -> Request:
+        """Queues a request (:meth:`RequestTable.add`); raises RequestError naming the field."""
+        return self.table.add(request_id, prompt, params, seed, dp_rank, retain_kv)
+
+    def has_work(self) -> bool:
+        return self.table.has_work()
+
+    def schedule(self) -> StepPlan:
+        """Admits what fits, then plans the step; its plan carries the request changes since the last plan with
+        work (a plan without work is not broadcast: the ranks hear of them with the next one)."""
+        self._blocked = self.admission.admit(self._last_fed)
+        overlap = self.overlap and not any(r.params.constraint is not None for rs in self.table.running for r in rs)
+        step_id = next(self._steps)
+        work, blocks, blocked = self.planner.plan(step_id)
+        if blocked:
+            self._blocked = "kv"
+        fed = {w.request_id for per_rank in work for w in per_rank}
+        self._last_fed = fed
+        if not fed:
+            return StepPlan(step_id, work, overlap=overlap)
+        changes = self.journal.take()
+        return StepPlan(step_id, work, overlap=overlap, added=changes.added, finished=changes.finished, blocks=blocks,
+                        copies=changes.copies)
+
+    def update(self, plan: StepPlan, results: Mapping[str, StepResult],
+               stopped: Mapping[str, tuple[int, str]] | None = None) -> list[RequestOutput]:
+        """Applies a finished step (:meth:`OutputProcessor.apply`); ``stopped``: request id → (token index, string)
+        of the stop-string matches the front found in ``results``."""
+        items = [w for per_rank in plan.work for w in per_rank]
+        return self.outputs.apply(items, self.planner.applied(plan.step_id), results, stopped or {})
+
+    def _fork(self, parent: Request) -> None:
+        """``parent`` has computed its prompt but the last token: its n samples take its KV (full blocks shared, the
+        partial one copied on the ranks) and each feeds the last prompt token and samples with its own seed."""
+        dp, computed, table = parent.dp_rank, len(parent.feed_tokens), self.table
+        at = table.running[dp].index(parent)
+        for i, child in enumerate(table.samples_of(parent)):
+            child.num_computed, copy = self.kv.fork(parent, child, computed)
+            child.dp_rank, child.admitted, child.num_cached = dp, parent.admitted, parent.num_cached
+            if copy is not None:
+                self.journal.copy(dp, *copy)
+            table.register(child)
+            table.running[dp].insert(at + 1 + i, child)
+            self.journal.joined(child)
+        self.kv.free(parent)
+        self.journal.left(parent)
+        table.remove(parent)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        if req.dp_rank is not None:
+            self.kv.free(req)
+        self.journal.left(req)
+        self.table.remove(req)
+
+    def knows(self, request_id: str) -> bool:
+        return self.table.knows(request_id)
+
+    def abort_all(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
+        """Ends a request now (client cancel, deadline, error) and frees its blocks: one finished output per sample
+        still running (n > 1: every sample; none for an unknown id)."""
+        outs = []
+        for req in self.table.members(request_id):
+            self._finish(req, reason)
+            if req.fork_n:  # not forked yet: each sample ends here
+                outs += [RequestOutput(request_id=request_id, index=i, new_tokens=[], finished=True,
+                                       finish_reason=reason, num_prompt_tokens=len(req.prompt), num_output_tokens=0)
+                         for i in range(req.fork_n)]
+                continue
+            outs.append(RequestOutput(request_id=req.client_id, index=req.index, new_tokens=[], finished=True,
+                                      finish_reason=reason, num_prompt_tokens=len(req.prompt),
+                                      num_output_tokens=len(req.output), num_cached_tokens=req.num_cached))
+        return outs
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput:
+        """:meth:`abort_all`, returning the last sample's output; an unknown id is a RequestError."""
+        outs = self.abort_all(request_id, reason)
+        if not outs:
+            raise RequestError(f"unknown request_id {request_id!r}")
+        return outs[-1]
+
+    def blocks_in_use(self) -> int:
+        """Referenced blocks (cached unreferenced ones count as free)."""
+        return self.kv.blocks_in_use()
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler now, per attention-DP rank and in total (unpinned waiting requests count on rank 0)."""
+        table, kv = self.table, self.kv
+        waiting, deferred = [0] * self.dp_size, [0] * self.dp_size
+        for r in table.waiting:
+            dp = r.pinned_dp if r.pinned_dp is not None else 0
+            waiting[dp] += 1
+            deferred[dp] += r.deferred
+        uncached = self.admission.waiting_uncached_tokens() if table.waiting else 0
+        per_dp = tuple(RankLoad(running=len(table.running[dp]), waiting=waiting[dp], deferred=deferred[dp],
+                                blocks_used=pool.num_used, blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
+                                waiting_uncached_tokens=uncached if dp == 0 else 0, cache_hit_rate=kv.hit_rate_of(dp))
+                       for dp, pool in enumerate(kv.pools))
+        return SchedulerStats(per_dp=per_dp, blocked=self._blocked, running=table.num_running(),
+                              waiting=len(table.waiting), blocks_in_use=kv.blocks_in_use(),
+                              preemptions=self.planner.preemptions, prefix_waits=self.admission.prefix_waits,
+                              prompt_tokens=kv.prompt_tokens, cached_tokens=kv.cached_tokens, hit_rate=kv.hit_rate)
