@@ -2,17 +2,19 @@
 
 Threads (all in the rank-0 process):
 
-- the event loop (the gRPC server) calls :meth:`AsyncEngine.submit`, :meth:`~AsyncEngine.abort` and
-  :meth:`~AsyncEngine.call`; they only enqueue commands and never touch the Engine;
-- the engine thread owns the Engine: between steps it drains the command queue (adds, aborts, calls), then
-  runs one step and hands its outputs to the loop with ``loop.call_soon_threadsafe``, into one asyncio queue
-  per request. While idle it runs a heartbeat (a control-plane round trip with every rank) every
-  ``heartbeat_s``, so idle ranks stay inside the collective timeout and a dead rank is noticed without traffic;
+- the event loop (the gRPC server) calls :meth:`AsyncEngine.submit`, :meth:`~AsyncEngine.abort`,
+  :meth:`~AsyncEngine.snapshot` and the other verbs; each enqueues one typed request (``engine/messages.py``) and never
+  touches the Engine;
+- the engine thread owns the Engine (:class:`EngineThread`): between steps it runs the queued requests, each
+  dispatched by its type to one handler (a type it has no handler for is refused when sent), then runs one step and
+  hands its outputs to the loop with ``loop.call_soon_threadsafe``, into one asyncio queue per request. While idle it
+  runs a heartbeat (a control-plane round trip with every rank) every ``heartbeat_s``, so idle ranks stay inside the
+  collective timeout and a dead rank is noticed without traffic;
 - the watchdog thread declares the engine dead when one step, heartbeat or shutdown runs longer than
   ``step_timeout_s`` (a gloo/NCCL collective on a dead or stopped peer may hang instead of raising).
 
 Any exception in the engine thread or a watchdog timeout is fatal: every open stream receives an
-:class:`EngineFailure`, pending calls fail with :class:`EngineDead`, and ``on_fatal(reason)`` runs (the server
+:class:`EngineFailure`, pending replies fail with :class:`EngineDead`, and ``on_fatal(reason)`` runs (the server
 exits the process from there). Nothing is retried: a half-done collective leaves the ranks out of step.
 """
 
@@ -23,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import typing
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +35,27 @@ from engine.config import RequestError
 from engine.core.kv_manager import KvEvent
 from engine.core.step_record import RankLoad, StepRecord
 from engine.engine import Engine
+from engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineRequest,
+    EngineSnapshot,
+    FlushCache,
+    FlushResult,
+    Precompile,
+    SetDraining,
+    StartProfile,
+    Stop,
+    StopProfile,
+    TakeSnapshot,
+)
 from engine.params import Constraint, SamplingParams
+from engine.profiling import ProfilePlan
+from engine.snapshot import engine_facts, take_snapshot
 from engine.step import RequestOutput
 
 log = logging.getLogger(__name__)
+
 
 class Overloaded(RuntimeError):
     """Running + waiting requests are at the server's capacity."""
@@ -95,43 +115,46 @@ class RequestStream:
 
 
 class AsyncEngine:
+    """The event loop's side: request streams and one verb per :data:`EngineRequest`. Everything the engine says
+    comes back as request outputs (streams), replies to these verbs, step records (:meth:`subscribe`, before
+    :meth:`start`) and :attr:`loads`."""
+
     def __init__(self, engine: Engine, capacity: int, step_timeout_s: float, heartbeat_s: float,
                  on_fatal: Callable[[str], None] | None = None, throughput_window_s: float = 10.0,
                  on_kv_events: Callable[[list[KvEvent]], None] | None = None):
         """``capacity``: most requests (running + waiting) in the engine; one more is :class:`Overloaded`.
         ``on_kv_events``: called on the event loop with each step's prefix-index changes (the KV event stream)."""
-        self.engine, self.capacity = engine, capacity
-        self.on_kv_events = on_kv_events
-        engine.scheduler.kv.recording = on_kv_events is not None
-        self.step_timeout_s, self.heartbeat_s = step_timeout_s, heartbeat_s
-        self.on_fatal = on_fatal or (lambda reason: None)
-        self.window_s = throughput_window_s
-        self.loads = Loads()
-        self.dead: str | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.facts = engine_facts(engine)
+        self.capacity = capacity
+        self._thread = EngineThread(engine, self, step_timeout_s, heartbeat_s, on_fatal or (lambda reason: None),
+                                    throughput_window_s, on_kv_events)
+        self._grammar = engine.grammar  # compiles run on the loop's executor, never on the engine thread
         self._streams: dict[str, RequestStream] = {}  # loop thread only
         self._pending: set[asyncio.Future] = set()  # loop thread only
-        self._busy: tuple[str, float] | None = None  # (what, since): set by the engine thread
-        self._fatal_lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._emitted: deque[tuple[float, tuple[int, ...]]] = deque()  # (when, tokens per DP rank) of each step
-        self._commands_at = 0.0  # when the engine thread last ran commands (they change the loads)
-        engine.subscribe(self._on_record)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._threads: list[threading.Thread] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
 
-    # ---- event-loop side -------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._publish_loads()
-        self._threads = [threading.Thread(target=self._run, name="engine", daemon=True),
-                         threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)]
-        for t in self._threads:
-            t.start()
+    @property
+    def dead(self) -> str | None:
+        return self._thread.dead
+
+    @property
+    def loads(self) -> Loads:
+        return self._thread.loads
 
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    def subscribe(self, fn: Callable[[StepRecord], None]) -> None:
+        """``fn(record)`` after every step and heartbeat, on the engine thread; only before :meth:`start`."""
+        if self.loop is not None:
+            raise RuntimeError("subscribe before start: the engine thread owns the subscribers once it runs")
+        self._thread.engine.subscribe(fn)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the engine thread and its watchdog; the comm counters count from here."""
+        self.loop = loop
+        self._thread.start()
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
                      retain_kv: bool = False) -> RequestStream:
@@ -142,7 +165,8 @@ class AsyncEngine:
         stream = RequestStream(request_id, params.n)
         self._streams[request_id] = stream
         try:
-            await self._command("add", request_id, prompt, params, dp_rank, retain_kv, time.monotonic())
+            await self._call(AddRequest(request_id=request_id, prompt=tuple(prompt), params=params, dp_rank=dp_rank,
+                                        retain_kv=retain_kv, arrival=time.monotonic()))
         except BaseException:  # bad input, overload, or the caller went away while the add was queued
             self._streams.pop(request_id, None)
             stream.finished = True
@@ -152,11 +176,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Ends the request if it is still in the engine (its stream gets a finished "abort" output)."""
-        self._commands.put(("abort", None, request_id))
-
-    def precompile(self, constraint: Constraint) -> None:
-        """The other ranks start compiling ``constraint`` now (``Engine.precompile``, between steps); no reply."""
-        self._commands.put(("precompile", None, constraint))
+        self._call(AbortRequest(request_id), reply=False)
 
     def close(self, stream: RequestStream) -> None:
         """Called when the consumer is done with a stream; aborts the request if it has not finished."""
@@ -165,15 +185,41 @@ class AsyncEngine:
             self._streams.pop(stream.request_id, None)
             self.abort(stream.request_id)
 
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Runs ``fn(engine)`` on the engine thread between steps; returns its result."""
-        return await self._command("call", fn)
+    async def compile(self, constraint: Constraint) -> None:
+        """Compiles ``constraint`` off the engine thread (cached by its text, so the engine's own check finds it
+        compiled); a new one is announced to the other ranks first, which compile it on their grammar threads
+        meanwhile. Raises ConstraintError naming it, or RequestError without a tokenizer."""
+        if self._grammar is None:
+            raise RequestError(f"{constraint.field}: structured output needs the checkpoint's tokenizer "
+                               "(tokenizer.json or tiktoken.model)")
+        if not self._grammar.cached(constraint):
+            self._call(Precompile(constraint), reply=False)
+        await asyncio.get_running_loop().run_in_executor(None, self._grammar.compile, constraint)
+
+    async def flush_cache(self) -> FlushResult:
+        return await self._call(FlushCache())
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self._call(TakeSnapshot())
+
+    def set_draining(self) -> None:
+        """The server takes no more requests: the engine counts the rest of its idle time as draining."""
+        self._call(SetDraining(), reply=False)
+
+    async def start_profile(self, plan: ProfilePlan) -> None:
+        await self._call(StartProfile(plan))
+
+    async def stop_profile(self) -> list[str]:
+        return await self._call(StopProfile())
 
     async def stop(self) -> None:
-        """Graceful stop: pending commands run, then ``engine.shutdown()`` releases the other ranks."""
-        await self._command("stop")
-        self._stopped.set()
-        self.dead = self.dead or "engine stopped"
+        """Graceful stop: queued requests run, then ``engine.shutdown()`` releases the other ranks (at once when the
+        engine thread never started: the server failed first, a port it could not bind)."""
+        if self.loop is None:
+            self._thread.engine.shutdown()
+            return
+        await self._call(Stop())
+        self._thread.stopped()
 
     def fail_streams(self, reason: str) -> None:
         """Ends every open stream with an EngineFailure (loop thread)."""
@@ -183,20 +229,25 @@ class AsyncEngine:
             if not fut.done():
                 fut.set_exception(EngineDead(reason))
 
-    def _command(self, kind: str, *args) -> asyncio.Future:
+    def _call(self, request: EngineRequest, reply: bool = True) -> asyncio.Future | None:
+        """Sends a request; with ``reply`` the future gets its reply or the error it raised."""
+        if not reply:
+            self._thread.put(request, None)
+            return None
         if self.dead:
             raise EngineDead(self.dead)
-        fut = self._loop.create_future()
+        fut = self.loop.create_future()
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
-        self._commands.put((kind, fut, *args))
+        self._thread.put(request, fut)
         return fut
 
-    def _settle(self, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    # ---- called on the loop by the engine thread -----------------------------------------------------------
+    def settle(self, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
         if not fut.done():
             fut.set_exception(error) if error is not None else fut.set_result(result)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -208,62 +259,83 @@ class AsyncEngine:
                 stream.finished = True
                 del self._streams[out.request_id]
 
-    # ---- engine thread ---------------------------------------------------------------------------
-    def _reply(self, fut: asyncio.Future | None, result: Any = None, error: BaseException | None = None) -> None:
+
+REQUEST_TYPES = typing.get_args(EngineRequest)
+CALLER_ERRORS = (ValueError, Overloaded)  # a request's own fault (RequestError, SamplingError, ConstraintError)
+
+
+class EngineThread:
+    """The engine thread and its watchdog. Runs each :data:`EngineRequest` by its type (:attr:`handlers`), steps
+    while there is work, heartbeats while idle, publishes :class:`Loads`; any failure of its own is fatal."""
+
+    def __init__(self, engine: Engine, front: AsyncEngine, step_timeout_s: float, heartbeat_s: float,
+                 on_fatal: Callable[[str], None], throughput_window_s: float,
+                 on_kv_events: Callable[[list[KvEvent]], None] | None):
+        self.engine, self.front = engine, front
+        self.step_timeout_s, self.heartbeat_s, self.on_fatal = step_timeout_s, heartbeat_s, on_fatal
+        self.on_kv_events, self.window_s = on_kv_events, throughput_window_s
+        engine.kv_events(on_kv_events is not None)
+        self.handlers: dict[type, Callable[[Any], Any]] = {
+            AddRequest: self._add, AbortRequest: self._abort, Precompile: lambda r: engine.precompile(r.constraint),
+            FlushCache: lambda r: engine.flush_cache(), TakeSnapshot: lambda r: take_snapshot(engine),
+            SetDraining: self._set_draining, StartProfile: lambda r: engine.start_profile(r.plan),
+            StopProfile: lambda r: engine.stop_profile(), Stop: lambda r: self._timed("shutdown", engine.shutdown)}
+        assert set(self.handlers) == set(REQUEST_TYPES), "every EngineRequest type has one handler"
+        self.loads = Loads()
+        self.dead: str | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy: tuple[str, float] | None = None  # (what, since)
+        self._fatal_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._emitted: deque[tuple[float, tuple[int, ...]]] = deque()  # (when, tokens per DP rank) of each step
+        self._commands_at = 0.0  # when the engine thread last ran requests (they change the loads)
+        engine.subscribe(self._on_record)
+
+    def put(self, request: EngineRequest, fut: asyncio.Future | None) -> None:
+        """Queues ``request`` (any thread); a type without a handler is a TypeError here, in the sender."""
+        if type(request) not in self.handlers:
+            raise TypeError(f"{type(request).__name__} is not an engine request (engine.messages.EngineRequest)")
+        self._queue.put((request, fut))
+
+    def start(self) -> None:
+        self.engine.reset_counters()
+        self._publish_loads()
+        for target, name in ((self._run, "engine"), (self._watch, "engine-watchdog")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def stopped(self) -> None:
+        self._stopped.set()
+        self.dead = self.dead or "engine stopped"
+
+    # ---- handlers (engine thread) -------------------------------------------------------------------------
+    def _add(self, r: AddRequest) -> None:
+        s = self.engine.scheduler.stats()
+        if s.running + s.waiting >= self.front.capacity:
+            raise Overloaded(f"server at capacity: {s.running} running + {s.waiting} waiting (server.max_num_seqs * "
+                             f"attn_dp + server.max_queue = {self.front.capacity})")
+        self.engine.add_request(r.request_id, list(r.prompt), r.params, r.dp_rank, r.retain_kv, r.arrival)
+
+    def _abort(self, r: AbortRequest) -> None:
+        if self.engine.scheduler.knows(r.request_id):
+            self._emit(self.engine.abort_all(r.request_id))
+
+    def _set_draining(self, r: SetDraining) -> None:
+        self.engine.draining = True
+
+    def _handle(self, request: EngineRequest, fut: asyncio.Future | None) -> None:
+        """Runs one request by its type and replies: a caller's error goes back to the caller (any error of a
+        request with a reply but an add: a failed snapshot or flush leaves the engine fine); other errors are
+        fatal."""
+        caller_errors = CALLER_ERRORS if fut is None or isinstance(request, AddRequest) else Exception
+        try:
+            result, error = self.handlers[type(request)](request), None
+        except caller_errors as err:
+            result, error = None, err
         if fut is not None:
-            self._loop.call_soon_threadsafe(self._settle, fut, result, error)
-
-    def _on_record(self, record: StepRecord) -> None:
-        if record.generated_by_dp:
-            self._emitted.append((record.t_end, record.generated_by_dp))
-
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        events = self.engine.scheduler.kv.drain_events() if self.on_kv_events is not None else []
-        if events:
-            self._loop.call_soon_threadsafe(self.on_kv_events, events)
-
-    def _timed(self, what: str, fn: Callable[[], Any]) -> Any:
-        self._busy = (what, time.monotonic())
-        try:
-            return fn()
-        finally:
-            self._busy = None
-
-    def _run_command(self, cmd: tuple) -> bool:
-        """Runs one command; returns False for stop."""
-        kind, fut, *args = cmd
-        if kind == "stop":
-            self._timed("shutdown", self.engine.shutdown)
-            self._reply(fut)
-            return False
-        if kind == "abort":
-            (request_id,) = args
-            if self.engine.scheduler.knows(request_id):
-                self._emit(self.engine.abort_all(request_id))
-            return True
-        if kind == "precompile":
-            self.engine.precompile(*args)
-            return True
-        if kind == "call":
-            try:
-                self._reply(fut, args[0](self.engine))
-            except Exception as err:  # noqa: BLE001 - a failed read-only call is the caller's error only
-                self._reply(fut, error=err)
-            self._emit([])  # a call may change the prefix index (FlushCache)
-            return True
-        sched = self.engine.scheduler
-        try:
-            s = sched.stats()
-            if s.running + s.waiting >= self.capacity:
-                raise Overloaded(f"server at capacity: {s.running} running + {s.waiting} "
-                                 f"waiting (server.max_num_seqs * attn_dp + server.max_queue = {self.capacity})")
-            self.engine.add_request(*args)
-            self._reply(fut)
-        except (ValueError, Overloaded) as err:  # RequestError, SamplingError: the caller's fault, not the engine's
-            self._reply(fut, error=err)
-        return True
+            self.front.loop.call_soon_threadsafe(self.front.settle, fut, result, error)
+        elif error is not None:
+            raise error
+        self._emit([])  # a request may change the prefix index (FlushCache)
 
     def _run(self) -> None:
         last_beat = time.monotonic()
@@ -272,18 +344,19 @@ class AsyncEngine:
                 busy = self.engine.has_work()
                 wait = 0.0 if busy else max(0.0, self.heartbeat_s - (time.monotonic() - last_beat))
                 try:
-                    cmds = [self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()]
+                    batch = [self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()]
                 except queue.Empty:
-                    cmds = []
+                    batch = []
                 while True:
                     try:
-                        cmds.append(self._commands.get_nowait())
+                        batch.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                if cmds:
+                if batch:
                     self._commands_at = time.monotonic()
-                for cmd in cmds:
-                    if not self._run_command(cmd):
+                for request, fut in batch:
+                    self._handle(request, fut)
+                    if isinstance(request, Stop):
                         self._publish_loads()
                         return
                 if self.engine.has_work():
@@ -297,18 +370,38 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self._fatal(f"engine step failed ({type(err).__name__}: {err}); a rank is probably dead")
 
+    def _on_record(self, record: StepRecord) -> None:
+        if record.generated_by_dp:
+            self._emitted.append((record.t_end, record.generated_by_dp))
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        loop = self.front.loop
+        if outputs:
+            loop.call_soon_threadsafe(self.front.deliver, outputs)
+        events = self.engine.kv_events_since() if self.on_kv_events is not None else []
+        if events:
+            loop.call_soon_threadsafe(self.on_kv_events, events)
+
+    def _timed(self, what: str, fn: Callable[[], Any]) -> Any:
+        self._busy = (what, time.monotonic())
+        try:
+            return fn()
+        finally:
+            self._busy = None
+
     def _publish_loads(self) -> None:
-        """After a step its record's per-rank figures; after commands (adds, aborts) the scheduler's now."""
+        """After a step its record's per-rank figures; after requests (adds, aborts) the scheduler's now."""
         engine, cutoff = self.engine, time.monotonic() - self.window_s
         while self._emitted and self._emitted[0][0] < cutoff:
             self._emitted.popleft()
-        sched, record = engine.scheduler, engine.last_record
-        per_dp = record.kv if record is not None and record.t_end >= self._commands_at else sched.stats().per_dp
-        gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(sched.dp_size)]
-        self.loads = Loads(per_dp=per_dp, kv_block_size=sched.cfg.block_size, gen_tokens_per_s=tuple(gen),
+        record = engine.last_record
+        per_dp = record.kv if record is not None and record.t_end >= self._commands_at else \
+            engine.scheduler.stats().per_dp
+        gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(len(per_dp))]
+        self.loads = Loads(per_dp=per_dp, kv_block_size=self.front.facts.kv_block_size, gen_tokens_per_s=tuple(gen),
                            steps=engine.stats.steps)
 
-    # ---- watchdog --------------------------------------------------------------------------------
+    # ---- watchdog ------------------------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stopped.wait(0.2):
             busy = self._busy
@@ -325,7 +418,7 @@ class AsyncEngine:
         self._stopped.set()
         log.error("engine dead: %s", reason)
         try:
-            self._loop.call_soon_threadsafe(self.fail_streams, reason)
+            self.front.loop.call_soon_threadsafe(self.front.fail_streams, reason)
         except (AttributeError, RuntimeError):  # no loop yet, or it is closed
             pass
         self.on_fatal(reason)

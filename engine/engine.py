@@ -25,14 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import RequestError, SchedulerConfig
+from engine.core.kv_manager import KvEvent
 from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
-from engine.core.requests import sample_id
 from engine.core.scheduler import Scheduler
 from engine.core.step_record import StepRecord
+from engine.messages import FlushResult
 from engine.params import Constraint, SamplingParams
 from engine.profiling import ProfileDriver, ProfilePlan
 from engine.sampling.grammar import GrammarBackend
-from engine.step import GraphCoverage, RankReport, RequestOutput, StepKind, StepPlan, StepResult
+from engine.step import RankReport, RequestOutput, StepKind, StepPlan, StepResult, sample_id
 from engine.stop_strings import Detokenize, StopChecks
 from engine.worker.cuda_graphs import StepShape
 from engine.worker.loop import DRAIN, HEARTBEAT, SHUTDOWN, Precompile, WarmUpShape, control_plane, make_runner
@@ -75,7 +76,7 @@ class Engine:
         self.stops = StopChecks(tokenizer)  # stop strings: matched here, between the readback and the core's update
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
-        self.telemetry = telemetry
+        self._telemetry = telemetry.fresh if telemetry is not None else lambda: None  # the newest sample, if new
         self.profiling = ProfileDriver(self.plane, model.groups.rank, model.device)
         self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
         self.last_record: StepRecord | None = None
@@ -84,11 +85,6 @@ class Engine:
         self._in_flight: _InFlight | None = None  # overlap: launched, not yet read back
         if cfg.overlap == "on" and not self.scheduler.overlap:
             log.info("engine.overlap=on: speculative steps drain (the next start depends on the accepted count)")
-
-    @property
-    def coverage(self) -> GraphCoverage:
-        """Rank 0's CUDA-graph coverage per step kind, from the step records."""
-        return self.stats.coverage
 
     def subscribe(self, fn: Callable[[StepRecord], None]) -> None:
         """Calls ``fn(record)`` on the engine's thread after every step and idle heartbeat (after :attr:`stats`). An
@@ -132,15 +128,11 @@ class Engine:
         self.stops.add(keys, prompt, params)
         self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
 
-    def abort(self, request_id: str) -> RequestOutput:
-        """Ends ``request_id`` (all its samples) now; returns the last one's finished output."""
-        return self.abort_all(request_id)[-1]
-
     def abort_all(self, request_id: str) -> list[RequestOutput]:
         """Ends ``request_id`` now: one finished output per sample still running (n > 1). Each goes to the stats
         record (``StepRecorder.aborted``), which ends the request once, at the first (the abort in /metrics)."""
         outs = self.scheduler.abort_all(request_id) or [self.scheduler.abort(request_id)]  # unknown id: RequestError
-        self._forget_stops(outs)
+        self.stops.ended(outs)
         now = time.monotonic()
         for out in outs:
             self.recorder.aborted(out, now)
@@ -249,26 +241,17 @@ class Engine:
         reports (rank order), the results merged from them and the outputs."""
         t1 = time.perf_counter()
         mine = self.runner.finish(d.step)
-        reports = self.plane.gather_objects(RankReport(mine.results, mine.coverage, self._sample()))
+        reports = self.plane.gather_objects(RankReport(mine.results, mine.coverage, self._telemetry()))
         merged: dict[str, StepResult] = {}
         for report in reports:
             if report.results:
                 merged.update(report.results)
         t2 = time.perf_counter()
         outputs = self.scheduler.update(d.plan, merged, self.stops.scan(merged))
-        self._forget_stops(outputs)
+        self.stops.ended(outputs)
         self.recorder.host("readback", t2 - t1)
         self.recorder.host("update", time.perf_counter() - t2)
         return reports, merged, outputs
-
-    def _forget_stops(self, outputs: list[RequestOutput]) -> None:
-        """Samples that ended drop their stop-string checks."""
-        if len(self.stops):
-            self.stops.forget([key for o in outputs if o.finished for key in (o.request_id,
-                                                                                 sample_id(o.request_id, o.index))])
-
-    def _sample(self) -> dict | None:
-        return self.telemetry.fresh() if self.telemetry is not None else None
 
     def heartbeat(self) -> None:
         """A control-plane round trip with every rank while idle: keeps idle workers inside the process-group
@@ -276,8 +259,25 @@ class Engine:
         forward; its record (``kind`` None) counts only idle time."""
         started = time.monotonic()
         self.plane.broadcast_object(HEARTBEAT)
-        reports = self.plane.gather_objects(RankReport(None, {}, self._sample()))
+        reports = self.plane.gather_objects(RankReport(None, {}, self._telemetry()))
         self._publish(self.recorder.heartbeat(reports, started, self.draining))
+
+    def flush_cache(self) -> FlushResult:
+        """Empties the prefix cache when no request is in the engine (``FlushCache``)."""
+        s = self.scheduler.stats()
+        return FlushResult(flushed=not self.has_work() and self.scheduler.kv.clear(), busy=s.running + s.waiting)
+
+    def kv_events(self, on: bool) -> None:
+        """Keep the prefix index's changes for :meth:`kv_events_since` (the server's ``SubscribeKvEvents``)."""
+        self.scheduler.kv.recording = on
+
+    def kv_events_since(self) -> list[KvEvent]:
+        """The prefix index's changes since the last call."""
+        return self.scheduler.kv.drain_events()
+
+    def reset_counters(self) -> None:
+        """The comm counters count from now (the server starts serving; warm-up's traffic is not its own)."""
+        self.groups.counter.reset()
 
     # ---- profiling (engine/profiling.py) ------------------------------------------------------------------
     def start_profile(self, plan: ProfilePlan) -> None:

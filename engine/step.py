@@ -41,6 +41,11 @@ class SeqWork(StepItem):
     slot: int = -1
 
 
+def sample_id(request_id: str, index: int) -> str:
+    """The core's id of sample ``index`` of an ``n > 1`` request (its outputs carry ``request_id`` and ``index``)."""
+    return f"{request_id}\x1f{index}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class NewRequest:
     """A request as its DP group's ranks learn it, once, in the plan of the step that admits it: its ``prompt``,
@@ -174,7 +179,7 @@ Record = tuple[bool, str]  # a coverage record: (replayed, why not)
 class RankReport:
     """One rank's share of a step's result gather (or of a heartbeat's): the sampled ``results`` (None on ranks
     that do not hold the logits), its coverage records ``{kind: (replayed, why not)}`` and its telemetry sample when
-    the sampler took one since the last gather (``engine.telemetry.TelemetrySampler.fresh``)."""
+    the sampler took one since the last gather (``engine.worker.telemetry.TelemetrySampler.fresh``)."""
 
     results: dict[str, StepResult] | None
     coverage: dict[StepKind, Record]

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from engine.params import SamplingParams
-from engine.step import StepResult
+from engine.step import RequestOutput, StepResult, sample_id
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded ahead of the output: a tokenizer may render a token by its left context
 
@@ -101,11 +101,15 @@ class StopChecks:
                     break
         return found
 
-    def forget(self, keys: list[str]) -> None:
-        """Those samples ended: their checks go."""
-        for key in keys:
-            self._checks.pop(key, None)
-            self._seen.pop(key, None)
+    def ended(self, outputs: list[RequestOutput]) -> None:
+        """The samples these outputs end drop their checks."""
+        if not self._checks:
+            return
+        for o in outputs:
+            if o.finished:
+                for key in (o.request_id, sample_id(o.request_id, o.index)):
+                    self._checks.pop(key, None)
+                    self._seen.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._checks)

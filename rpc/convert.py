@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from engine.params import Constraint, SamplingParams
-from engine.step import RequestOutput
+from engine.api import Constraint, RequestOutput, SamplingParams
 
 
 class InvalidRequest(ValueError):

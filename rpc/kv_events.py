@@ -15,23 +15,16 @@ cache-aware routing) follows what each worker really holds.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from engine.async_engine import Loads
-from engine.core.kv_manager import NO_PARENT, KvEvent, wire_hash
+from engine.api import NO_PARENT, KvEvent, Loads, wire_hash
 
 LOG_BATCHES = 10_000
-
-
-def index_digest(wire_hashes: Iterable[int]) -> str:
-    """A digest of a set of block hashes (the engine's index, or what a subscriber rebuilt from the events)."""
-    return hashlib.sha1(",".join(map(str, sorted(wire_hashes))).encode()).hexdigest()[:16]
 
 
 class KvEventHub:

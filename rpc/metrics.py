@@ -26,8 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.utils import floatToGoString
 
-from engine.core.step_record import HOST_PHASES, IDLE_REASONS, LAUNCH_PARTS, StepRecord
-from engine.worker.telemetry import THROTTLE_REASONS
+from engine.api import HOST_PHASES, IDLE_REASONS, LAUNCH_PARTS, THROTTLE_REASONS, EngineFacts, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -362,8 +361,6 @@ class MetricsServer:
         self.httpd.server_close()
 
 
-def exporter_for(engine, model_name: str) -> MetricsExporter:
-    """The exporter of ``engine`` (``engine.engine.Engine``), its spec-decode metrics shaped by the speculation."""
-    facts = engine.speculation.facts if engine.speculation is not None else None
-    return MetricsExporter(model_name, draft_positions=facts.draft_rows if facts else 0,
-                           drafted_per_step=facts.tree_size - 1 if facts else 0)
+def exporter_for(facts: EngineFacts, model_name: str) -> MetricsExporter:
+    """The exporter of an engine with ``facts``, its spec-decode metrics shaped by the speculation."""
+    return MetricsExporter(model_name, draft_positions=facts.draft_positions, drafted_per_step=facts.drafted_per_step)

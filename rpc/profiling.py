@@ -12,8 +12,7 @@ from pathlib import Path
 import grpc
 from smg_grpc_proto.generated import common_pb2
 
-from engine.async_engine import EngineDead
-from engine.profiling import ProfileError, ProfilePlan, trace_path
+from engine.api import EngineDead, ProfileError, ProfilePlan, trace_path
 
 log = logging.getLogger("rpc.requests")
 
@@ -38,9 +37,9 @@ def _optional(request, name: str):
 class ProfileRPCs:
     """Mixed into the servicer (which holds ``engine``: the AsyncEngine, ``profile_dir`` and ``ranks``)."""
 
-    async def _profile_call(self, rpc: str, fn, context):
+    async def _profile_call(self, rpc: str, call, context):
         try:
-            return await self.engine.call(fn)
+            return await call
         except EngineDead as err:
             log.info("%s: UNAVAILABLE (engine is dead: %s)", rpc, err)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
@@ -63,7 +62,7 @@ class ProfileRPCs:
             log.info("StartProfile: FAILED_PRECONDITION (%s)", err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"output_dir: {err}")
         try:
-            await self._profile_call("StartProfile", lambda engine: engine.start_profile(plan), context)
+            await self._profile_call("StartProfile", self.engine.start_profile(plan), context)
         except ProfileError as err:
             log.info("StartProfile: not started (%s)", err)
             return common_pb2.ProfileResponse(success=False, message=str(err))
@@ -76,7 +75,7 @@ class ProfileRPCs:
 
     async def StopProfile(self, request: common_pb2.StopProfileRequest, context) -> common_pb2.ProfileResponse:
         try:
-            files = await self._profile_call("StopProfile", lambda engine: engine.stop_profile(), context)
+            files = await self._profile_call("StopProfile", self.engine.stop_profile(), context)
         except ProfileError as err:
             log.info("StopProfile: nothing stopped (%s)", err)
             return common_pb2.ProfileResponse(success=False, message=str(err))

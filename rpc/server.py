@@ -28,8 +28,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
-from engine.async_engine import AsyncEngine
-from engine.engine import Engine
+from engine.api import AsyncEngine, Engine, engine_facts
 from rpc import info
 from rpc.health import Health
 from rpc.kv_events import KvEventHub
@@ -114,13 +113,13 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
     health = Health((SERVICE_NAME, info.SERVICE_NAME))
     host = socket.gethostname()
     workers = [r["pid"] for r in ranks if r["rank"] != 0 and r["host"] == host]
-    capacity = engine.scheduler.cfg.max_num_seqs * engine.groups.layout.attn_dp + cfg.max_queue
-    sched = engine.scheduler
-    kv_events = KvEventHub(sched.cfg.block_size, lambda: aengine.loads, max_running=sched.cfg.max_num_seqs)
+    ef = engine_facts(engine)
+    capacity = ef.max_num_seqs * ef.dp_size + cfg.max_queue
+    kv_events = KvEventHub(ef.kv_block_size, lambda: aengine.loads, max_running=ef.max_num_seqs)
     aengine = AsyncEngine(engine, capacity, cfg.step_timeout_s, cfg.heartbeat_s,
                           on_fatal=_fatal_exit(loop, health, cfg.fatal_grace_s, workers),
                           on_kv_events=kv_events.publish)
-    facts = ModelFacts.read(model_dir, cfg.served_model_name, engine)
+    facts = ModelFacts.read(model_dir, cfg.served_model_name, ef)
     servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -134,22 +133,21 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
     except RuntimeError:
         port = 0
     if not port:
-        engine.shutdown()  # release the other ranks now rather than after the launcher's 30 s grace
+        await aengine.stop()  # release the other ranks now rather than after the launcher's 30 s grace
         raise RuntimeError(f"could not bind {cfg.host}:{cfg.port} (server.host/server.port)")
     metrics = None
     if cfg.metrics_port is not None:
-        exporter = exporter_for(engine, facts.served_model_name)
+        exporter = exporter_for(ef, facts.served_model_name)
         try:
             metrics = MetricsServer(exporter, cfg.host, cfg.metrics_port)
         except RuntimeError:
-            engine.shutdown()
+            await aengine.stop()
             raise
-        engine.subscribe(exporter.observe)
+        aengine.subscribe(exporter.observe)
         log.info("metrics: Prometheus text format on http://%s:%d/metrics (server.metrics_port; null turns it off)",
                  cfg.host, metrics.port)
     await health.starting()
     await server.start()
-    engine.groups.counter.reset()
     aengine.start(loop)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,12 +156,13 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
         stop.set()
     await health.serving()
     log.info("serving %r on %s:%d — %s, capacity %d; grpc health SERVING", facts.served_model_name, cfg.host, port,
-             engine.groups.layout.describe(), capacity)
+             ef.layout, capacity)
 
     await stop.wait()
     log.info("stop requested: draining %d in-flight request(s) for up to %ss", servicer.inflight,
              cfg.drain_timeout_s)
-    servicer.draining = engine.draining = True  # the engine counts the rest as draining (an idle reason)
+    servicer.draining = True
+    aengine.set_draining()  # the engine counts the rest as draining (an idle reason)
     await health.not_serving()
     try:
         await asyncio.wait_for(servicer.idle.wait(), cfg.drain_timeout_s)

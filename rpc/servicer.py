@@ -26,19 +26,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import grpc
-import torch
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 from smg_grpc_proto.generated import common_pb2
 
-from engine.async_engine import AsyncEngine, EngineDead, EngineFailure, Loads, Overloaded
-from engine.core.kv_manager import wire_hash
-from engine.engine import Engine
-from engine.params import Constraint
-from engine.step import RequestOutput
+from engine.api import AsyncEngine, Constraint, EngineDead, EngineFacts, EngineFailure, Loads, Overloaded, RequestOutput
 from model.tokenizer import tiktoken_file
 from rpc import convert, info
-from rpc.kv_events import KvEventHub, index_digest
+from rpc.kv_events import KvEventHub
 from rpc.profiling import ProfileRPCs
 from rpc.request_log import RequestLog
 from rpc.unsupported import UnsupportedRPCs
@@ -74,97 +69,18 @@ class ModelFacts:
     dp_size: int  # attention-DP ranks
 
     @staticmethod
-    def read(model_dir: str, served_model_name: str | None, engine: Engine) -> ModelFacts:
+    def read(model_dir: str, served_model_name: str | None, engine: EngineFacts) -> ModelFacts:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
-        cfg, sched = engine.model.cfg, engine.scheduler.cfg
-        dp = engine.groups.layout.attn_dp
         pad = raw.get("pad_token_id")
         return ModelFacts(
             model_dir=str(Path(model_dir).resolve()),
             served_model_name=served_model_name or Path(model_dir).resolve().name,
-            vocab_size=cfg.vocab_size, max_model_len=min(sched.max_model_len, cfg.max_position_embeddings),
-            model_type=raw.get("model_type", cfg.model_type), architectures=tuple(raw.get("architectures") or ()),
-            eos_token_ids=tuple(cfg.eos_token_ids), bos_token_id=int(raw.get("bos_token_id") or 0),
-            pad_token_id=int(pad if pad is not None else 0), dtype=str(engine.model.dtype),
-            attention="mla" if cfg.mla is not None else "gqa", kv_block_size=sched.block_size,
-            max_num_seqs=sched.max_num_seqs * dp, dp_size=dp)
-
-
-def _flush(engine: Engine) -> tuple[bool, int]:
-    """On the engine thread: (flushed, requests in the engine)."""
-    s = engine.scheduler.stats()
-    busy = s.running + s.waiting
-    return (not engine.has_work() and engine.scheduler.kv.clear()), busy
-
-
-def engine_info(engine: Engine) -> dict:
-    """Engine facts as JSON-ready data; runs on the engine thread (the counters are its own)."""
-    lay, s = engine.groups.layout, engine.stats
-    counter = engine.groups.counter
-    return {
-        "layout": lay.describe(),
-        "parallel": asdict(lay),
-        "dispatcher": lay.resolved_dispatcher,
-        "comm": {"per_op": counter.snapshot(), "calls": counter.total_calls(), "bytes": counter.total_bytes(),
-                 "note": "rank 0's view since start-up; heartbeats not counted"},
-        "steps": {"total": s.steps, "kinds": dict(s.step_kinds), "prefill_tokens": s.prefill_tokens,
-                  "decode_tokens": s.decode_tokens,
-                  "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
-                  "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
-                  "host_ms_per_step": {k: 1e3 * v / max(s.steps, 1) for k, v in s.host_s.items()},
-                  "device_ms_per_step": 1e3 * s.device_s / s.device_steps if s.device_steps else None},
-        "idle_s": dict(s.idle_s),
-        "telemetry": {str(rank): sample for rank, sample in sorted(s.telemetry.items())},
-        "cuda_graphs": _graph_info(engine),
-        "experts_touched": engine.runner.tally.snapshot() if engine.runner.tally is not None else None,
-        "warmup": {"seconds": s.warmup_s, "shapes": s.warmup_shapes},
-        "spec_decode": _spec_info(engine),
-        "scheduler": asdict(engine.scheduler.cfg),
-        "kv": _kv_info(engine),
-    }
-
-
-def _kv_info(engine: Engine) -> dict:
-    """The KV manager's state: settings, prefix-cache counters, and per attention-DP rank blocks used (referenced),
-    cached (indexed) and free (empty or evictable), with a digest of the index's block hashes."""
-    sched, cfg = engine.scheduler, engine.scheduler.cfg
-    kv, pools, s = sched.kv, sched.kv.pools, sched.stats()
-    used, total = sum(p.num_used for p in pools), sum(p.num_blocks for p in pools)
-    return {"prefix_caching": cfg.prefix_caching, "allocation": cfg.kv_allocation, "kv_block_size": cfg.block_size,
-            "retention_s": cfg.kv_retention_s, "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
-            "hit_rate": kv.hit_rate, "evictions": sum(p.evictions for p in pools), "preemptions": s.preemptions,
-            "blocks_used": used, "blocks_total": total, "usage": used / total,
-            "index_digest": index_digest(wire_hash(h) for p in pools for h in p.index),
-            "per_dp": [{"running": s.per_dp[dp].running, "blocks_used": p.num_used, "blocks_cached": p.num_cached,
-                        "blocks_free": p.num_free, "index_digest": index_digest(wire_hash(h) for h in p.index)}
-                       for dp, p in enumerate(pools)]}
-
-
-def _graph_info(engine: Engine) -> dict:
-    per_kind = engine.coverage.summary()
-    steps = sum(k["steps"] for k in per_kind.values())
-    replays = sum(k["replays"] for k in per_kind.values())
-    reasons = sorted({k["eager_reason"] for k in per_kind.values() if k["eager_reason"]})
-    if not reasons and not torch.cuda.is_available():
-        reasons = ["no CUDA device"]
-    summary = (f"cuda graphs: {replays}/{steps} steps replayed" if replays else
-               f"cuda graphs: off ({'; '.join(reasons) or 'no steps yet'})")
-    return {"per_kind": per_kind, "steps": steps, "replays": replays, "summary": summary}
-
-
-def _spec_info(engine: Engine) -> dict:
-    """The speculation's facts (``engine.speculation.SpeculationFacts``, names as in docs/GLOSSARY.md) and its
-    acceptance so far."""
-    s = engine.stats
-    tau = s.acceptance_length or None
-    doc = {"enabled": engine.speculation is not None, "method": "none", "acceptance_length": tau,
-           "request_steps": s.spec_request_steps, "committed_tokens": s.spec_tokens}
-    if engine.speculation is None:
-        doc["summary"] = "spec-decode acceptance: none yet (speculative decoding off)"
-    else:
-        doc.update(asdict(engine.speculation.facts),
-                   summary=f"spec-decode acceptance length: {tau:.2f}" if tau else "spec-decode acceptance: none yet")
-    return doc
+            vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+            model_type=raw.get("model_type", engine.model_type), architectures=tuple(raw.get("architectures") or ()),
+            eos_token_ids=engine.eos_token_ids, bos_token_id=int(raw.get("bos_token_id") or 0),
+            pad_token_id=int(pad if pad is not None else 0), dtype=engine.dtype, attention=engine.attention,
+            kv_block_size=engine.kv_block_size, max_num_seqs=engine.max_num_seqs * engine.dp_size,
+            dp_size=engine.dp_size)
 
 
 def _snapshot(loads: Loads, dp: int, max_running: int) -> pb.SchedulerLoad:
@@ -255,13 +171,7 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
         if constraint is None:
             return
         log.debug("constraint %s: %s", constraint.kind, constraint.text[:4000])
-        grammar = self.engine.engine.grammar
-        if grammar is None:
-            raise convert.InvalidRequest(f"{constraint.field}: structured output needs the checkpoint's tokenizer "
-                                         "(tokenizer.json or tiktoken.model)")
-        if not grammar.cached(constraint):
-            self.engine.precompile(constraint)  # the other ranks compile it meanwhile, off their step path
-        await asyncio.get_running_loop().run_in_executor(None, grammar.compile, constraint)
+        await self.engine.compile(constraint)
 
     async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog):
         """Streams the request's outputs: per sample (``index``, n > 1) its chunks and its one Complete; ends after
@@ -347,14 +257,15 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
         deadline = time.monotonic() + max(request.timeout_s, 0.0)
         while True:
             try:
-                done, busy = await self.engine.call(_flush)
+                result = await self.engine.flush_cache()
             except EngineDead as err:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
-            if done:
+            if result.flushed:
                 log.info("FlushCache: OK (prefix cache emptied)")
                 return common_pb2.FlushCacheResponse(success=True, message="prefix cache emptied")
             if time.monotonic() >= deadline:
-                why = f"{busy} request(s) still hold KV blocks after {request.timeout_s:g} s; nothing was flushed"
+                why = (f"{result.busy} request(s) still hold KV blocks after {request.timeout_s:g} s; nothing was "
+                       "flushed")
                 log.info("FlushCache: not done (%s)", why)
                 return common_pb2.FlushCacheResponse(success=False, message=why)
             await asyncio.sleep(0.05)
@@ -388,7 +299,7 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
     # ---- switchyard.v1.EngineInfo ----------------------------------------------------------------
     async def GetEngineInfo(self, request, context):
         try:
-            doc = await self.engine.call(engine_info)
+            doc = asdict(await self.engine.snapshot())
         except EngineDead as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
         except Exception as err:  # noqa: BLE001 - reported to the caller; the engine is fine

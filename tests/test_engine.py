@@ -146,6 +146,6 @@ def test_graph_coverage_reports_eager_with_reason(tiny_ckpts):
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
     engine = Engine(model, SMALL)
     run_requests(engine, [("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
-    cov = engine.coverage.summary()
+    cov = engine.stats.coverage.summary()
     assert cov["prefill"]["steps"] == 1 and cov["decode"]["steps"] == 3
     assert all(c["coverage"] == 0.0 and c["eager_reason"] == "no CUDA device" for c in cov.values())

@@ -47,7 +47,7 @@ def drive(engine, stop_token: int | None, abort: bool) -> dict:
                 engine.add_request(rid, prompt, params)
             late = []
         if abort and "d" not in reasons and len(tokens.get("d", [])) >= ABORT_AFTER:
-            reasons["d"] = engine.abort("d").finish_reason
+            reasons["d"] = engine.abort_all("d")[-1].finish_reason
     return {rid: (tokens.get(rid, []), reasons[rid]) for rid in sorted(reasons)}
 
 
@@ -170,7 +170,8 @@ def _replay_job(ctx, lay, path):
                 continue
             engine = Engine(model, cfg)
             engine.warm_up()
-            out[overlap] = drive(engine, None, abort=True), engine.coverage.summary(), engine.scheduler.blocks_in_use()
+            out[overlap] = (drive(engine, None, abort=True), engine.stats.coverage.summary(),
+                            engine.scheduler.blocks_in_use())
             engine.shutdown()
     return out if ctx.rank == 0 else None
 

@@ -12,8 +12,8 @@ import pytest
 from rpc_helpers import ServerProcess
 from smg_grpc_proto.generated import common_pb2
 
+from engine.api import index_digest
 from rpc.client import generate_request
-from rpc.kv_events import index_digest
 
 CKPT = "tiny_deepseek"
 DP2 = ["parallel.world_size=2", "parallel.attn_tp=1", "parallel.attn_dp=2", "parallel.moe_tp=1",

@@ -97,7 +97,7 @@ def _static_job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
             engine, records = Engine(model, on_off, speculation=speculation), []
             engine.subscribe(records.append)
             res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-            pair.append((res, engine.coverage.summary(), engine.scheduler.blocks_in_use(),
+            pair.append((res, engine.stats.coverage.summary(), engine.scheduler.blocks_in_use(),
                          engine.stats.acceptance_length))
             engine.shutdown()
             if engine.runner.static is not None:
@@ -389,7 +389,7 @@ def _faked_capture_job(ctx, lay, path, prompts, spec, params, fail_rank=-1):
                     continue
                 engine = Engine(model, cfg, speculation=speculation)
                 res = run_requests(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
-                out.append(({k: v for k, (v, _) in res.items()}, engine.coverage.summary()))
+                out.append(({k: v for k, (v, _) in res.items()}, engine.stats.coverage.summary()))
                 engine.shutdown()
             except cg.GraphCaptureError as exc:
                 return str(exc)

@@ -33,14 +33,16 @@ def _run(engine):
             engine.step()
             steps += 1
             if phase == 1 and steps == 3:
-                engine.abort("r6")
+                engine.abort_all("r6")
 
 
 def figures(engine) -> dict:
     """EngineInfo's figures that do not depend on timing."""
-    from rpc.servicer import engine_info
+    from dataclasses import asdict
 
-    doc = engine_info(engine)
+    from engine.snapshot import take_snapshot
+
+    doc = asdict(take_snapshot(engine))
     steps = {k: v for k, v in doc["steps"].items() if k in ("total", "kinds", "prefill_tokens", "decode_tokens")}
     spec = {k: doc["spec_decode"][k] for k in ("acceptance_length", "request_steps", "committed_tokens")}
     kv = {k: v for k, v in doc["kv"].items() if k != "index_digest"}

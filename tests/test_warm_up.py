@@ -55,7 +55,7 @@ def _warm_job(ctx, lay, path, spec_list, cfg=CFG, fake=False):
                     engine.warm_up()
                 after_warm = engine.scheduler.blocks_in_use()
                 res = run_requests(engine, [(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
-                pair.append((res, engine.coverage.summary(), after_warm, engine.scheduler.blocks_in_use(),
+                pair.append((res, engine.stats.coverage.summary(), after_warm, engine.scheduler.blocks_in_use(),
                              engine.stats.warmup_shapes, static_steps(records) if not fake else None,
                              engine.stats.steps))
                 engine.shutdown()

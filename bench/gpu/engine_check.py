@@ -213,7 +213,7 @@ def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> 
     tokens, t = generate(engine, groups, arm, new_tokens)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    s, cov, steps = engine.stats, engine.coverage.summary(), max(len(t.walls), 1)
+    s, cov, steps = engine.stats, engine.stats.coverage.summary(), max(len(t.walls), 1)
     row = dict(arm=arm.label, method=arm.method, budget=arm.budget, block_size=arm.block, batch=arm.batch,
                temperature=arm.temperature, dtype=arm.dtype,
                static_steps="on" if engine.runner.static is not None else "off",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +33,11 @@ def chain_hash(parent: int, tokens: tuple[int, ...], namespace: bytes) -> int:
     h.update(parent.to_bytes(16, "little"))
     h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
     return int.from_bytes(h.digest(), "little")
+
+
+def index_digest(wire_hashes: Iterable[int]) -> str:
+    """A digest of a set of block hashes (the engine's index, or what a subscriber rebuilt from the events)."""
+    return hashlib.sha1(",".join(map(str, sorted(wire_hashes))).encode()).hexdigest()[:16]
 
 
 def wire_hash(block_hash: int) -> int:
@@ -179,6 +184,29 @@ class BlockPool:
         self.retained.clear()
         self.emit(KvEvent("cleared", self.dp_rank))
         return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolStats:
+    """One attention-DP rank's pool: referenced, cached (indexed) and free (empty or evictable) blocks."""
+
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    blocks_total: int
+    index_digest: str  # of its index's wire hashes
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVStats:
+    """The KV manager at one moment (:meth:`KVManager.stats`); token counts since start."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    evictions: int
+    index_digest: str  # of every pool's index
+    per_dp: tuple[PoolStats, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,6 +404,15 @@ class KVManager:
     def hit_rate_of(self, dp: int) -> float:
         """:attr:`hit_rate` of attention-DP rank ``dp``'s pool."""
         return self.cached_by_dp[dp] / self.prompt_by_dp[dp] if self.prompt_by_dp[dp] else 0.0
+
+    def stats(self) -> KVStats:
+        pools = self.pools
+        per_dp = tuple(PoolStats(blocks_used=p.num_used, blocks_cached=p.num_cached, blocks_free=p.num_free,
+                                 blocks_total=p.num_blocks, index_digest=index_digest(wire_hash(h) for h in p.index))
+                       for p in pools)
+        return KVStats(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, hit_rate=self.hit_rate,
+                       evictions=sum(p.evictions for p in pools),
+                       index_digest=index_digest(wire_hash(h) for p in pools for h in p.index), per_dp=per_dp)
 
     def blocks_in_use(self) -> int:
         """Referenced blocks over every pool (cached unreferenced ones count as free)."""

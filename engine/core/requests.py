@@ -10,11 +10,7 @@ from dataclasses import dataclass, field
 from engine.blocks import blocks_for
 from engine.config import RequestError, SchedulerConfig
 from engine.params import SamplingParams
-
-
-def sample_id(request_id: str, index: int) -> str:
-    """The core's id of sample ``index`` of an ``n > 1`` request (its outputs carry ``request_id``)."""
-    return f"{request_id}\x1f{index}"
+from engine.step import sample_id
 
 
 @dataclass

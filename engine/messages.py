@@ -1,0 +1,121 @@
+"""The edge between a front (the gRPC server's event loop) and the engine thread: the requests the engine thread
+takes — a closed union of frozen types, dispatched by type (``engine/async_engine.py``) — and what it answers
+besides request outputs and step records: the engine's fixed facts and one frozen snapshot."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.params import Constraint, SamplingParams
+from engine.profiling import ProfilePlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class AddRequest:
+    """Admit a request (replies None; a bad request: RequestError or SamplingError; over capacity: Overloaded).
+    ``arrival``: ``time.monotonic()`` when it reached the server (its TTFT and queue time start there)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    dp_rank: int | None = None
+    retain_kv: bool = False
+    arrival: float
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End a request if the engine still holds it (no reply; its stream gets a finished "abort" output)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Precompile:
+    """The other ranks start compiling ``constraint`` now, between steps (no reply)."""
+
+    constraint: Constraint
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    """Empty the prefix cache if no request holds blocks (replies :class:`FlushResult`)."""
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    flushed: bool
+    busy: int  # requests in the engine (running + waiting) when it was tried
+
+
+@dataclass(frozen=True)
+class TakeSnapshot:
+    """Replies the :class:`EngineSnapshot` of this moment."""
+
+
+@dataclass(frozen=True)
+class SetDraining:
+    """The server stopped taking requests (SIGTERM): the rest of the engine's idle time counts as draining."""
+
+
+@dataclass(frozen=True)
+class StartProfile:
+    """``torch.profiler`` on every rank for ``plan``'s steps (replies None; ProfileError when one runs)."""
+
+    plan: ProfilePlan
+
+
+@dataclass(frozen=True)
+class StopProfile:
+    """Write every rank's trace (replies the files; ProfileError when none runs)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Drain the step in flight and release the other ranks (replies None); the engine thread ends."""
+
+
+EngineRequest = (AddRequest | AbortRequest | Precompile | FlushCache | TakeSnapshot | SetDraining | StartProfile
+                 | StopProfile | Stop)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineFacts:
+    """What the engine is, fixed at start-up: model, KV layout, limits, parallel layout and speculation. Safe to
+    read from any thread."""
+
+    vocab_size: int
+    max_model_len: int
+    model_type: str
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    attention: str  # "mla" or "gqa"
+    kv_block_size: int  # tokens per KV-cache block (engine.block_size)
+    max_num_seqs: int  # running slots per attention-DP rank (engine.max_num_seqs)
+    dp_size: int  # attention-DP ranks
+    layout: str  # the parallel layout, described
+    draft_positions: int  # speculation: drafted positions per request step (0: off)
+    drafted_per_step: int  # speculation: draft tokens verified per request step (0: off)
+    grammar: bool  # structured output is available (the checkpoint has a tokenizer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSnapshot:
+    """The engine at one moment, built on its thread from its components' own ``stats()`` (EngineInfo's document).
+    Every section is JSON-ready."""
+
+    layout: str
+    parallel: Mapping[str, Any]
+    dispatcher: str
+    comm: Mapping[str, Any]
+    steps: Mapping[str, Any]
+    idle_s: Mapping[str, float]
+    telemetry: Mapping[str, Any]
+    cuda_graphs: Mapping[str, Any]
+    experts_touched: Any
+    warmup: Mapping[str, Any]
+    spec_decode: Mapping[str, Any]
+    scheduler: Mapping[str, Any]
+    kv: Mapping[str, Any]

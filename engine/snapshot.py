@@ -1,0 +1,82 @@
+"""The engine's fixed facts and its snapshot (``engine/messages.py``), built on the engine thread from each
+component's own report: the scheduler's and KV manager's ``stats()``, the step records folded in ``EngineStats``, the
+comm counter, rank 0's expert tally. Nobody outside the engine reads the components themselves."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from engine.engine import Engine
+from engine.messages import EngineFacts, EngineSnapshot
+
+
+def engine_facts(engine: Engine) -> EngineFacts:
+    cfg, sched = engine.model.cfg, engine.scheduler.cfg
+    facts = engine.speculation.facts if engine.speculation is not None else None
+    return EngineFacts(vocab_size=cfg.vocab_size, max_model_len=min(sched.max_model_len, cfg.max_position_embeddings),
+                       model_type=cfg.model_type, eos_token_ids=tuple(cfg.eos_token_ids), dtype=str(engine.model.dtype),
+                       attention="mla" if cfg.mla is not None else "gqa", kv_block_size=sched.block_size,
+                       max_num_seqs=sched.max_num_seqs, dp_size=engine.groups.layout.attn_dp,
+                       layout=engine.groups.layout.describe(), draft_positions=facts.draft_rows if facts else 0,
+                       drafted_per_step=facts.tree_size - 1 if facts else 0, grammar=engine.grammar is not None)
+
+
+def take_snapshot(engine: Engine) -> EngineSnapshot:
+    """The engine now (its thread only: the counters are its own)."""
+    lay, s, counter, tally = engine.groups.layout, engine.stats, engine.groups.counter, engine.runner.tally
+    return EngineSnapshot(
+        layout=lay.describe(), parallel=asdict(lay), dispatcher=lay.resolved_dispatcher,
+        comm={"per_op": counter.snapshot(), "calls": counter.total_calls(), "bytes": counter.total_bytes(),
+              "note": "rank 0's view since start-up; heartbeats not counted"},
+        steps={"total": s.steps, "kinds": dict(s.step_kinds), "prefill_tokens": s.prefill_tokens,
+               "decode_tokens": s.decode_tokens,
+               "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
+               "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
+               "host_ms_per_step": {k: 1e3 * v / max(s.steps, 1) for k, v in s.host_s.items()},
+               "device_ms_per_step": 1e3 * s.device_s / s.device_steps if s.device_steps else None},
+        idle_s=dict(s.idle_s), telemetry={str(rank): sample for rank, sample in sorted(s.telemetry.items())},
+        cuda_graphs=_graphs(engine), experts_touched=tally.snapshot() if tally is not None else None,
+        warmup={"seconds": s.warmup_s, "shapes": s.warmup_shapes}, spec_decode=_speculation(engine),
+        scheduler=asdict(engine.scheduler.cfg), kv=_kv(engine))
+
+
+def _kv(engine: Engine) -> dict:
+    """Settings, prefix-cache counters, and per attention-DP rank blocks used (referenced), cached (indexed) and free
+    (empty or evictable), with a digest of the index's block hashes."""
+    cfg, s, kv = engine.scheduler.cfg, engine.scheduler.stats(), engine.scheduler.kv.stats()
+    used, total = sum(p.blocks_used for p in kv.per_dp), sum(p.blocks_total for p in kv.per_dp)
+    return {"prefix_caching": cfg.prefix_caching, "allocation": cfg.kv_allocation, "kv_block_size": cfg.block_size,
+            "retention_s": cfg.kv_retention_s, "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
+            "hit_rate": kv.hit_rate, "evictions": kv.evictions, "preemptions": s.preemptions,
+            "blocks_used": used, "blocks_total": total, "usage": used / total, "index_digest": kv.index_digest,
+            "per_dp": [{"running": s.per_dp[dp].running, "blocks_used": p.blocks_used, "blocks_cached": p.blocks_cached,
+                        "blocks_free": p.blocks_free, "index_digest": p.index_digest}
+                       for dp, p in enumerate(kv.per_dp)]}
+
+
+def _graphs(engine: Engine) -> dict:
+    per_kind = engine.stats.coverage.summary()
+    steps = sum(k["steps"] for k in per_kind.values())
+    replays = sum(k["replays"] for k in per_kind.values())
+    reasons = sorted({k["eager_reason"] for k in per_kind.values() if k["eager_reason"]})
+    if not reasons and not torch.cuda.is_available():
+        reasons = ["no CUDA device"]
+    summary = (f"cuda graphs: {replays}/{steps} steps replayed" if replays else
+               f"cuda graphs: off ({'; '.join(reasons) or 'no steps yet'})")
+    return {"per_kind": per_kind, "steps": steps, "replays": replays, "summary": summary}
+
+
+def _speculation(engine: Engine) -> dict:
+    """The speculation's facts (``SpeculationFacts``, names as in docs/GLOSSARY.md) and its acceptance so far."""
+    s = engine.stats
+    tau = s.acceptance_length or None
+    doc = {"enabled": engine.speculation is not None, "method": "none", "acceptance_length": tau,
+           "request_steps": s.spec_request_steps, "committed_tokens": s.spec_tokens}
+    if engine.speculation is None:
+        doc["summary"] = "spec-decode acceptance: none yet (speculative decoding off)"
+    else:
+        doc.update(asdict(engine.speculation.facts),
+                   summary=f"spec-decode acceptance length: {tau:.2f}" if tau else "spec-decode acceptance: none yet")
+    return doc
