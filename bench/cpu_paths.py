@@ -1,4 +1,4 @@
-"""CPU code paths the row-invariance tests (``tests/test_cpu_code_paths.py``) and
+"""CPU code paths the row-invariance tests (``tests/e2e/test_cpu_code_paths.py``) and
 ``scripts/probe_row_invariance.py --code-paths`` run under, as environment switches read when a process starts: torch's
 vector kernels (``ATEN_CPU_CAPABILITY``), oneDNN's (``ONEDNN_MAX_CPU_ISA``), MKL's (``MKL_ENABLE_INSTRUCTIONS``
 on Intel CPUs, ``MKL_CBWR`` everywhere) and numpy's OpenBLAS (``OPENBLAS_CORETYPE``). The native path is the

@@ -124,7 +124,7 @@ class AsyncEngine:
                  on_kv_events: Callable[[list[KvEvent]], None] | None = None):
         """``capacity``: most requests (running + waiting) in the engine; one more is :class:`Overloaded`.
         ``on_kv_events``: called on the event loop with each step's prefix-index changes (the KV event stream)."""
-        self.facts = engine_facts(engine)
+        self.engine_facts = engine_facts(engine)
         self.capacity = capacity
         self._thread = EngineThread(engine, self, step_timeout_s, heartbeat_s, on_fatal or (lambda reason: None),
                                     throughput_window_s, on_kv_events)
@@ -398,7 +398,7 @@ class EngineThread:
         per_dp = record.kv if record is not None and record.t_end >= self._commands_at else \
             engine.scheduler.stats().per_dp
         gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(len(per_dp))]
-        self.loads = Loads(per_dp=per_dp, kv_block_size=self.front.facts.kv_block_size, gen_tokens_per_s=tuple(gen),
+        self.loads = Loads(per_dp=per_dp, kv_block_size=self.front.engine_facts.kv_block_size, gen_tokens_per_s=tuple(gen),
                            steps=engine.stats.steps)
 
     # ---- watchdog ------------------------------------------------------------------------------------------

@@ -161,8 +161,8 @@ INVARIANT_ATTENTION_OPS = ("paged_decode_gqa", "paged_decode_mla", "tree_verify_
 def batch_invariant_kernels(base: KernelSet) -> KernelSet:
     """``base`` with every op replaced by its batch-invariant version (:mod:`model.invariant`), the quantized ones
     included (:func:`_invariant_quant`); RMSNorm keeps ``base``'s (row-local by construction, measured:
-    tests/test_batch_invariance.py). Idempotent. On a Triton ``base`` the GEMMs, MoE and attention are Triton kernels
-    and the set stays graph-safe (no op reads a length on the host); the torch set is not."""
+    tests/e2e/test_batch_invariance.py). Idempotent. On a Triton ``base`` the GEMMs, MoE and attention are Triton
+    kernels and the set stays graph-safe (no op reads a length on the host); the torch set is not."""
     if base.batch_invariant:
         return base
     ops = dict(moe_experts=invariant.moe_experts, linear=invariant.linear, head_matmul=invariant.head_matmul,

@@ -8,7 +8,7 @@
    other τ), and under a regex that accepts every text (the unconstrained tokens: the grammar's overhead alone);
 3. on the forced marker runs of smg's Kimi structural tag (``tool_choice="required"``, two tools, as smg 1.13 sends
    it), the tokens accepted per verify step with grammar-pruned drafts vs the plain tree (``spec_decode.prune_drafts``),
-   and the candidates the grammar pruned — a Kimi-style tiktoken checkpoint (tests/tiktoken_ckpt.py) with a random
+   and the candidates the grammar pruned — a Kimi-style tiktoken checkpoint (model/tiny_tiktoken.py) with a random
    DFlash drafter.
 
     python scripts/bench_structured.py [--out docs/structured_bench.json]
@@ -27,7 +27,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from engine.config import SchedulerConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -213,8 +212,7 @@ def throughput(grammar: GrammarBackend) -> list[dict]:
 
 def forced_markers(tmp: Path) -> list[dict]:
     """τ on the structural tag's forced marker runs (until ``<|tool_call_argument_begin|>`` is out), pruned vs not."""
-    from tiktoken_ckpt import write_tiktoken_checkpoint
-
+    from model.tiny_tiktoken import write_tiktoken_checkpoint
     from spec_decode.dflash import DFlashConfig, DFlashDrafter
 
     ckpt = write_tiktoken_checkpoint(tmp / "kimi")

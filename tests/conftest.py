@@ -1,17 +1,13 @@
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def pool():
     """8 forked gloo ranks, once per test module."""
-    from rankpool import RankPool
+    from tests.support.rankpool import RankPool
 
     p = RankPool(8)
     yield p
@@ -44,6 +40,6 @@ def random_drafter(tmp_path_factory, tiny_ckpts):
 def quant_ckpts(tmp_path_factory):
     """The tiny quantized checkpoints and their dequantized HF references, written once per session by
     scripts/make_quant_checkpoints.py: ``{preset: (quantized dir, dequantized dir)}``."""
-    from quant_ckpts import write_all
+    from tests.support.quant_ckpts import write_all
 
     return write_all(tmp_path_factory.mktemp("quant"))

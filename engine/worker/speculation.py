@@ -1,6 +1,7 @@
 """The contract between the engine and speculative decoding. engine/ never imports spec_decode (arrows point down):
 spec_decode builds a :class:`Speculation` (``spec_decode.speculation.load_speculation``) and the runner drives the
-:class:`Speculator` it builds only through the members declared here (``tests/test_speculation_contract.py``).
+:class:`Speculator` it builds only through the members declared here
+(``tests/architecture/test_speculation_contract.py``).
 
 A speculative step belongs to the speculator — draft → tree → verify → sample → walk → commit, as SGLang's EAGLE
 worker runs around its target worker: the runner hands it the step's speculative items and lends it the target's

@@ -1,4 +1,4 @@
-"""Random kernel inputs shared by ``tests/test_triton_kernels.py`` and ``scripts/gpu_check.py``.
+"""Random kernel inputs shared by ``tests/model/test_triton_kernels.py`` and ``scripts/gpu_check.py``.
 
 Each builder returns the keyword arguments of a kernel *and* of its reference (same signatures), so a check
 is ``kernel(**case)`` against ``reference(**case)``: :func:`compare`. Block tables are drawn from a shuffled block pool:
