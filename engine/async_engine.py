@@ -398,8 +398,8 @@ class EngineThread:
         per_dp = record.kv if record is not None and record.t_end >= self._commands_at else \
             engine.scheduler.stats().per_dp
         gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(len(per_dp))]
-        self.loads = Loads(per_dp=per_dp, kv_block_size=self.front.engine_facts.kv_block_size, gen_tokens_per_s=tuple(gen),
-                           steps=engine.stats.steps)
+        self.loads = Loads(per_dp=per_dp, kv_block_size=self.front.engine_facts.kv_block_size,
+                           gen_tokens_per_s=tuple(gen), steps=engine.stats.steps)
 
     # ---- watchdog ------------------------------------------------------------------------------------------
     def _watch(self) -> None:
