@@ -38,7 +38,7 @@ from engine.stop_strings import Detokenize, StopChecks
 from engine.worker.cuda_graphs import StepShape
 from engine.worker.loop import DRAIN, HEARTBEAT, SHUTDOWN, Precompile, WarmUpShape, control_plane, make_runner
 from engine.worker.runner import Launched
-from engine.worker.speculation import Speculation
+from engine.worker.spec_contract import Speculation
 from engine.worker.telemetry import TelemetrySampler
 from model.transformer import CausalLM
 

@@ -20,7 +20,7 @@ How ``pcie`` is forced on an NVLink box, and why exactly these switches:
 
 What the A/B emulates: collectives staged through host memory over PCIe Gen5 x16 (the GPUs' own host
 links) with NVLink unused — the transport of a PCIe box *without* GPU P2P. It is pessimistic against a
-PCIe box that has P2P (RTX PRO 6000: ~54 GB/s P2P, docs/field_notes.md): host staging adds a copy and a hop, and
+PCIe box that has P2P (RTX PRO 6000: ~54 GB/s P2P, docs/records/field_notes.md): host staging adds a copy and a hop, and
 GPUs on different CPU sockets cross the socket link. It does not emulate the other box's GPUs (HBM
 bandwidth, FLOPs and memory stay the NVLink box's), its PCIe switch layout, or traffic outside NCCL:
 DeepEP (NVSHMEM/IPC) and CUDA IPC bypass these switches, so :func:`check_dispatcher` refuses dispatchers

@@ -24,8 +24,8 @@ from model.checkpoint_errors import check_checkpoint_files, read_json
 from model.config import ModelConfig, load_config
 from model.layout_fit import check_layout_fits
 from parallelism.layout import Layout
+from spec_decode.decoder import check_drafter_fits
 from spec_decode.dflash import DFlashConfig
-from spec_decode.speculator import check_drafter_fits
 
 
 class PreflightError(ValueError):

@@ -175,7 +175,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        # positions are the target's: the speculator reserves its target's reach (Speculator)
+        # positions are the target's: the speculator reserves its target's reach (SpeculativeDecoder)
         self.rotary = Rotary(RopeConfig(dim=c.head_dim, theta=c.rope_theta), num_positions=4096)
 
     def place(self, device: torch.device | str) -> DFlashDrafter:

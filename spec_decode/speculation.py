@@ -11,7 +11,7 @@ import torch
 from engine.sampling.logits_processors import Rows
 from engine.step import SeqWork, StepKind, StepResult
 from engine.worker.kv_cache import PagedKVCache
-from engine.worker.speculation import (
+from engine.worker.spec_contract import (
     NodeSampler,
     Speculation,
     SpeculationFacts,
@@ -22,19 +22,20 @@ from engine.worker.speculation import (
 )
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
+from spec_decode.decoder import Committed, SpeculativeDecoder, drafter_kv_spec
 from spec_decode.dflash import DFlashDrafter
-from spec_decode.speculator import Committed, Speculator, drafter_kv_spec
 from spec_decode.static_commit import CommitGraphs
 from spec_decode.static_draft import DraftGraphs
 from spec_decode.tree import DraftTree
 
 
 class DFlashSpeculator:
-    """One rank's :class:`engine.speculation.Speculator` for a DFlash drafter (chain or DDTree): the arithmetic of
-    ``spec`` (:class:`spec_decode.speculator.Speculator`) and, with a ``static`` layout, its static draft per batch
-    size and static commit per verify shape. Each speculative step runs here from draft to commit."""
+    """One rank's :class:`engine.worker.spec_contract.Speculator` for a DFlash drafter (chain or DDTree): the
+    arithmetic of ``spec`` (:class:`spec_decode.decoder.SpeculativeDecoder`) and, with a ``static`` layout, its
+    static draft per batch size and static commit per verify shape. Each speculative step runs here from draft to
+    commit."""
 
-    def __init__(self, spec: Speculator, static: StaticLayout | None):
+    def __init__(self, spec: SpeculativeDecoder, static: StaticLayout | None):
         self.spec = spec
         self.feature_layers = spec.feature_layers
         self.drafts = self.commits = None
@@ -76,8 +77,8 @@ class DFlashSpeculator:
 
     def commit_static(self, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor, slots: torch.Tensor,
                       start: torch.Tensor, sampler: NodeSampler, rows: Rows) -> Committed:
-        """:meth:`Speculator.walk_and_commit` with the walk and the KV compaction in the static commit of the whole
-        padded batch (a graph replay on CUDA): ``tree [B, N]``, ``logits [B*N, V]``, ``feats [B*N, k*H]``,
+        """:meth:`SpeculativeDecoder.walk_and_commit` with the walk and the KV compaction in the static commit of the
+        whole padded batch (a graph replay on CUDA): ``tree [B, N]``, ``logits [B*N, V]``, ``feats [B*N, k*H]``,
         ``slots [B, N]``, ``start [B]``; ``rows`` of the J real requests."""
         out, picks = self.spec.sample_nodes(tree, logits, sampler, rows)
         path, count = (t[:picks.shape[0]] for t in self.commits.run(tree, picks, feats, slots, start))
@@ -102,7 +103,7 @@ class DFlashSpeculator:
         self.spec.context.copy_blocks(pairs)
 
 
-def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache], Speculator],
+def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache], SpeculativeDecoder],
                      drafter_kv_bytes_per_token: int = 0) -> Speculation:
     """A Speculation whose speculators wrap ``build(model, cache)``, shaped by ``spec``; the drafter's context
     takes ``drafter_kv_bytes_per_token`` per token (0: not counted, for callers that size the KV cache
@@ -120,5 +121,5 @@ def load_speculation(spec: SpecConfig, model: CausalLM) -> Speculation | None:
     if not spec.enabled:
         return None
     drafter = DFlashDrafter.load(spec.drafter_path).place(model.device)
-    return speculation_from(spec, lambda target, cache: Speculator(target, drafter, spec, cache),
+    return speculation_from(spec, lambda target, cache: SpeculativeDecoder(target, drafter, spec, cache),
                             drafter_kv_spec(drafter).bytes_per_token())

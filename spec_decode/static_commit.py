@@ -1,7 +1,7 @@
 """The commit of a static tree verify — walk, KV compaction, drafter context — over buffers of fixed shape, so
 that a CUDA graph can capture it per verify shape.
 
-:meth:`spec_decode.speculator.Speculator.commit_paths` launches a copy per KV store per layer (4 per layer
+:meth:`spec_decode.decoder.SpeculativeDecoder.commit_paths` launches a copy per KV store per layer (4 per layer
 for MLA's latent + rope or GQA's K + V: ~250 launches on a 61-layer model) on top of the walk; captured, that
 is one replay. Sampling stays eager in front of it (a few launches whatever the depth, and its shape depends
 on the batch's sampling settings). A :class:`StaticCommit` holds copies of its inputs — the tree, the
@@ -16,17 +16,17 @@ import torch
 
 from engine.blocks import scratch_table
 from engine.worker.capture import CapturedGraphs
-from spec_decode.speculator import Speculator
+from spec_decode.decoder import SpeculativeDecoder
 from spec_decode.tree import FIELDS, DraftTree
 
 
 class StaticCommit:
     """The buffers and the commit of one verify shape: ``batch`` trees of ``tree_size`` nodes.
 
-    ``run()`` → ``path [B, L]`` and ``count [B]`` (:meth:`Speculator.commit_paths`), buffers the next run
+    ``run()`` → ``path [B, L]`` and ``count [B]`` (:meth:`SpeculativeDecoder.commit_paths`), buffers the next run
     overwrites."""
 
-    def __init__(self, spec: Speculator, batch: int, tree_size: int, scratch_blocks: tuple[int, ...]):
+    def __init__(self, spec: SpeculativeDecoder, batch: int, tree_size: int, scratch_blocks: tuple[int, ...]):
         self.spec = spec
         dev, n = spec.cache.device, tree_size
         width = len(spec.feature_layers) * spec.model.cfg.hidden_size
@@ -66,7 +66,7 @@ class CommitGraphs(CapturedGraphs):
     (``status(key)``: the coverage record under the COMMIT kind). :meth:`prepare` (host half of a step: the capture)
     then :meth:`run` (device half: the commit of a static step's sampled trees, ``spec_decode.speculation``)."""
 
-    def __init__(self, spec: Speculator, scratch_blocks: tuple[int, ...]):
+    def __init__(self, spec: SpeculativeDecoder, scratch_blocks: tuple[int, ...]):
         super().__init__(control=spec.model.groups.control)
         self.spec, self.scratch_blocks = spec, scratch_blocks
         self.commits: dict[tuple[int, int], StaticCommit] = {}

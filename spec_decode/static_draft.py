@@ -4,7 +4,7 @@ CUDA graph can capture it (``engine/worker/cuda_graphs.py`` does the same for th
 A :class:`StaticDraft` holds every input of one draft step — each sequence's bonus token, next position,
 block table, context length and the slots of its block's positions — in buffers of fixed shape ``[B, ...]``,
 and its forward reads nothing else: the block's drafter K/V are written into the paged drafter context
-(``Speculator.context``) at the block's own positions, and each layer attends through the kernel set's
+(``SpeculativeDecoder.context``) at the block's own positions, and each layer attends through the kernel set's
 ``tree_verify_gqa`` over the request's block table with an all-ones block mask (non-causal inside the
 block, every context key visible). Those slots lie in the request's reserved KV (``SpecConfig.spec_reserve_slots``)
 and are rewritten with the accepted tokens' context before any later step reads them. The tree is built by
@@ -12,7 +12,7 @@ the vectorised :func:`spec_decode.tree.build_tree` (no host synchronisation). Ba
 are padded with dummy sequences in the runner's scratch blocks.
 
 Off CUDA nothing is captured: the step runs eagerly and the tests check it against the dynamic
-``Speculator.propose``.
+``SpeculativeDecoder.propose``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from engine.blocks import scratch_table
 from engine.step import SeqWork
 from engine.worker.capture import CapturedGraphs, kernel_blocker
+from spec_decode.decoder import SpeculativeDecoder
 from spec_decode.dflash import Attend
-from spec_decode.speculator import Speculator
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
 
 
@@ -33,7 +33,7 @@ class StaticDraft:
     ``run()`` → ``(logits [B, D', V], tokens, parents, depth [B, n] int64, valid [B, n] bool, ancestors
     [B, n, n] bool)`` with ``n`` = ``SpecConfig.tree_size``; buffers that the next ``run()`` overwrites."""
 
-    def __init__(self, spec: Speculator, batch: int, max_blocks: int, scratch_blocks: tuple[int, ...]):
+    def __init__(self, spec: SpeculativeDecoder, batch: int, max_blocks: int, scratch_blocks: tuple[int, ...]):
         self.spec, self.batch, self.max_blocks, self.scratch_blocks = spec, batch, max_blocks, scratch_blocks
         self.rows = spec.cfg.depth + 1  # [bonus, MASK × depth]
         dev = spec.context.device
@@ -108,7 +108,7 @@ class DraftGraphs(CapturedGraphs):
     """Static drafts per batch size, captured as CUDA graphs where possible; ``run(work, batch)`` → the batch's
     trees on the device (``status(batch)``: its coverage record under the DRAFT kind)."""
 
-    def __init__(self, spec: Speculator, max_blocks: int, scratch_blocks: tuple[int, ...],
+    def __init__(self, spec: SpeculativeDecoder, max_blocks: int, scratch_blocks: tuple[int, ...],
                  batch_sizes: tuple[int, ...]):
         # the drafter attends through the target's kernel set
         super().__init__(kernel_blocker(spec.model), spec.model.groups.control)

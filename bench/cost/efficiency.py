@@ -1,4 +1,4 @@
-"""Kernel efficiencies measured on one H200 in the first GPU run (``docs/gpu_first_run.md``; the figures in
+"""Kernel efficiencies measured on one H200 in the first GPU run (``docs/records/gpu_first_run.md``; the figures in
 ``docs/kernel_efficiency.json``) and the rules that turn them into a fraction of the byte floor for each kernel
 class of a decode step (docs/cost_model.md, "Calibration").
 
@@ -6,7 +6,7 @@ Classes: ``attention`` (KV bytes: paged decode attention), ``moe`` (routed-exper
 ``dense`` (every other weight byte: projections, dense MLP, shared experts, router, LM head). Every fraction is
 of the byte floor at the *measured* copy bandwidth; :attr:`KernelEfficiency.copy_fraction` (copy / spec
 bandwidth on the H200) carries it to a profile's spec bandwidth. Other GPUs are assumed to reach the H200's
-fractions (an assumption, not a measurement); the kernels are bf16, before issue 21's rework. INT4 experts:
+fractions (an assumption, not a measurement); the kernels are bf16, before the roofline rework. INT4 experts:
 the fraction applies to the INT4 bytes (time scales with bytes).
 """
 
@@ -25,7 +25,7 @@ from parallelism.layout import Layout
 
 EFFICIENCY_FILE = Path(__file__).resolve().parents[2] / "docs" / "kernel_efficiency.json"
 ASSUMPTION = ("B300 and RTX PRO 6000 assumed to reach the H200's measured fractions (assumption, not measured); "
-              "bf16 kernels before issue 21's rework; INT4 experts at the bf16 fraction of their (INT4) bytes")
+              "bf16 kernels before the roofline rework; INT4 experts at the bf16 fraction of their (INT4) bytes")
 
 
 def interp_log2(points: list[tuple[float, float]], x: float) -> float:

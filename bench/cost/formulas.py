@@ -1,7 +1,8 @@
 """A latency + bytes/bandwidth cost model of one decode step of an MoE model under a parallel layout.
 
 It answers "what would this layout do on that box" for boxes we do not have: each collective costs
-``α + bytes·factor/bandwidth`` (formulas below; sources in docs/field_notes.md), the weights and KV a rank reads cost
+``α + bytes·factor/bandwidth`` (formulas below; sources in docs/records/field_notes.md), the weights and KV a rank
+reads cost
 ``bytes / memory bandwidth``, its FLOPs cost ``FLOPs / peak``. Everything is per rank and per step; the
 step time is set by the busiest rank. Units: bytes, seconds, FLOP, bytes/s, FLOP/s.
 
@@ -24,7 +25,7 @@ broadcast          the tensor                  α + S / busBW                (pi
 all_to_all         the send buffer             α + S·(p−1)/p / a2aBW        (remote share)
 =================  ==========================  ===================================================
 
-The all-to-all line is the dispatch formula of docs/field_notes.md, ``α + (tokens/p)·R·bytes/BW`` with
+The all-to-all line is the dispatch formula of docs/records/field_notes.md, ``α + (tokens/p)·R·bytes/BW`` with
 ``R = (p−1)(1−(1−1/p)^k)`` remote ranks per token: under uniform routing a token's rows go to
 ``p(1−(1−1/p)^k)`` ranks, ``(p−1)/p`` of them remote.
 
@@ -111,14 +112,14 @@ def allreduce_time(nbytes: float, p: int, bus_bw: float, alpha_s: float) -> floa
 
 def remote_ranks_per_token(p: int, k: int, moe_tp: int = 1) -> float:
     """Expected remote ranks a token's rows go to in all-to-all dispatch, uniform routing over ``p // moe_tp``
-    expert groups: ``(p−1)(1−(1−1/ep)^k)`` (docs/field_notes.md's R for ``moe_tp == 1``; with expert-TP shards
+    expert groups: ``(p−1)(1−(1−1/ep)^k)`` (docs/records/field_notes.md's R for ``moe_tp == 1``; with expert-TP shards
     every rank of a hit group receives the row)."""
     ep = p // moe_tp
     return (p - 1) * (1 - (1 - 1 / ep) ** k)
 
 
 def dispatch_time(tokens: int, row_bytes: float, p: int, k: int, a2a_bw: float, alpha_s: float) -> float:
-    """The dispatch (or combine) estimate of docs/field_notes.md: ``α + (tokens/p)·R·row_bytes/BW`` (s)."""
+    """The dispatch (or combine) estimate of docs/records/field_notes.md: ``α + (tokens/p)·R·row_bytes/BW`` (s)."""
     return alpha_s + tokens / p * remote_ranks_per_token(p, k) * row_bytes / a2a_bw
 
 

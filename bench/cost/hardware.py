@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-REF = "docs/field_notes.md"
+REF = "docs/records/field_notes.md"
 VENDOR = "vendor spec, not measured here"
 ASSUMED = "assumption, not measured here"
 
@@ -46,9 +46,9 @@ B300_NVLINK5 = Hardware(
         "peak_flops": f"HGX B300 36 PFLOPS sparse FP16/BF16 per 8 GPUs -> 2.25 dense per GPU; {VENDOR}",
         "mem_capacity": f"288 GB HBM3e; {VENDOR}",
         "link": REF,
-        "bus_bw": "derived: docs/field_notes.md's NVLink4 ratio (370 GB/s busBW of 450 GB/s per direction) "
+        "bus_bw": "derived: docs/records/field_notes.md's NVLink4 ratio (370 GB/s busBW of 450 GB/s per direction) "
                   "applied to NVLink5's 900 GB/s per direction; not measured",
-        "a2a_bw": "derived: DeepEP's 153 GB/s on H800 (200 GB/s per direction, docs/field_notes.md) scaled to "
+        "a2a_bw": "derived: DeepEP's 153 GB/s on H800 (200 GB/s per direction, docs/records/field_notes.md) scaled to "
                   "900 GB/s per direction; not measured",
         "alpha_s": f"typical NCCL small-message latency inside one NVLink node; {ASSUMED}",
     },
@@ -63,7 +63,7 @@ H200_NVLINK4 = Hardware(
         "mem_capacity": f"141 GB HBM3e; {VENDOR}",
         "link": REF,
         "bus_bw": f"{REF}: ~370 GB/s ring all-reduce bus bandwidth (~480 with NVLS, not used here)",
-        "a2a_bw": "derived: DeepEP's 153 GB/s on H800 (docs/field_notes.md) scaled from 200 to 450 GB/s per "
+        "a2a_bw": "derived: DeepEP's 153 GB/s on H800 (docs/records/field_notes.md) scaled from 200 to 450 GB/s per "
                   "direction; not measured",
         "alpha_s": f"typical NCCL small-message latency inside one NVLink node; {ASSUMED}",
     },

@@ -105,7 +105,8 @@ class ModelShape:
         return ModelShape(**kw, **bytes_per_element)
 
 
-# Kimi K2 text model (K2.5/K2.6 wrap the same text_config). Dims from the public config.json (docs/field_notes.md,
+# Kimi K2 text model (K2.5/K2.6 wrap the same text_config). Dims from the public config.json
+# (docs/records/field_notes.md,
 # "Models"; qk_nope 128, v_head 128, dense intermediate 18432, as DeepSeek-V3).
 KIMI_K2 = ModelShape(
     name="Kimi-K2 (bf16)", num_layers=61, num_dense_layers=1, hidden=7168, num_heads=64, vocab=163840,

@@ -11,11 +11,11 @@ from bench.gpu.fixtures import GPU_CHECK_CASES, check_setup, random_speculator
 from bench.gpu.harness import check_rows, cuda_time_s
 from engine.blocks import blocks_for
 from engine.step import SeqWork
-from spec_decode.speculator import Speculator
+from spec_decode.decoder import SpeculativeDecoder
 from spec_decode.static_draft import DraftGraphs
 
 
-def check_draft(spec: Speculator, batch: int, ctx: int, scratch: tuple[int, ...], first_block: int,
+def check_draft(spec: SpeculativeDecoder, batch: int, ctx: int, scratch: tuple[int, ...], first_block: int,
                 gen: torch.Generator) -> dict:
     """One static draft size on ``batch`` requests with ``ctx`` context rows each (disjoint blocks from
     ``first_block``): eager run, capture, replay on the same inputs — tree agreement, max |Δ logits|, eager and

@@ -1,4 +1,4 @@
-"""The engine end to end on the trained tiny_kimi pair (issue 20 item 5): ``run(device, budget_s) -> dict``.
+"""The engine end to end on the trained tiny_kimi pair: ``run(device, budget_s) -> dict``.
 
 Per arm — plain decoding (graphs on and off; ``engine.overlap`` on and off when ``SchedulerConfig`` has that
 field), DFlash (block 9, its best on this pair) and DDTree (block 16) at budgets 16, 64, 256; batch 1 and 8; greedy
@@ -38,7 +38,7 @@ from spec_decode.config import SpecConfig
 from spec_decode.speculation import load_speculation
 
 ZOO = REPO / "model/zoo/tiny_kimi"
-DFLASH_BLOCK = 9  # DFlash's best block on this pair (docs/tiny_kimi.md, docs/gpu_first_run.md)
+DFLASH_BLOCK = 9  # DFlash's best block on this pair (docs/tiny_kimi.md, docs/records/gpu_first_run.md)
 DDTREE_BLOCK = 16  # the drafter's training block
 BUDGETS = (16, 64, 256)
 # seconds a reference needs on a GPU to be worth starting (HF: two generate passes; projection: a 10 GiB slice)

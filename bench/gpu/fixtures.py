@@ -18,8 +18,8 @@ from model.tree_mask import ancestor_mask
 from parallelism.comm import build_groups
 from parallelism.layout import Layout
 from spec_decode.config import SpecConfig
+from spec_decode.decoder import SpeculativeDecoder
 from spec_decode.dflash import DFlashConfig, DFlashDrafter
-from spec_decode.speculator import Speculator
 
 # the speculative checks' cases: batch 1 at every budget the issue names, and one batched case
 GPU_CHECK_CASES = [{"batch": 1, "budget": b} for b in (8, 16, 32, 64, 128, 256)] + [{"batch": 8, "budget": 16}]
@@ -93,8 +93,8 @@ def check_setup(device: torch.device, context: int = 1024, block_size: int = 16)
     return CheckSetup(model=model, cache=cache, scratch=scratch, context=context, blocks_per_seq=per_seq)
 
 
-def random_speculator(model, cache, budget: int, block_size: int = 16, **drafter_overrides) -> Speculator:
-    """A DDTree Speculator with a random DFlash drafter sized for ``model`` (2 layers; ``drafter_overrides``
+def random_speculator(model, cache, budget: int, block_size: int = 16, **drafter_overrides) -> SpeculativeDecoder:
+    """A DDTree SpeculativeDecoder with a random DFlash drafter sized for ``model`` (2 layers; ``drafter_overrides``
     change the config): no checkpoint needed on the GPU box."""
     h = model.cfg.hidden_size
     fields = dict(hidden_size=h, num_layers=2, num_heads=max(1, h // 128), num_kv_heads=max(1, h // 512),
@@ -106,4 +106,4 @@ def random_speculator(model, cache, budget: int, block_size: int = 16, **drafter
         p.data.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * p.shape[-1] ** -0.5)
     drafter = drafter.place(cache.device).eval().requires_grad_(False)
     cfg = SpecConfig("ddtree", budget=budget, block_size=block_size, drafter_path="random", tree_temperature=0.33)
-    return Speculator(model, drafter, cfg, cache)
+    return SpeculativeDecoder(model, drafter, cfg, cache)

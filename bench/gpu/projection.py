@@ -1,4 +1,4 @@
-"""DDTree projected onto the Kimi-K2-shaped slice of ``bench.gpu.roofline`` (issue 21's slice, EP8 routing): its
+"""DDTree projected onto the Kimi-K2-shaped slice of ``bench.gpu.roofline`` (EP8 routing): its
 plain decode step, and per tree budget B its draft step and its tree-verify step (B + 1 nodes), at batch 1 and one
 context, graph-replayed where capture works.
 
@@ -24,8 +24,8 @@ from engine.worker.kv_cache import KVSpec, PagedKVCache
 from model.kernel_select import select_kernels
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
+from spec_decode.decoder import SpeculativeDecoder
 from spec_decode.dflash import DFlashConfig, DFlashDrafter
-from spec_decode.speculator import Speculator
 from spec_decode.static_draft import DraftGraphs
 
 DRAFTER_BLOCK = 16
@@ -65,7 +65,7 @@ def slice_drafter(model: CausalLM) -> DFlashDrafter:
     return drafter.eval().requires_grad_(False)
 
 
-def _draft_work(spec: Speculator, context: int, first_block: int, gen: torch.Generator) -> SeqWork:
+def _draft_work(spec: SpeculativeDecoder, context: int, first_block: int, gen: torch.Generator) -> SeqWork:
     """One request of ``context`` tokens (random drafter context) about to draft its next tree."""
     per_seq = blocks_for(context + spec.cfg.spec_reserve_slots, spec.cache.kv_block_size)
     w = SeqWork(request_id="0", token_ids=[2], start=context, sample=True, params=None, seed=0, num_generated=1,
@@ -108,7 +108,7 @@ def measure(device: torch.device | str, budgets: tuple[int, ...], budget_s: floa
         try:
             cfg = SpecConfig("ddtree", budget=budget, block_size=DRAFTER_BLOCK, drafter_path="random",
                              tree_temperature=0.33)
-            spec = Speculator(model, drafter, cfg, cache)
+            spec = SpeculativeDecoder(model, drafter, cfg, cache)
             graphs = DraftGraphs(spec, per_seq, scratch, (1,))
             work = _draft_work(spec, context, len(scratch), gen)
             draft_reason = graphs.capture(1)

@@ -1,4 +1,4 @@
-"""The quantized kernels on the GPU (gpu_check section ``quant``, issue 22): right, and how fast against the machine.
+"""The quantized kernels on the GPU (gpu_check section ``quant``): right, and how fast against the machine.
 
 - which implementation each quantized op gets on this device, and why (W8A8 on sm ≥ 89);
 - every quantized Triton op against its torch reference in bf16 at model-like sizes

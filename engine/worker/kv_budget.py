@@ -10,7 +10,7 @@ import torch
 
 from engine.config import SchedulerConfig
 from engine.worker.kv_cache import KVSpec
-from engine.worker.speculation import Speculation
+from engine.worker.spec_contract import Speculation
 from model.transformer import CausalLM
 
 log = logging.getLogger("engine.kv")

@@ -11,7 +11,7 @@ from engine.sampling.grammar import GrammarBackend
 from engine.step import RankReport
 from engine.worker.capture import eager_reason
 from engine.worker.runner import Launched, ModelRunner
-from engine.worker.speculation import Speculation
+from engine.worker.spec_contract import Speculation
 from engine.worker.telemetry import TelemetrySampler
 from model.kernel_select import launch_kernels
 from model.transformer import CausalLM

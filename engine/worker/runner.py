@@ -1,5 +1,5 @@
 """Runs one rank's share of a step: paged-KV forward, logits for the sampling rows, sampling. Speculative items
-(``SeqWork.spec``) go to the speculator (``engine.speculation.Speculator``), which drafts, verifies their trees
+(``SeqWork.spec``) go to the speculator (``engine.worker.spec_contract.Speculator``), which drafts, verifies their trees
 through the target forward this runner lends it (in the step's one forward), samples, walks and commits them.
 
 With static steps on (``engine.static_steps``), a step that is all plain decodes or all tree verifies of at
@@ -25,7 +25,7 @@ from engine.worker.capture import capture_blocker, free_device_memory, memory_bl
 from engine.worker.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
 from engine.worker.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
 from engine.worker.rank_requests import RankRequests
-from engine.worker.speculation import Speculation, StaticLayout, TreeRows
+from engine.worker.spec_contract import Speculation, StaticLayout, TreeRows
 from model.batch import ForwardBatch
 from model.expert_tally import ExpertTally
 from model.transformer import CausalLM

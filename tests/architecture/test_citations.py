@@ -204,9 +204,9 @@ def test_the_citations_are_read_from_every_kind_of_source():
     found = {(c.where.split(":")[0], c.cited) for c in citations(ROOT)}
     assert ("README.md", "docs/kv_cache.md") in found
     assert ("docs/cost_model.md", "kernel_efficiency.json") in found  # a link relative to its page
-    assert ("engine/worker/speculation.py", "tests/architecture/test_speculation_contract.py") in found  # a docstring
-    assert ("docs/kernel_efficiency.json", "docs/gpu_first_run.md") in found  # a source field
-    assert any(w == "bench/cost/hardware.py" and c == "docs/field_notes.md" for w, c in found)  # a data string
+    assert ("engine/worker/spec_contract.py", "tests/architecture/test_speculation_contract.py") in found  # a docstring
+    assert ("docs/kernel_efficiency.json", "docs/records/gpu_first_run.md") in found  # a source field
+    assert any(w == "bench/cost/hardware.py" and c == "docs/records/field_notes.md" for w, c in found)  # a data string
 
 
 @pytest.mark.parametrize("plant", [

@@ -1,8 +1,8 @@
-"""engine/ uses speculative decoding only through the contract in ``engine/worker/speculation.py``: every attribute the
-engine reads off an injected speculator is a member of the :class:`engine.speculation.Speculator` Protocol, every
-one it reads off a :class:`~engine.speculation.Speculation` or its facts is a field of theirs, the contract names
-no ``Any`` (nor an untyped ``Callable[..., …]``), and the implementations on both sides have the Protocols'
-members with their parameters. Read with ``ast`` (the engine side) and ``inspect`` (the signatures)."""
+"""engine/ uses speculative decoding only through the contract in ``engine/worker/spec_contract.py``: every attribute
+the engine reads off an injected speculator is a member of the :class:`engine.worker.spec_contract.Speculator`
+Protocol, every one it reads off a :class:`~engine.speculation.Speculation` or its facts is a field of theirs, the
+contract names no ``Any`` (nor an untyped ``Callable[..., …]``), and the implementations on both sides have the
+Protocols' members with their parameters. Read with ``ast`` (the engine side) and ``inspect`` (the signatures)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.worker import runner, speculation
+from engine.worker import runner
+from engine.worker import spec_contract as speculation
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
-CONTRACT = ROOT / "engine" / "worker" / "speculation.py"
+CONTRACT = ROOT / "engine" / "worker" / "spec_contract.py"
 
 
 def protocol_members(cls: type) -> set[str]:

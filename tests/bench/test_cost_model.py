@@ -209,10 +209,10 @@ def test_efficiency_file_entries_name_hardware_and_source(tmp_path):
     eff = load_efficiency()
     hw = eff.data["hardware"]
     assert (hw["name"], hw["sms"], hw["power_limit_w"], hw["copy_gb_s"]) == ("NVIDIA H200", 132, 700, 4264)
-    assert eff.data["project_commit"] == "1cb31f7" and "docs/gpu_first_run.md" in eff.data["source"]
+    assert eff.data["project_commit"] == "1cb31f7" and "docs/records/gpu_first_run.md" in eff.data["source"]
     for section in ("attention", "moe", "decode_step", "dense_gemm", "power"):
         for row in eff.data[section]["rows"]:
-            assert row["hardware"] == "H200" and row["source"] == "docs/gpu_first_run.md", (section, row)
+            assert row["hardware"] == "H200" and row["source"] == "docs/records/gpu_first_run.md", (section, row)
     assert {r["tokens"] for r in eff.data["moe"]["rows"]} == {64, 256, 1024, 4096}
     assert {r["batch"] for r in eff.data["decode_step"]["rows"] if r["graphs"]} == {1, 8, 32, 64}
     bad = json.loads(EFFICIENCY_FILE.read_text())

@@ -298,13 +298,13 @@ def test_static_draft_on_the_triton_kernel_set(tiny_ckpts, random_drafter):
     from parallelism.comm import build_groups
     from parallelism.layout import Layout
     from spec_decode.config import SpecConfig
+    from spec_decode.decoder import SpeculativeDecoder
     from spec_decode.dflash import DFlashDrafter
-    from spec_decode.speculator import Speculator
     from spec_decode.static_draft import StaticDraft
 
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
     cache = PagedKVCache(KVSpec.for_model(model), 12, 4)
-    spec = Speculator(model, DFlashDrafter.load(random_drafter),
+    spec = SpeculativeDecoder(model, DFlashDrafter.load(random_drafter),
                       SpecConfig("ddtree", budget=6, block_size=5, drafter_path=random_drafter), cache)
     work = [SeqWork(request_id=str(i), token_ids=[30 + i], start=n, block_table=t, sample=True,
                     params=SamplingParams(), seed=0, num_generated=1, decode=True, spec=True)

@@ -179,12 +179,12 @@ def _speculator(tiny_ckpts, drafter_path, num_blocks=12):
     """A Speculator (DDTree, budget 10, block 5) over the tiny DeepSeek target with a paged cache of 4-token
     blocks, and a seeded generator for target features."""
     from engine.worker.kv_cache import KVSpec, PagedKVCache
+    from spec_decode.decoder import SpeculativeDecoder
     from spec_decode.dflash import DFlashDrafter
-    from spec_decode.speculator import Speculator
 
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
     cache = PagedKVCache(KVSpec.for_model(model), num_blocks, 4)
-    spec = Speculator(model, DFlashDrafter.load(drafter_path), SpecConfig("ddtree", budget=10, block_size=5,
+    spec = SpeculativeDecoder(model, DFlashDrafter.load(drafter_path), SpecConfig("ddtree", budget=10, block_size=5,
                                                                          drafter_path=drafter_path), cache)
     return spec, torch.Generator().manual_seed(3)
 
@@ -268,7 +268,7 @@ def test_static_draft_equals_dynamic_propose(tiny_ckpts, random_drafter, method)
 
 
 def test_accept_commits_the_walked_path_and_moves_its_kv(tiny_ckpts, random_drafter):
-    """``Speculator.accept`` on a padded batch of two trees: request a accepts the drafts down to a depth-3
+    """``SpeculativeDecoder.accept`` on a padded batch of two trees: request a accepts the drafts down to a depth-3
     node and takes a bonus, request b accepts none. Committed tokens and their log-probs, the target KV of
     positions start..start+k (moved from the accepted nodes' slots, every other slot untouched — the padding
     row's scratch slots too) and the drafter context rows written there are each checked against their
@@ -427,8 +427,8 @@ def test_a_capture_that_fails_on_one_rank_stops_every_rank(pool, tiny_ckpts, ran
 def test_a_drafter_made_for_another_target_is_refused_naming_the_path(tiny_ckpts, random_drafter):
     """``model.path=DIR`` alone keeps the model group's drafter; one that does not fit says so up front."""
     from model.config import load_config
+    from spec_decode.decoder import check_drafter_fits
     from spec_decode.dflash import DFlashDrafter
-    from spec_decode.speculator import check_drafter_fits
 
     target, drafter = load_config(tiny_ckpts["tiny_deepseek"]), DFlashDrafter.load(random_drafter).c
     check_drafter_fits(drafter, target, random_drafter)  # the pair the tests use fits

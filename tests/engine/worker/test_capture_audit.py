@@ -103,8 +103,8 @@ def test_the_audit_lists_every_violation_and_restores_torch():
 
 
 def test_the_unfixed_root_assignment_is_flagged_and_the_builder_is_clean():
-    """spec_decode/tree.py's ``beam_score[0] = 0.0`` (docs/gpu_first_run.md, "What did not" 1) is a host→device copy of
-    a Python scalar; the fixed ``build_tree`` passes at every budget."""
+    """spec_decode/tree.py's ``beam_score[0] = 0.0`` (docs/records/gpu_first_run.md, "What did not" 1) is a
+    host→device copy of a Python scalar; the fixed ``build_tree`` passes at every budget."""
     def old_root():
         beam_score = torch.full((8,), float("-inf"))
         beam_score[0] = 0.0  # the assignment build_tree made before the fix

@@ -1,6 +1,6 @@
 """The arithmetic of speculative steps on one rank: the drafter's context, drafting (DFlash chain or DDTree),
 verify inputs, sampling the nodes, the walk and the KV compaction. ``spec_decode.speculation`` composes it into
-the engine's :class:`engine.speculation.Speculator`.
+the engine's :class:`engine.worker.spec_contract.Speculator`.
 
 Every rank of an attention-DP group runs the same speculative steps on the same inputs, so each
 computes the same tree and the same accepted path and compacts its own KV shard; no extra
@@ -22,7 +22,7 @@ from engine.sampling.logits_processors import Rows, SamplingState, TreeSampling
 from engine.sampling.sampler import SampleOutput
 from engine.step import SeqWork, StepResult
 from engine.worker.kv_cache import KVSpec, PagedKVCache, SeqSlots
-from engine.worker.speculation import NodeSampler, TreeRows
+from engine.worker.spec_contract import NodeSampler, TreeRows
 from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
 from spec_decode.config import SpecConfig
@@ -66,7 +66,7 @@ def drafter_kv_spec(drafter: DFlashDrafter) -> KVSpec:
     return KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers, next(drafter.parameters()).dtype)
 
 
-class Speculator:
+class SpeculativeDecoder:
     def __init__(self, model: CausalLM, drafter: DFlashDrafter, cfg: SpecConfig, cache: PagedKVCache):
         check_drafter_fits(drafter.c, model.cfg, cfg.drafter_path)
         self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
@@ -270,8 +270,9 @@ class Committed:
 
     @staticmethod
     def along(out: SampleOutput, picks: torch.Tensor, path: torch.Tensor, count: torch.Tensor) -> Committed:
-        """The draws ``out`` (rows ``[J*N]``) and ``picks [J, N]`` of :meth:`Speculator.sample_nodes` gathered
-        along each request's accepted ``path [J, L]`` (``count [J]`` entries: :meth:`Speculator.commit_paths`)."""
+        """The draws ``out`` (rows ``[J*N]``) and ``picks [J, N]`` of :meth:`SpeculativeDecoder.sample_nodes` gathered
+        along each request's accepted ``path [J, L]`` (``count [J]`` entries:
+        :meth:`SpeculativeDecoder.commit_paths`)."""
         j, n = picks.shape
         rows = (torch.arange(j, device=path.device)[:, None] * n + path).reshape(-1)  # flat node row of each entry
         m, length = out.top_ids.shape[-1], path.shape[1]
