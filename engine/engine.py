@@ -62,7 +62,8 @@ class Engine:
         """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off.
         ``tokenizer``: the checkpoint's (``model.tokenizer.load_tokenizer``), for stop strings; None: refused.
         ``grammar``: structured output over the checkpoint's tokenizer (``engine.grammar``); None: refused.
-        ``telemetry``: this rank's sampler (``engine.telemetry.rank_sampler``), read at every gather; None: none."""
+        ``telemetry``: this rank's sampler (``engine.worker.telemetry.rank_sampler``), read at every gather; None:
+        none."""
         cfg = cfg.for_model(model.cfg.max_position_embeddings)
         self.model, self.groups = model, model.groups
         self.plane = control_plane(model.groups)

@@ -3,11 +3,11 @@
 Proto3 scalars have no presence, so several "unset" values are mapped as the SMG gateway means them:
 ``top_p == 0`` → 1.0, ``n == 0`` → 1, ``repetition_penalty == 0`` → off (1.0), ``max_tokens`` unset → the room left
 in ``max_model_len``, ``temperature`` unset → 1.0. The ``constraint`` oneof becomes an
-:class:`engine.sampler.Constraint` (``choice``'s list as a JSON list); whether it compiles is the servicer's check
-(``engine.grammar``), before anything is admitted. ``logit_bias`` is honoured (smg never sends it; a direct gRPC
-client may). ``top_k`` is ``uint32`` on the wire: its bit pattern is read as
+:class:`engine.params.Constraint` (``choice``'s list as a JSON list); whether it compiles is the servicer's check
+(``engine/sampling/grammar.py``), before anything is admitted. ``logit_bias`` is honoured (smg never sends it; a direct
+gRPC client may). ``top_k`` is ``uint32`` on the wire: its bit pattern is read as
 int32, so a client's -1 (sent as 2**32-1) means "off" like 0, and -2 or lower is rejected naming ``top_k``.
-Range checks on the sampling fields are :class:`engine.sampler.SamplingParams`' own; prompt checks (empty, ids
+Range checks on the sampling fields are :class:`engine.params.SamplingParams`' own; prompt checks (empty, ids
 out of range, too long) are the scheduler's. Both name the field, and the servicer maps them to
 INVALID_ARGUMENT.
 """

@@ -1,4 +1,4 @@
-"""The engine's :class:`engine.speculation.Speculation` built from a :class:`SpecConfig`, and the
+"""The engine's :class:`engine.worker.spec_contract.Speculation` built from a :class:`SpecConfig`, and the
 :class:`DFlashSpeculator` it builds per rank: the engine drives speculation through ``engine.speculation``'s
 Protocols without importing spec_decode."""
 

@@ -203,7 +203,7 @@ def path_by_depth(tree: DraftTree, accepted: torch.Tensor, length: int) -> tuple
 def build_tree_grammar(logq: torch.Tensor, root_token: int, budget: int, grammar, masks: torch.Tensor,
                        chain: bool = False, prune: bool = True) -> tuple[DraftTree, int]:
     """A constrained request's tree, built on the host under its grammar (``grammar``: an
-    :class:`engine.logits_processors.GrammarWalk` at the request's committed state): :func:`build_tree_host`'s
+    :class:`engine.sampling.logits_processors.GrammarWalk` at the request's committed state): :func:`build_tree_host`'s
     best-first selection (``chain``: DFlash's argmax chain) where each node's children are the drafter's best tokens
     *that the grammar allows after that node* — the matcher is walked over the tree (accept the node's path, fill its
     mask, roll back), and the same walk writes every node's mask into ``masks [N, W]`` int32 (the verify samples each

@@ -1,4 +1,4 @@
-"""GPU check of whole speculative steps through the engine's :class:`engine.runner.ModelRunner`.
+"""GPU check of whole speculative steps through the engine's :class:`engine.worker.runner.ModelRunner`.
 
 Two runners share one random model (``bench.gpu.fixtures.check_setup``) and a random drafter
 (``bench.gpu.fixtures.random_speculator``): one with static steps — draft graph → verify graph → the walk

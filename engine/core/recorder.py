@@ -1,6 +1,7 @@
-"""Rank 0 builds one :class:`engine.step_record.StepRecord` per step and per idle heartbeat (:class:`StepRecorder`);
-:class:`EngineStats` folds them into the counters EngineInfo reports. The engine calls the recorder at fixed points of
-``Engine.step``: a call begins, its plan is scheduled, its host phases end, its finished steps are read back."""
+"""Rank 0 builds one :class:`engine.core.step_record.StepRecord` per step and per idle heartbeat
+(:class:`StepRecorder`); :class:`EngineStats` folds them into the counters EngineInfo reports. The engine calls the
+recorder at fixed points of ``Engine.step``: a call begins, its plan is scheduled, its host phases end, its finished
+steps are read back."""
 
 from __future__ import annotations
 

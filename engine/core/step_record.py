@@ -1,5 +1,5 @@
 """One stats record per step: :class:`StepRecord`, built once on rank 0 (``engine/core/recorder.py``) and handed to
-every subscriber — EngineInfo's counters (:class:`engine.recorder.EngineStats`), the Prometheus exporter
+every subscriber — EngineInfo's counters (:class:`engine.core.recorder.EngineStats`), the Prometheus exporter
 (``rpc/metrics.py``), the bench and ``scripts/host_per_step.py``. What each rank sends with a step's result gather
 is a :class:`RankReport`. Definitions (idle reasons included): ``docs/metrics.md``."""
 

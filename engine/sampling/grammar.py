@@ -87,7 +87,7 @@ def vocab_of_checkpoint(ckpt_dir: Path, vocab_size: int) -> tuple[list[bytes] | 
 class GrammarBackend:
     """xgrammar for one checkpoint: its ``TokenizerInfo`` (``vocab_size`` = the model's, the config's EOS ids as stop
     tokens, so a completed grammar allows EOS and the request ends there) and a compiler whose results are cached by
-    :class:`~engine.sampler.Constraint`. Thread-safe: the server compiles off the engine thread. JSON's whitespace
+    :class:`~engine.params.Constraint`. Thread-safe: the server compiles off the engine thread. JSON's whitespace
     runs are bounded (:data:`JSON_MAX_WHITESPACE`, in JSON schemas, ``json_object`` and a structural tag's JSON that
     sets no bound of its own): with free whitespace a model may emit whitespace until ``max_tokens`` and never close
     the value (what the tiny models here do; vLLM's ``disable_any_whitespace`` answers the same failure)."""
@@ -225,7 +225,8 @@ def _bounded_whitespace(node):
 
 
 class MatcherWalk:
-    """:class:`engine.logits_processors.GrammarWalk` over a request's matcher: accept a path, fill, roll back."""
+    """:class:`engine.sampling.logits_processors.GrammarWalk` over a request's matcher: accept a path, fill, roll
+    back."""
 
     def __init__(self, matcher, words: int, eos_ids: tuple[int, ...], never: frozenset[int] = frozenset()):
         self.matcher, self.words, self.eos, self.never = matcher, words, frozenset(eos_ids), never

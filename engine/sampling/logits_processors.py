@@ -1,9 +1,9 @@
 """Per-request sampling state on a rank and the logits processors behind one interface.
 
 A rank keeps every request of its attention-DP group in a *slot* (:class:`SamplingState`): its sampling settings in
-per-slot device tensors (gathered into a :class:`~engine.sampler.SamplingBatch` per step: the step uploads slot ids
-and output indices, not settings), and each logits processor's state. A processor is told when a request arrives
-(:meth:`LogitsProcessor.add`, with its prompt and any output to replay: a preempted request re-admitted) and
+per-slot device tensors (gathered into a :class:`~engine.sampling.sampler.SamplingBatch` per step: the step uploads
+slot ids and output indices, not settings), and each logits processor's state. A processor is told when a request
+arrives (:meth:`LogitsProcessor.add`, with its prompt and any output to replay: a preempted request re-admitted) and
 leaves (:meth:`~LogitsProcessor.remove`), when tokens join a request's history (:meth:`~LogitsProcessor.commit`:
 each token a step feeds past what the rank has seen, and the drafts a speculative step accepted), and changes the
 logits of the rows that sample (:meth:`~LogitsProcessor.apply`). Slots do not move while a request lives, so there
@@ -13,7 +13,7 @@ A row is a plain sampling row or a tree node (:class:`Rows`): a node at depth d 
 ``num_generated + d`` and its history is the request's plus the tokens on its ancestor path (``Rows.path``), so
 every processor is exact on every DDTree / DFlash node. Processors, in the order applied: logit bias, min_tokens,
 the grammar mask (``engine/sampling/grammar.py``), penalties (vLLM's formulas, ``vllm/model_executor/layers/utils.py``).
-Log-probs stay the raw model's (:func:`engine.sampler.sample`). docs/sampling.md.
+Log-probs stay the raw model's (:func:`engine.sampling.sampler.sample`). docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ class GrammarWalk(Protocol):
 
 class SamplingState:
     """A rank's sampling state: slots, per-slot settings and the logits processors (module docstring).
-    ``grammar``: the grammar processor (``engine.grammar.GrammarMasks``), None without a tokenizer."""
+    ``grammar``: the grammar processor (``engine.sampling.grammar.GrammarMasks``), None without a tokenizer."""
 
     def __init__(self, vocab: int, eos_ids: tuple[int, ...], device: torch.device,
                  grammar: LogitsProcessor | None = None):
@@ -433,7 +433,8 @@ def _with_slot(w: SeqWork, slot: int) -> SeqWork:
 
 
 class TreeSampling:
-    """:class:`engine.speculation.NodeSampler`: the rank's sampling state over the nodes of speculative trees."""
+    """:class:`engine.worker.spec_contract.NodeSampler`: the rank's sampling state over the nodes of speculative
+    trees."""
 
     def __init__(self, state: SamplingState):
         self.state = state

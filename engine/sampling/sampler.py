@@ -39,9 +39,9 @@ class SamplingBatch:
     ``temperature, top_p, min_p [B]`` float32; ``top_k, seed, num_generated [B]`` int64 (top_k ``TOP_K_OFF`` = off;
     num_generated: the output index of the token being drawn). ``num_logprobs`` is the batch's largest
     ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work. The engine's
-    ranks gather these rows from per-request tensors (``engine.logits_processors.SamplingState``); :meth:`build`
-    makes them from host lists. Features that change the logits (min_tokens, penalties, logit bias, grammar masks)
-    are logits processors, applied before :func:`sample`.
+    ranks gather these rows from per-request tensors (``engine.sampling.logits_processors.SamplingState``);
+    :meth:`build` makes them from host lists. Features that change the logits (min_tokens, penalties, logit bias,
+    grammar masks) are logits processors, applied before :func:`sample`.
     """
 
     temperature: Tensor

@@ -9,8 +9,8 @@ the host, so :class:`GraphRunner` can capture it per shape (decode: tree size N 
 the speculation's tree size per batch size) and replay it after copying a step's inputs into the buffers. A
 batch smaller than its shape is padded with dummy sequences that write to, and read only from, reserved
 scratch blocks. Shapes that cannot be captured run the same static step eagerly, the reason kept per shape
-(:meth:`~engine.capture.CapturedGraphs.status`, which the runner puts in each step's coverage record; a capture that
-fails in a job of several ranks stops the job instead: :func:`engine.capture.raise_if_any_rank_failed`).
+(:meth:`~engine.worker.capture.CapturedGraphs.status`, which the runner puts in each step's coverage record; a capture
+that fails in a job of several ranks stops the job instead: :func:`engine.worker.capture.raise_if_any_rank_failed`).
 
 Off CUDA (this CPU box) nothing is captured: the static steps run eagerly and the tests check what a replay
 relies on — padding, buffer reuse across steps, equality with the dynamic forward.

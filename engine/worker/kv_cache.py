@@ -61,7 +61,7 @@ class PagedKVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the entries of block ``src`` into block ``dst`` for each ``(src, dst)`` (a forked request's partial
-        last block, ``engine.kv_manager.KVManager.fork``), every layer."""
+        last block, ``engine.core.kv_manager.KVManager.fork``), every layer."""
         if not pairs:
             return
         bs = self.kv_block_size

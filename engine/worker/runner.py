@@ -3,7 +3,7 @@
 through the target forward this runner lends it (in the step's one forward), samples, walks and commits them.
 
 With static steps on (``engine.static_steps``), a step that is all plain decodes or all tree verifies of at
-most the largest static batch size runs through :class:`engine.cuda_graphs.GraphRunner` (a CUDA-graph
+most the largest static batch size runs through :class:`engine.worker.cuda_graphs.GraphRunner` (a CUDA-graph
 replay on CUDA); every other step (prefill, mixed, oversized) runs the dynamic forward, and the step's
 coverage records (:class:`engine.step.RunnerOutput`) say which happened and why."""
 
@@ -219,7 +219,7 @@ class ModelRunner:
 
     def _memory_guard(self, batch: int, tree_size: int) -> str:
         """"" when static shape ``(batch, tree_size)``'s buffers fit in free device memory on every rank, else why
-        not (:func:`engine.capture.memory_blocker`). Collective over the control group, so every rank skips
+        not (:func:`engine.worker.capture.memory_blocker`). Collective over the control group, so every rank skips
         alike."""
         cfg, facts = self.model.cfg, self.speculation.facts if self.speculation is not None else None
         need = static_step_bytes(batch=batch, tree_size=tree_size, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
@@ -329,7 +329,7 @@ class ModelRunner:
 
 
 class _DynamicTarget:
-    """:class:`engine.speculation.TargetForward` of one dynamic step: the step's one forward over every item of
+    """:class:`engine.worker.spec_contract.TargetForward` of one dynamic step: the step's one forward over every item of
     ``work``, the speculator's trees among them. The hidden states and features stay here for the plain items."""
 
     def __init__(self, runner: ModelRunner, work: list[SeqWork]):
@@ -352,8 +352,9 @@ class _DynamicTarget:
 
 
 class _StaticTarget:
-    """:class:`engine.speculation.StaticTarget` of one static speculative step: the runner's static tree verify
-    (:meth:`engine.cuda_graphs.GraphRunner.load_tree_layout` and :meth:`~engine.cuda_graphs.GraphRunner.run_tree`)."""
+    """:class:`engine.worker.spec_contract.StaticTarget` of one static speculative step: the runner's static tree verify
+    (:meth:`engine.worker.cuda_graphs.GraphRunner.load_tree_layout` and
+    :meth:`~engine.worker.cuda_graphs.GraphRunner.run_tree`)."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner

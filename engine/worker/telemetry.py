@@ -11,7 +11,7 @@ newer), averaged over the interval between two samples; ``throttle_reasons`` lis
 core], "process_cpu_pct": %}`` from ``/proc/stat`` deltas and this process's CPU time, and ``reason`` says why.
 
 Each serving rank runs one sampler on its own device (:func:`rank_sampler`); the engine ships each new sample to rank
-0 with the step's result gather (``engine.step_record.RankReport``). ``bench/`` samples the whole box with the same
+0 with the step's result gather (``engine.step.RankReport``). ``bench/`` samples the whole box with the same
 classes. ``pynvml`` is imported only when a sampler opens NVML.
 """
 

@@ -1,7 +1,7 @@
 """engine/ uses speculative decoding only through the contract in ``engine/worker/spec_contract.py``: every attribute
 the engine reads off an injected speculator is a member of the :class:`engine.worker.spec_contract.Speculator`
-Protocol, every one it reads off a :class:`~engine.speculation.Speculation` or its facts is a field of theirs, the
-contract names no ``Any`` (nor an untyped ``Callable[..., …]``), and the implementations on both sides have the
+Protocol, every one it reads off a :class:`~engine.worker.spec_contract.Speculation` or its facts is a field of theirs,
+the contract names no ``Any`` (nor an untyped ``Callable[..., …]``), and the implementations on both sides have the
 Protocols' members with their parameters. Read with ``ast`` (the engine side) and ``inspect`` (the signatures)."""
 
 from __future__ import annotations
