@@ -224,7 +224,7 @@ def _storm(model, cfg, requests, abort_at, spec=None):
         steps += 1
         for rid, at in abort_at.items():
             if at == steps and engine.scheduler.knows(rid):
-                engine.abort(rid)
+                engine.abort_all(rid)
     sched = engine.scheduler
     result = tokens, sched.stats().preemptions, sched.blocks_in_use(), all(p.consistent() for p in sched.kv.pools)
     engine.shutdown()

@@ -43,7 +43,7 @@ def run_requests(engine, requests, abort_after=None):
                 reasons[out.request_id] = out.finish_reason
         steps += 1
         if abort_after and steps == abort_after[1] and engine.scheduler.knows(abort_after[0]):
-            reasons[abort_after[0]] = engine.abort(abort_after[0]).finish_reason
+            reasons[abort_after[0]] = engine.abort_all(abort_after[0])[-1].finish_reason
     return {rid: (tokens[rid], reasons[rid]) for rid in tokens}
 
 
@@ -120,7 +120,7 @@ def test_request_validation_names_the_field(tiny_ckpts):
         with pytest.raises(RequestError, match=words):
             engine.add_request("x", prompt, params)
     with pytest.raises(RequestError, match="unknown request_id 'nope'"):
-        engine.abort("nope")
+        engine.abort_all("nope")
     assert engine.scheduler.blocks_in_use() == 0 and not engine.has_work()
 
 
