@@ -7,13 +7,14 @@ that dies makes the collectives fail (gloo/NCCL timeout) instead of hanging fore
 
 With ``engine.overlap=on`` (plain decoding) a step's results are read back and gathered one step late: every
 rank launches step n+1 first — its decodes take step n's tokens on the device (``SeqWork.prev_row``) — then
-reads back step n; rank 0 schedules step n+1 before it has step n's tokens. :data:`DRAIN` closes the pipeline
+reads back step n; rank 0 schedules step n+1 before it has step n's tokens. A ``Drain`` message closes the pipeline
 when there is nothing new to launch. Why and what it costs: ``docs/gpu_path.md`` ("Host per step").
 
 Every finished step (and idle heartbeat) becomes one :class:`engine.core.step_record.StepRecord`, built on rank 0 from
 every rank's :class:`~engine.step.RankReport` (results, coverage, telemetry sample) and handed to
-:attr:`Engine.stats` and the subscribers (:meth:`Engine.subscribe`). :class:`~engine.profiling.ProfileControl`
-messages start and stop ``torch.profiler`` on every rank between steps.
+:attr:`Engine.stats` and the subscribers (:meth:`Engine.subscribe`). Every message to the ranks is a typed
+:class:`~engine.worker.control.RankMessage` sent through one :class:`~engine.worker.control.ControlPlane`;
+:class:`~engine.profiling.ProfileControl` messages start and stop ``torch.profiler`` on every rank between steps.
 """
 
 from __future__ import annotations
@@ -31,12 +32,23 @@ from engine.core.scheduler import Scheduler
 from engine.core.step_record import StepRecord
 from engine.messages import FlushResult
 from engine.params import Constraint, SamplingParams
-from engine.profiling import ProfileDriver, ProfilePlan
+from engine.profiling import ProfileDriver, ProfilePlan, RankProfiler
 from engine.sampling.grammar import GrammarBackend
 from engine.step import RankReport, RequestOutput, StepKind, StepPlan, StepResult, sample_id
 from engine.stop_strings import Detokenize, StopChecks
+from engine.worker.control import (
+    ControlPlane,
+    Drain,
+    Heartbeat,
+    Precompile,
+    Profile,
+    RankState,
+    Shutdown,
+    Step,
+    WarmUpShape,
+)
 from engine.worker.cuda_graphs import StepShape
-from engine.worker.loop import DRAIN, HEARTBEAT, SHUTDOWN, Precompile, WarmUpShape, control_plane, make_runner
+from engine.worker.loop import control_plane, make_runner
 from engine.worker.runner import Launched
 from engine.worker.spec_contract import Speculation
 from engine.worker.telemetry import TelemetrySampler
@@ -66,7 +78,7 @@ class Engine:
         none."""
         cfg = cfg.for_model(model.cfg.max_position_embeddings)
         self.model, self.groups = model, model.groups
-        self.plane = control_plane(model.groups)
+        self.control = ControlPlane(control_plane(model.groups))
         self.speculation = speculation
         self.grammar = grammar
         self.runner = make_runner(model, cfg, speculation, grammar)
@@ -77,8 +89,8 @@ class Engine:
         self.stops = StopChecks(tokenizer)  # stop strings: matched here, between the readback and the core's update
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
-        self._telemetry = telemetry.fresh if telemetry is not None else lambda: None  # the newest sample, if new
-        self.profiling = ProfileDriver(self.plane, model.groups.rank, model.device)
+        self.rank = RankState(self.runner, telemetry, RankProfiler(model.groups.rank, model.device))  # rank 0's share
+        self.profiling = ProfileDriver(lambda control: self.control.send(Profile(control), self.rank))
         self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
         self.last_record: StepRecord | None = None
         self._subscribers: list[Callable[[StepRecord], None]] = []
@@ -107,8 +119,8 @@ class Engine:
         it, and calls this when it was not compiled here yet): every other rank starts compiling it now on its grammar
         thread, so that none compiles it on its step path when the request arrives in a plan. Nothing to do on one
         rank."""
-        if self.plane.size > 1 and self.grammar is not None:
-            self.plane.broadcast_object(Precompile(constraint))
+        if self.control.size > 1 and self.grammar is not None:
+            self.control.send(Precompile(constraint))
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
                     retain_kv: bool = False, arrival: float | None = None) -> None:
@@ -154,9 +166,7 @@ class Engine:
         t_all = time.perf_counter()
         for i, (batch, tree_size) in enumerate(shapes):
             t0 = time.perf_counter()
-            self.plane.broadcast_object(WarmUpShape(batch, tree_size))
-            replayed, reason = self.runner.warm_up(batch, tree_size)
-            self.plane.gather_objects(None)
+            replayed, reason = self.control.send(WarmUpShape(batch, tree_size), self.rank)[0]
             dt = time.perf_counter() - t0
             kind, skipped = StepShape(batch, tree_size).kind, (batch, tree_size) in self.runner.skipped
             self.stats.warmup_shapes.append({"kind": kind, "batch": batch, "tree_size": tree_size, "seconds": dt,
@@ -213,7 +223,7 @@ class Engine:
         self.recorder.scheduled(plan, time.monotonic())
         launched = None
         if plan.num_tokens:
-            self.plane.broadcast_object(plan)
+            self.control.send(Step(plan))  # rank 0 launches and reads back its share below
             span = DeviceSpan.open(self.model.device)
             step = self.runner.launch_plan(plan)
             if span is not None:
@@ -222,7 +232,7 @@ class Engine:
             self.recorder.host("draft", step.draft_s)
             self.recorder.host("target", step.target_s)
         elif self._in_flight is not None:
-            self.plane.broadcast_object(DRAIN)
+            self.control.send(Drain())
         t2 = time.perf_counter()
         self.recorder.host("schedule", t1 - t0)
         self.recorder.host("launch", t2 - t1)
@@ -241,8 +251,7 @@ class Engine:
         """Reads back rank 0's share of ``d``, gathers every rank's report and applies the results; returns the
         reports (rank order), the results merged from them and the outputs."""
         t1 = time.perf_counter()
-        mine = self.runner.finish(d.step)
-        reports = self.plane.gather_objects(RankReport(mine.results, mine.coverage, self._telemetry()))
+        reports = self.control.gather(self.rank.report(d.step))
         merged: dict[str, StepResult] = {}
         for report in reports:
             if report.results:
@@ -259,8 +268,7 @@ class Engine:
         timeout, surfaces a dead rank without traffic and brings every rank's newest telemetry sample. Runs no
         forward; its record (``kind`` None) counts only idle time."""
         started = time.monotonic()
-        self.plane.broadcast_object(HEARTBEAT)
-        reports = self.plane.gather_objects(RankReport(None, {}, self._telemetry()))
+        reports = self.control.send(Heartbeat(), self.rank)
         self._publish(self.recorder.heartbeat(reports, started, self.draining))
 
     def flush_cache(self) -> FlushResult:
@@ -293,12 +301,12 @@ class Engine:
         """Releases the other ranks (a step still in flight is read back and applied first; a profile running is
         written)."""
         if self._in_flight is not None:
-            self.plane.broadcast_object(DRAIN)
+            self.control.send(Drain())
             d, self._in_flight = self._in_flight, None
             self._publish(self.recorder.step(d.plan, *self._complete(d), d.span.ms() if d.span else None,
                                              self.draining))
         self.profiling.close()
-        self.plane.broadcast_object(SHUTDOWN)
+        self.control.send(Shutdown())
 
 
 def cache_namespace(model: CausalLM, speculation: Speculation | None) -> bytes:

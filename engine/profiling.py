@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from parallelism.comm import Comm
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +100,13 @@ class RankProfiler:
 
 
 class ProfileDriver:
-    """Rank 0's side: the plan asked for, and the control rounds that start and stop every rank's profiler over
-    ``plane`` (the control plane; every other rank answers from ``engine.engine.worker_loop``). ``steps``: the
-    engine's finished step count, where ``start_step`` and ``num_steps`` are counted."""
+    """Rank 0's side: the plan asked for, and the control rounds that start and stop every rank's profiler.
+    ``round(control)`` sends a :class:`ProfileControl` to every rank, rank 0 included, and returns each rank's answer
+    (the engine's control plane: ``engine/worker/control.py``). ``steps``: the engine's finished step count, where
+    ``start_step`` and ``num_steps`` are counted."""
 
-    def __init__(self, plane: Comm, rank: int, device: torch.device):
-        self.plane, self.profiler = plane, RankProfiler(rank, device)
+    def __init__(self, round: Callable[[ProfileControl], list[str]]):
+        self.send = round
         self.plan: ProfilePlan | None = None  # asked for; tracing once ``tracing`` is set
         self.tracing = False
         self._from = 0  # steps when tracing started
@@ -165,14 +165,12 @@ class ProfileDriver:
     def _round(self, control: ProfileControl) -> list[str]:
         """Broadcasts ``control``, applies it here and gathers every rank's answer. A stop ends the profile; a start
         that failed anywhere stops the ranks that did start and ends it too."""
-        self.plane.broadcast_object(control)
-        answers = self.plane.gather_objects(self.profiler.apply(control))
+        answers = self.send(control)
         failed = [f"rank {r}: {a}" for r, a in enumerate(answers) if a.startswith("error:")]
         if control.plan is None or failed:
             self.plan, self.tracing = None, False
         if control.plan is not None and failed:
-            self.plane.broadcast_object(ProfileControl(None))
-            self.plane.gather_objects(self.profiler.apply(ProfileControl(None)))
+            self.send(ProfileControl(None))
         if failed:
             raise ProfileError("; ".join(failed))
         return answers

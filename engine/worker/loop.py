@@ -2,40 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.config import SchedulerConfig
-from engine.params import Constraint
-from engine.profiling import ProfileControl, RankProfiler
+from engine.profiling import RankProfiler
 from engine.sampling.grammar import GrammarBackend
-from engine.step import RankReport
 from engine.worker.capture import eager_reason
-from engine.worker.runner import Launched, ModelRunner
+from engine.worker.control import ControlPlane, RankState
+from engine.worker.runner import ModelRunner
 from engine.worker.spec_contract import Speculation
 from engine.worker.telemetry import TelemetrySampler
 from model.kernel_select import launch_kernels
 from model.transformer import CausalLM
 from parallelism.comm import Comm, ParallelGroups
-
-SHUTDOWN = "shutdown"
-HEARTBEAT = "heartbeat"  # idle liveness round trip: no forward, no data collectives
-DRAIN = "drain"  # overlap: nothing new to launch; read back and gather the step in flight
-
-
-@dataclass(frozen=True)
-class WarmUpShape:
-    """Broadcast by :meth:`Engine.warm_up`: every rank runs (captures) static shape ``(batch, tree_size)`` once."""
-
-    batch: int
-    tree_size: int
-
-
-@dataclass(frozen=True)
-class Precompile:
-    """Broadcast by :meth:`Engine.precompile`: every rank starts compiling ``constraint`` on its grammar thread."""
-
-    constraint: Constraint
-
 
 STATIC_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured shapes (capped at engine.max_num_seqs)
 
@@ -67,40 +44,10 @@ def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation 
 
 
 def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) -> None:
-    """Non-zero ranks: execute broadcast plans until shutdown — in rank 0's order (``Engine.step``): launch the
-    new plan, then read back and gather the step in flight, then this plan's unless it overlaps. Each gather sends
-    a :class:`RankReport` with ``telemetry``'s newest sample."""
+    """Every rank but 0: runs what rank 0 sends (``engine/worker/control.py``) until it says :class:`Shutdown`; each
+    gather carries ``telemetry``'s newest sample."""
     groups = runner.model.groups
-    plane, in_flight = control_plane(groups), None
-    profiler = RankProfiler(groups.rank, runner.model.device)
-
-    def report(step: Launched | None) -> RankReport:
-        sample = telemetry.fresh() if telemetry is not None else None
-        if step is None:
-            return RankReport(None, {}, sample)
-        out = runner.finish(step)
-        return RankReport(out.results, out.coverage, sample)
-
-    while True:
-        plan = plane.broadcast_object(None)
-        if plan == SHUTDOWN:
-            return
-        if plan == HEARTBEAT:
-            plane.gather_objects(report(None))
-            continue
-        if isinstance(plan, WarmUpShape):
-            runner.warm_up(plan.batch, plan.tree_size)
-            plane.gather_objects(None)
-            continue
-        if isinstance(plan, ProfileControl):
-            plane.gather_objects(profiler.apply(plan))
-            continue
-        if isinstance(plan, Precompile):
-            runner.precompile(plan.constraint)
-            continue
-        launched = None if plan == DRAIN else runner.launch_plan(plan)
-        if in_flight is not None:
-            plane.gather_objects(report(in_flight))
-        in_flight = launched if launched is not None and plan.overlap else None
-        if launched is not None and not plan.overlap:
-            plane.gather_objects(report(launched))
+    rank, plane = RankState(runner, telemetry, RankProfiler(groups.rank, runner.model.device)), \
+        ControlPlane(control_plane(groups))
+    while plane.serve(rank):
+        pass

@@ -1,0 +1,197 @@
+"""The rank control plane: everything rank 0 tells the other ranks is a :class:`RankMessage` — a type with one method
+that runs it on a rank and a declared reply — sent with one call (:meth:`ControlPlane.send`: broadcast, run here,
+gather as declared) and run on the other ranks by one loop (:meth:`ControlPlane.serve`). Every message travels in an
+:class:`Envelope` numbered in sending order: a rank that receives one out of order, or anything that is not a
+message, raises :class:`RankProtocolError` at once, naming both, instead of waiting in a collective that will never
+match. A new cross-rank action is a new message type, not a branch in two loops kept in step by hand.
+
+Shapes the next features take (not built yet): a weight move (``MoveExpertWeights``: layer, slots and their new
+experts; runs in the background on each rank and replies when staged, then ``SwapExpertMaps`` switches a layer's
+maps on every rank between two steps), a KV load into given blocks (``LoadKV``: block ids and where their bytes are —
+a host buffer or a transfer address; replies a checksum per block), a KV read out of given blocks (``ReadKV``: block
+ids → their bytes over every layer group, for a tier or a hand-off) and a lease release (``ReleaseLease``: blocks a
+peer read may reuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+from engine.params import Constraint
+from engine.profiling import ProfileControl, RankProfiler
+from engine.step import RankReport, StepPlan
+from engine.worker.runner import Launched, ModelRunner
+from engine.worker.telemetry import TelemetrySampler
+from parallelism.comm import Comm
+
+
+class RankProtocolError(RuntimeError):
+    """A rank received a message out of order, or something that is not a rank message."""
+
+
+class Reply(Enum):
+    NONE = "none"  # nothing comes back
+    GATHER = "gather"  # one object from every rank, gathered on rank 0 (rank order)
+    REPORTS = "reports"  # one RankReport gather per step the message finished (zero, one or two)
+
+
+@dataclass
+class RankState:
+    """What a message runs against on one rank: its runner, telemetry sampler and profiler, and the step it has in
+    flight (``engine.overlap=on``: launched, not yet read back)."""
+
+    runner: ModelRunner
+    telemetry: TelemetrySampler | None = None
+    profiler: RankProfiler | None = None
+    in_flight: Launched | None = field(default=None)
+
+    def report(self, step: Launched | None) -> RankReport:
+        """This rank's share of a gather: ``step``'s results and coverage (read back now), its newest telemetry."""
+        sample = self.telemetry.fresh() if self.telemetry is not None else None
+        if step is None:
+            return RankReport(None, {}, sample)
+        out = self.runner.finish(step)
+        return RankReport(out.results, out.coverage, sample)
+
+
+class RankMessage:
+    """A message from rank 0 to every rank: :meth:`run` does it on a rank and returns what :attr:`reply` declares."""
+
+    reply: ClassVar[Reply] = Reply.NONE
+
+    def run(self, rank: RankState) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Step(RankMessage):
+    """Launch ``plan`` on this rank; read back the step in flight first finished, then this one unless it overlaps
+    (overlap is the plan's property: ``StepPlan.overlap``). Replies a report per finished step, oldest first."""
+
+    plan: StepPlan
+    reply: ClassVar[Reply] = Reply.REPORTS
+
+    def run(self, rank: RankState) -> list[RankReport]:
+        launched = rank.runner.launch_plan(self.plan)
+        done, rank.in_flight = [rank.in_flight], launched if self.plan.overlap else None
+        if not self.plan.overlap:
+            done.append(launched)
+        return [rank.report(step) for step in done if step is not None]
+
+
+@dataclass(frozen=True)
+class Drain(RankMessage):
+    """Nothing new to launch: read back the step in flight (overlap). Replies its report, if there was one."""
+
+    reply: ClassVar[Reply] = Reply.REPORTS
+
+    def run(self, rank: RankState) -> list[RankReport]:
+        step, rank.in_flight = rank.in_flight, None
+        return [rank.report(step)] if step is not None else []
+
+
+@dataclass(frozen=True)
+class Heartbeat(RankMessage):
+    """An idle liveness round trip (no forward, no data collective): replies this rank's newest telemetry."""
+
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> RankReport:
+        return rank.report(None)
+
+
+@dataclass(frozen=True)
+class WarmUpShape(RankMessage):
+    """Run (capture, on CUDA) static shape ``(batch, tree_size)`` once; replies ``(replayed, why not)``."""
+
+    batch: int
+    tree_size: int
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> tuple[bool, str]:
+        return rank.runner.warm_up(self.batch, self.tree_size)
+
+
+@dataclass(frozen=True)
+class Precompile(RankMessage):
+    """Start compiling ``constraint`` on this rank's grammar thread (a request under it is on its way)."""
+
+    constraint: Constraint
+
+    def run(self, rank: RankState) -> None:
+        rank.runner.precompile(self.constraint)
+
+
+@dataclass(frozen=True)
+class Profile(RankMessage):
+    """Start or stop ``torch.profiler`` on this rank; replies its answer (``RankProfiler.apply``)."""
+
+    control: ProfileControl
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> str:
+        return rank.profiler.apply(self.control)
+
+
+@dataclass(frozen=True)
+class Shutdown(RankMessage):
+    """The job ends: the ranks leave their loop."""
+
+    def run(self, rank: RankState) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Envelope:
+    seq: int
+    message: object
+
+
+class ControlPlane:
+    """One rank's end of the control plane over ``comm`` (the gloo control group): rank 0 sends, the others serve.
+    Sequence numbers count every message from 1 on both sides."""
+
+    def __init__(self, comm: Comm):
+        self.comm, self.seq = comm, 0
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    def send(self, message: RankMessage, rank: RankState | None = None) -> Any:
+        """Rank 0: broadcasts ``message``, runs it on ``rank`` (rank 0's own state; None: rank 0 has no share) and,
+        for a :attr:`Reply.GATHER` message, returns every rank's reply (rank order). A :attr:`Reply.REPORTS` message
+        returns rank 0's reports, each to be passed to :meth:`gather` as rank 0 finishes that step."""
+        self.seq += 1
+        self.comm.broadcast_object(Envelope(self.seq, message))
+        mine = message.run(rank) if rank is not None else None
+        return self.comm.gather_objects(mine) if message.reply is Reply.GATHER else mine
+
+    def gather(self, report: RankReport) -> list[RankReport]:
+        """Rank 0: one finished step's gather (``Step`` / ``Drain``), rank 0's report given."""
+        return self.comm.gather_objects(report)
+
+    def serve(self, rank: RankState) -> bool:
+        """Every rank but 0: runs the next message and replies as it declares; False after :class:`Shutdown`."""
+        self.seq += 1
+        envelope = self.comm.broadcast_object(None)
+        where = f"rank {self.comm.rank} of the control plane"
+        if not isinstance(envelope, Envelope):
+            raise RankProtocolError(f"{where} expected message {self.seq}, got a {type(envelope).__name__} "
+                                    f"({envelope!r:.80}) that is not an Envelope")
+        if envelope.seq != self.seq:
+            raise RankProtocolError(f"{where} expected message {self.seq}, got message {envelope.seq} "
+                                    f"({type(envelope.message).__name__}): rank 0 and this rank are out of step")
+        message = envelope.message
+        if not isinstance(message, RankMessage):
+            raise RankProtocolError(f"{where} cannot run message {envelope.seq}: a {type(message).__name__} is not "
+                                    "a RankMessage")
+        reply = message.run(rank)
+        if message.reply is Reply.GATHER:
+            self.comm.gather_objects(reply)
+        elif message.reply is Reply.REPORTS:
+            for report in reply:
+                self.comm.gather_objects(report)
+        return not isinstance(message, Shutdown)
