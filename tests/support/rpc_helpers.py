@@ -98,17 +98,26 @@ def layout_args(world: int) -> list[str]:
 
 class ServerProcess:
     """``scripts/serve.py`` as a subprocess on 127.0.0.1, its ``/metrics`` on a free port (:attr:`metrics_url`); its
-    log goes to ``log_path``."""
+    log goes to ``log_path``. Ports are picked free, then bound by the server: another process (a gloo connection of
+    the server's own ranks) can take one in between, so a server that could not bind a picked port is started again
+    on fresh ports by :meth:`wait_ready` (twice at most); a port given by the caller is never changed."""
+
+    RELAUNCHES = 2
 
     def __init__(self, ckpt: str, args: list[str], log_path: str | Path, port: int | None = None):
-        self.port, self.metrics_port = port or free_port(), free_port()
+        self.ckpt, self.args, self.fixed_port = ckpt, args, port
+        self.log_path = Path(log_path)
+        self.relaunches = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        self.port, self.metrics_port = self.fixed_port or free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        self.log_path = Path(log_path)
-        cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "server.host=127.0.0.1",
-               f"server.port={self.port}", f"server.metrics_port={self.metrics_port}", *args]
+        cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={self.ckpt}", "server.host=127.0.0.1",
+               f"server.port={self.port}", f"server.metrics_port={self.metrics_port}", *self.args]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a" if self.relaunches else "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
     def log(self, tail: int = 4000) -> str:
@@ -123,6 +132,12 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
+                lost_a_port = "Address already in use" in self.log()
+                if lost_a_port and self.fixed_port is None and self.relaunches < self.RELAUNCHES:
+                    self.relaunches += 1
+                    self._launch()
+                    client = Client(self.target)
+                    continue
                 raise RuntimeError(f"server exited {self.proc.returncode} before SERVING:\n{self.log()}")
             try:
                 client.wait_ready(timeout=1.0, poll_s=0.1)
