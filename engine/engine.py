@@ -148,7 +148,7 @@ class Engine:
         self.stops.ended(outs)
         now = time.monotonic()
         for out in outs:
-            self.recorder.aborted(out, now)
+            self.recorder.aborted(out, now, self.scheduler.has_work())
         return outs
 
     def warm_up(self) -> float:
@@ -220,7 +220,7 @@ class Engine:
         self.profiling.before_step(self.stats.steps)
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self.recorder.scheduled(plan, time.monotonic())
+        self.recorder.scheduled(plan, time.monotonic(), self.scheduler.blocked)
         launched = None
         if plan.num_tokens:
             self.control.send(Step(plan))  # rank 0 launches and reads back its share below

@@ -111,6 +111,3 @@ class StopChecks:
                     self._checks.pop(key, None)
                     self._seen.pop(key, None)
 
-    def __len__(self) -> int:
-        return len(self._checks)
-

@@ -87,18 +87,20 @@ class StepRecorder:
     def host(self, phase: str, seconds: float) -> None:
         self._host[phase] += seconds
 
-    def scheduled(self, plan: StepPlan, at: float) -> None:
+    def scheduled(self, plan: StepPlan, at: float, blocked: str) -> None:
+        """``plan`` was scheduled at ``at``; ``blocked``: why it left work waiting (``Scheduler.blocked``)."""
         for per_rank in plan.work:
             for w in per_rank:
                 clock = self._clocks.get(w.request_id)
                 if clock is not None and clock.scheduled is None:
                     clock.scheduled = at
-        self._blocked = self.stats().blocked
+        self._blocked = blocked
 
-    def aborted(self, out: RequestOutput, at: float) -> None:
-        """An abort between steps: its end rides on the next record."""
+    def aborted(self, out: RequestOutput, at: float, has_work: bool) -> None:
+        """An abort between steps (``has_work``: whether the engine still holds requests): its end rides on the next
+        record."""
         self._ended += self._end(out, at)
-        if self._empty_from is None and not self.stats().has_work:
+        if self._empty_from is None and not has_work:
             self._empty_from = at
 
     # ---- records ------------------------------------------------------------------------------------------

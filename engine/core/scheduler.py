@@ -52,7 +52,6 @@ class SchedulerStats:
     prefix_waits: int
     prompt_tokens: int
     cached_tokens: int
-    hit_rate: float
 
     @property
     def has_work(self) -> bool:
@@ -144,6 +143,11 @@ class Scheduler:
         self.journal.left(req)
         self.table.remove(req)
 
+    @property
+    def blocked(self) -> str:
+        """Why the last plan left work waiting: "kv", "max_num_seqs" or ""."""
+        return self._blocked
+
     def knows(self, request_id: str) -> bool:
         return self.table.knows(request_id)
 
@@ -190,4 +194,4 @@ class Scheduler:
         return SchedulerStats(per_dp=per_dp, blocked=self._blocked, running=table.num_running(),
                               waiting=len(table.waiting), blocks_in_use=kv.blocks_in_use(),
                               preemptions=self.planner.preemptions, prefix_waits=self.admission.prefix_waits,
-                              prompt_tokens=kv.prompt_tokens, cached_tokens=kv.cached_tokens, hit_rate=kv.hit_rate)
+                              prompt_tokens=kv.prompt_tokens, cached_tokens=kv.cached_tokens)
