@@ -21,7 +21,7 @@ import torch
 from engine.sampling.logits_processors import Rows, SamplingState, TreeSampling
 from engine.sampling.sampler import SampleOutput
 from engine.step import SeqWork, StepResult
-from engine.worker.kv_cache import KVSpec, PagedKVCache, SeqSlots
+from engine.worker.kv_cache import DRAFTER, KVSpec, PagedKVCache, SeqSlots
 from engine.worker.spec_contract import NodeSampler, TreeRows
 from model.kernel_select import native_bf16_matmul
 from model.transformer import CausalLM
@@ -61,7 +61,7 @@ def check_drafter_fits(drafter, target, path: str | None) -> None:
 
 def drafter_kv_spec(drafter: DFlashDrafter) -> KVSpec:
     """The drafter context's per-token entries: K and V ``[kv_heads, head_dim]`` per draft layer, in the drafter's
-    dtype (its context store, and its KV bytes per token: ``SpeculationFacts.drafter_kv_bytes_per_token``)."""
+    dtype (its layer group of the KV cache: ``SpeculationFacts.context_kv``)."""
     c = drafter.c
     return KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers, next(drafter.parameters()).dtype)
 
@@ -72,8 +72,7 @@ class SpeculativeDecoder:
         self.model, self.drafter, self.cfg, self.cache = model, drafter, cfg, cache
         self.feature_layers = tuple(drafter.c.target_layer_ids)
         drafter.rotary.reserve(model.model.rotary.num_positions)
-        self.context = PagedKVCache(drafter_kv_spec(drafter), cache.num_blocks, cache.kv_block_size,
-                                    device=cache.device)
+        self.context = cache.group(DRAFTER, drafter_kv_spec(drafter))
         self.draft_head = self._draft_head_weight()
         self.pruned = 0  # draft candidates a grammar kept out of constrained trees (the bench reads it)
 
@@ -93,9 +92,9 @@ class SpeculativeDecoder:
     def add_context(self, w: SeqWork, feats: torch.Tensor, start: int) -> None:
         """Stores the drafter K/V of target features ``[n, k*H]`` at positions ``start .. start+n-1`` of ``w``.
 
-        The drafter's context lives in its own paged store (``self.context``) with the target's KV block size and
-        block count, at the slots of the request's block table: it comes and goes with the request's KV
-        blocks (nothing to free, nothing to leak) and appending never copies what is already there."""
+        The drafter's context is a layer group of the target's cache (``self.context``), at the slots of the
+        request's block table: it comes and goes with the request's KV blocks (nothing to free, nothing to leak, a
+        fork's or a transfer's block copy covers it) and appending never copies what is already there."""
         n = feats.shape[0]
         slots = self.cache.slot_tensor(w.block_table, start, start + n)
         self.write_context(slots, feats, torch.arange(start, start + n, device=slots.device))

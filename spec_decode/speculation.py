@@ -10,7 +10,7 @@ import torch
 
 from engine.sampling.logits_processors import Rows
 from engine.step import SeqWork, StepKind, StepResult
-from engine.worker.kv_cache import PagedKVCache
+from engine.worker.kv_cache import KVSpec, PagedKVCache
 from engine.worker.spec_contract import (
     NodeSampler,
     Speculation,
@@ -98,19 +98,15 @@ class DFlashSpeculator:
             at += n
 
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies drafter-context blocks ``src → dst`` (the target's were copied alike)."""
-        self.spec.context.copy_blocks(pairs)
-
-
 def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache], SpeculativeDecoder],
-                     drafter_kv_bytes_per_token: int = 0) -> Speculation:
-    """A Speculation whose speculators wrap ``build(model, cache)``, shaped by ``spec``; the drafter's context
-    takes ``drafter_kv_bytes_per_token`` per token (0: not counted, for callers that size the KV cache
-    themselves, as the tests and GPU checks do)."""
+                     context_kv: KVSpec | None = None) -> Speculation:
+    """A Speculation whose speculators wrap ``build(model, cache)``, shaped by ``spec``; ``context_kv``: the
+    drafter context's layer group, declared in the rank's KV cache and counted by its budget (None: the decoder
+    adds its group to the cache itself, for callers that size the KV cache themselves, as the tests and GPU
+    checks do)."""
     facts = SpeculationFacts(method=spec.method, tree_size=spec.tree_size, draft_block_size=spec.block_size,
                              draft_rows=spec.draft_rows, spec_reserve_slots=spec.spec_reserve_slots,
-                             drafter_path=spec.drafter_path, drafter_kv_bytes_per_token=drafter_kv_bytes_per_token,
+                             drafter_path=spec.drafter_path, context_kv=context_kv,
                              tree_temperature=spec.tree_temperature, draft_head_dtype=spec.draft_head_dtype)
     return Speculation(facts=facts, build=lambda model, cache, static: DFlashSpeculator(build(model, cache), static))
 
@@ -122,4 +118,4 @@ def load_speculation(spec: SpecConfig, model: CausalLM) -> Speculation | None:
         return None
     drafter = DFlashDrafter.load(spec.drafter_path).place(model.device)
     return speculation_from(spec, lambda target, cache: SpeculativeDecoder(target, drafter, spec, cache),
-                            drafter_kv_spec(drafter).bytes_per_token())
+                            drafter_kv_spec(drafter))

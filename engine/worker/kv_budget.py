@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import SchedulerConfig
-from engine.worker.kv_cache import KVSpec
+from engine.worker.kv_cache import KVCacheSpec, KVSpec
 from engine.worker.spec_contract import Speculation
 from model.transformer import CausalLM
 
@@ -26,13 +26,14 @@ def blocks_for_memory(free_bytes: int, total_bytes: int, bytes_per_block: int, u
     return max(int(budget // bytes_per_block), 0)
 
 
+def cache_spec(model: CausalLM, speculation: Speculation | None = None) -> KVCacheSpec:
+    """The layer groups of this rank's KV cache: the target's, and the drafter context's with speculation."""
+    return KVCacheSpec.of(KVSpec.for_model(model), speculation.facts.context_kv if speculation is not None else None)
+
+
 def bytes_per_block(model: CausalLM, kv_block_size: int, speculation: Speculation | None = None) -> int:
-    """This rank's KV bytes for one block of ``kv_block_size`` tokens, the drafter's context cache included (it has
-    as many blocks as the target's; ``SpeculationFacts.drafter_kv_bytes_per_token``)."""
-    per_token = KVSpec.for_model(model).bytes_per_token()
-    if speculation is not None:
-        per_token += speculation.facts.drafter_kv_bytes_per_token
-    return per_token * kv_block_size
+    """This rank's KV bytes for one block of ``kv_block_size`` tokens over every layer group (:func:`cache_spec`)."""
+    return cache_spec(model, speculation).bytes_per_token() * kv_block_size
 
 
 def max_concurrency(num_blocks: int, cfg: SchedulerConfig) -> float:

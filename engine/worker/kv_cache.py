@@ -1,13 +1,23 @@
-"""Paged KV cache: fixed-size blocks, per-sequence block tables, exact block accounting.
+"""Paged KV cache: fixed-size blocks, per-sequence block tables, exact block accounting, layer groups over one set
+of blocks, and blocks as byte regions.
 
-Per layer the cache holds one flat tensor per KV entry kind, ``[num_blocks * kv_block_size, *entry_shape]``:
-MLA stores the normed latent ``[kv_lora]`` and the roped key ``[rope_dim]`` once per token (replicated
-over attention-TP ranks); GQA stores K and V ``[local_kv_heads, head_dim]``. Token ``p`` of a sequence
-lives in slot ``block_table[p // kv_block_size] * kv_block_size + p % kv_block_size`` (``engine.blocks``).
+A cache holds one or more *layer groups* (:class:`KVCacheSpec`): the target model's layers (``"target"``) and, with
+speculative decoding, the drafter's context layers (``"drafter"``). Every group has every block: a request's block
+table addresses its KV in all groups at once, so a fork's block copy, a block read out or written in, and the
+cache's size per token are each done once, over all groups. Per layer a group holds one flat tensor per KV entry
+kind, ``[num_blocks * kv_block_size, *entry_shape]``: MLA stores the normed latent ``[kv_lora]`` and the roped key
+``[rope_dim]`` once per token (replicated over attention-TP ranks); GQA (and the drafter) store K and V
+``[local_kv_heads, head_dim]``. Token ``p`` of a sequence lives in slot ``block_table[p // kv_block_size] *
+kv_block_size + p % kv_block_size`` (``engine.blocks``).
+
+The layout stays layer-major (one tensor per layer and entry kind, as the paged-attention kernels index it): block
+``b`` is one contiguous byte region per group, layer and entry kind (:meth:`PagedKVCache.regions`), fixed for the
+life of the process — what a host tier copies and a transfer engine registers.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +27,12 @@ from engine.staging import to_device
 from model.batch import PaddedContext
 from model.transformer import CausalLM
 
+TARGET, DRAFTER = "target", "drafter"
+
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Per-token entry shapes of every layer, for one rank."""
+    """Per-token entry shapes of every layer of one layer group, for one rank."""
 
     entry_shapes: tuple[tuple[int, ...], ...]
     num_layers: int
@@ -42,12 +54,36 @@ class KVSpec:
         return per_layer * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
 
 
-class PagedKVCache:
-    """The cache tensors of one rank."""
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The layer groups of one rank's cache, in order: ``(name, KVSpec)`` pairs over the same blocks."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, kv_block_size: int, device: torch.device | str = "cpu"):
-        self.spec, self.num_blocks, self.kv_block_size = spec, num_blocks, kv_block_size
-        self.device = torch.device(device)
+    groups: tuple[tuple[str, KVSpec], ...]
+
+    @staticmethod
+    def of(target: KVSpec, drafter: KVSpec | None = None) -> KVCacheSpec:
+        """The target's group, then the drafter context's when there is one."""
+        return KVCacheSpec(((TARGET, target),) + (((DRAFTER, drafter),) if drafter is not None else ()))
+
+    def bytes_per_token(self) -> int:
+        """This rank's KV bytes per token over every group (the KV budget's unit)."""
+        return sum(spec.bytes_per_token() for _, spec in self.groups)
+
+
+@dataclass(frozen=True)
+class ByteRegion:
+    """``length`` bytes at ``address`` on the cache's device: one block's share of one layer's entry tensor."""
+
+    address: int
+    length: int
+
+
+class KVGroup:
+    """One layer group's tensors in a :class:`PagedKVCache`: ``layers[l]`` is layer ``l``'s entry tensors
+    ``[num_blocks * kv_block_size, *entry_shape]``, addressed by the cache's block tables."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int, kv_block_size: int, device: torch.device):
+        self.spec, self.num_blocks, self.kv_block_size, self.device = spec, num_blocks, kv_block_size, device
         slots = num_blocks * kv_block_size
         self.layers = [tuple(torch.zeros(slots, *shape, dtype=spec.dtype, device=device)
                              for shape in spec.entry_shapes) for _ in range(spec.num_layers)]
@@ -59,18 +95,114 @@ class PagedKVCache:
             store.index_copy_(0, slots, new.to(store.dtype))
         return stores
 
+    def stores(self) -> list[torch.Tensor]:
+        """Every entry tensor of the group, layer by layer."""
+        return [store for stores in self.layers for store in stores]
+
+
+class PagedKVCache:
+    """The cache tensors of one rank: every layer group of ``spec`` (a bare :class:`KVSpec` is the target's only)
+    over ``num_blocks`` blocks of ``kv_block_size`` tokens. :attr:`layers` and :meth:`write` are the target's."""
+
+    def __init__(self, spec: KVCacheSpec | KVSpec, num_blocks: int, kv_block_size: int,
+                 device: torch.device | str = "cpu"):
+        spec = spec if isinstance(spec, KVCacheSpec) else KVCacheSpec.of(spec)
+        self.num_blocks, self.kv_block_size = num_blocks, kv_block_size
+        self.device = torch.device(device)
+        self.groups = {name: KVGroup(s, num_blocks, kv_block_size, self.device) for name, s in spec.groups}
+        self.layers = self.groups[TARGET].layers
+
+    @property
+    def cache_spec(self) -> KVCacheSpec:
+        """The groups this cache holds now, in order."""
+        return KVCacheSpec(tuple((name, g.spec) for name, g in self.groups.items()))
+
+    def group(self, name: str, spec: KVSpec) -> KVGroup:
+        """Layer group ``name`` with entries ``spec``: the one the cache was built with (its spec must match), or
+        a new group over the same blocks for a cache built without it (callers that build a speculative decoder
+        over a target-only cache)."""
+        found = self.groups.get(name)
+        if found is None:
+            found = self.groups[name] = KVGroup(spec, self.num_blocks, self.kv_block_size, self.device)
+        elif found.spec != spec:
+            raise ValueError(f"KV layer group {name!r} was built as {found.spec}, asked for {spec}")
+        return found
+
+    def write(self, layer: int, slots: torch.Tensor, entries: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Stores the target's ``entries`` (tokens in dim 0) at ``slots [T]`` of ``layer``; returns its tensors."""
+        return self.groups[TARGET].write(layer, slots, entries)
+
+    def _stores(self) -> list[torch.Tensor]:
+        """Every entry tensor of every group: groups in order, then layers, then entry kinds."""
+        return [store for g in self.groups.values() for store in g.stores()]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the entries of block ``src`` into block ``dst`` for each ``(src, dst)`` (a forked request's partial
-        last block, ``engine.core.kv_manager.KVManager.fork``), every layer."""
+        last block, ``engine.core.kv_manager.KVManager.fork``), every layer of every group."""
         if not pairs:
             return
         bs = self.kv_block_size
         offsets = torch.arange(bs, device=self.device)
         src = (torch.tensor([a for a, _ in pairs], device=self.device)[:, None] * bs + offsets).reshape(-1)
         dst = (torch.tensor([b for _, b in pairs], device=self.device)[:, None] * bs + offsets).reshape(-1)
-        for stores in self.layers:
-            for store in stores:
-                store.index_copy_(0, dst, store.index_select(0, src))
+        for store in self._stores():
+            store.index_copy_(0, dst, store.index_select(0, src))
+
+    # ---- blocks as byte regions ------------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        """Bytes of one block over every group (the row width of :meth:`read_blocks`' buffer)."""
+        return sum(self._block_view(store).shape[1] for store in self._stores())
+
+    def _block_view(self, store: torch.Tensor) -> torch.Tensor:
+        """``store`` as raw bytes, one row per block: ``[num_blocks, kv_block_size * entry bytes]`` uint8 (a view)."""
+        return store.view(torch.uint8).view(self.num_blocks, -1)
+
+    def regions(self, block_ids: list[int]) -> list[list[ByteRegion]]:
+        """Per block of ``block_ids``, its byte regions on the cache's device in :meth:`read_blocks`' order (groups,
+        layers, entry kinds): each a contiguous ``kv_block_size`` tokens of one entry tensor."""
+        self._check(block_ids)
+        views = [self._block_view(store) for store in self._stores()]
+        return [[ByteRegion(v.data_ptr() + b * v.stride(0), v.shape[1]) for v in views] for b in block_ids]
+
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bytes of ``block_ids`` over every group, into ``out`` ``[len(block_ids), block_bytes()]`` uint8 (host
+        memory; a new CPU tensor when None). Returns ``out``."""
+        self._check(block_ids)
+        if out is None:
+            out = torch.empty(len(block_ids), self.block_bytes(), dtype=torch.uint8)
+        if out.shape != (len(block_ids), self.block_bytes()) or out.dtype != torch.uint8:
+            raise ValueError(f"read_blocks needs a uint8 buffer [{len(block_ids)}, {self.block_bytes()}], got "
+                             f"{out.dtype} {list(out.shape)}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        at = 0
+        for store in self._stores():
+            view = self._block_view(store)
+            out[:, at:at + view.shape[1]].copy_(view.index_select(0, index))
+            at += view.shape[1]
+        return out
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Writes ``data [len(block_ids), block_bytes()]`` uint8 (:meth:`read_blocks`' layout, any device) into
+        ``block_ids``, every group."""
+        self._check(block_ids)
+        if data.shape != (len(block_ids), self.block_bytes()) or data.dtype != torch.uint8:
+            raise ValueError(f"write_blocks needs uint8 [{len(block_ids)}, {self.block_bytes()}] (the layout of "
+                             f"read_blocks), got {data.dtype} {list(data.shape)}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        at = 0
+        for store in self._stores():
+            view = self._block_view(store)
+            view.index_copy_(0, index, data[:, at:at + view.shape[1]].to(self.device))
+            at += view.shape[1]
+
+    def checksum(self, block_id: int) -> str:
+        """A digest (BLAKE2b, hex) of block ``block_id``'s bytes over every group: equal iff the bytes are."""
+        return hashlib.blake2b(self.read_blocks([block_id]).numpy().tobytes(), digest_size=16).hexdigest()
+
+    def _check(self, block_ids: list[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"KV blocks {bad} are outside this cache's {self.num_blocks} blocks")
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slot ids of token positions ``[start, end)`` of a sequence, host ints (:func:`engine.blocks.token_slots`)."""

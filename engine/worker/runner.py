@@ -23,7 +23,8 @@ from engine.staging import Readback, to_device
 from engine.step import Record, RunnerOutput, SeqWork, StepItem, StepKind, StepPlan, StepResult, step_kind
 from engine.worker.capture import capture_blocker, free_device_memory, memory_blocker, no_host_sync, static_step_bytes
 from engine.worker.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
-from engine.worker.kv_cache import KVSpec, PagedKV, PagedKVCache, SeqSlots
+from engine.worker.kv_budget import cache_spec
+from engine.worker.kv_cache import PagedKV, PagedKVCache, SeqSlots
 from engine.worker.rank_requests import RankRequests
 from engine.worker.spec_contract import Speculation, StaticLayout, TreeRows
 from model.batch import ForwardBatch
@@ -66,7 +67,7 @@ class ModelRunner:
         scratch = blocks_for(step_slots, kv_block_size) if static_batch_sizes else 0
         device = model.device
         self.device = device
-        self.cache = PagedKVCache(KVSpec.for_model(model), num_blocks + scratch, kv_block_size, device=device)
+        self.cache = PagedKVCache(cache_spec(model, speculation), num_blocks + scratch, kv_block_size, device=device)
         static = StaticLayout(batch_sizes=tuple(sorted(static_batch_sizes)),
                               max_blocks=blocks_for(max_model_len + step_slots, kv_block_size),
                               scratch_blocks=tuple(range(num_blocks, num_blocks + scratch))
@@ -135,13 +136,10 @@ class ModelRunner:
 
     def launch_plan(self, plan: StepPlan) -> Launched:
         """:meth:`launch` of this rank's share of ``plan``, after applying its changes to the requests kept here and
-        its KV block copies (a fork's partial block, target and drafter context alike)."""
+        its KV block copies (a fork's partial block, every layer group of the cache)."""
         dp = self.requests.dp_rank
         copies = [(src, dst) for rank, src, dst in plan.copies if rank == dp]
-        if copies:
-            self.cache.copy_blocks(copies)
-            if self.speculator is not None:
-                self.speculator.copy_blocks(copies)
+        self.cache.copy_blocks(copies)
         return self.launch(self.requests.apply(plan), plan.work)
 
     def execute(self, work: list[SeqWork], dp_work: list[list[StepItem]] | None = None) -> RunnerOutput:

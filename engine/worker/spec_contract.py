@@ -20,7 +20,7 @@ import torch
 from engine.sampling.logits_processors import GrammarWalk, Rows
 from engine.sampling.sampler import SampleOutput
 from engine.step import Record, SeqWork, StepKind, StepResult
-from engine.worker.kv_cache import PagedKVCache, SeqSlots
+from engine.worker.kv_cache import KVSpec, PagedKVCache, SeqSlots
 from model.transformer import CausalLM
 
 
@@ -31,8 +31,9 @@ class SpeculationFacts:
     ``tree_size``: nodes per tree, root included (a verify's rows per request); ``draft_block_size``: the DFlash
     block ``[bonus, MASK × (draft_block_size - 1)]``; ``draft_rows``: block rows whose draft distributions are used;
     ``spec_reserve_slots``: KV slots past a request's next position that one speculative step writes (the
-    scheduler reserves them per request); ``drafter_kv_bytes_per_token``: this rank's drafter-context bytes per
-    token (the drafter's context store has as many blocks as the target's KV cache)."""
+    scheduler reserves them per request); ``context_kv``: the entries of the drafter's context, a layer group of
+    the rank's KV cache over the target's blocks (None: the speculator adds its group itself, uncounted by the KV
+    budget)."""
 
     method: str
     tree_size: int
@@ -40,7 +41,7 @@ class SpeculationFacts:
     draft_rows: int
     spec_reserve_slots: int
     drafter_path: str
-    drafter_kv_bytes_per_token: int
+    context_kv: KVSpec | None
     tree_temperature: float
     draft_head_dtype: str
 
@@ -165,10 +166,6 @@ class Speculator(Protocol):
     def features_computed(self, work: list[SeqWork], feats: torch.Tensor) -> None:
         """Target features ``feats [T, k*H]`` of ``work``'s fed tokens (each item's ``token_ids`` at positions
         ``start ..``, items in order) were computed by a plain step: the drafter's context takes them."""
-        ...
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """The drafter context's blocks copied ``src → dst`` as the target's KV blocks were (a forked request)."""
         ...
 
 
