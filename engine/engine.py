@@ -30,6 +30,7 @@ from engine.core.kv_manager import KvEvent
 from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.core.scheduler import Scheduler
 from engine.core.step_record import StepRecord
+from engine.kv_transfers import KVTransfers
 from engine.messages import FlushResult
 from engine.params import Constraint, SamplingParams
 from engine.profiling import ProfileDriver, ProfilePlan, RankProfiler
@@ -48,6 +49,7 @@ from engine.worker.control import (
     WarmUpShape,
 )
 from engine.worker.cuda_graphs import StepShape
+from engine.worker.kv_loads import HostKV, KVSource
 from engine.worker.loop import control_plane, make_runner
 from engine.worker.runner import Launched
 from engine.worker.spec_contract import Speculation
@@ -90,6 +92,7 @@ class Engine:
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
         self.rank = RankState(self.runner, telemetry, RankProfiler(model.groups.rank, model.device))  # rank 0's share
+        self.transfers = KVTransfers(self.control, self.rank, self.scheduler)
         self.profiling = ProfileDriver(lambda control: self.control.send(Profile(control), self.rank))
         self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
         self.last_record: StepRecord | None = None
@@ -123,10 +126,15 @@ class Engine:
             self.control.send(Precompile(constraint))
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
-                    retain_kv: bool = False, arrival: float | None = None) -> None:
+                    retain_kv: bool = False, arrival: float | None = None, kv: KVSource | None = None) -> None:
         """``dp_rank``: the attention-DP rank to run on (None: the scheduler places it); ``retain_kv``: keep its blocks
         past plain LRU when it ends (``engine.kv_retention_s``); ``arrival``: when it arrived (``time.monotonic``;
-        None: now), where its time to first token and queue time start."""
+        None: now), where its time to first token and queue time start; ``kv``: where the KV of its leading prompt
+        tokens is (``kv.num_tokens`` of them, made by an engine on the same weights and layout): it is loaded into
+        the blocks admission reserves, off the step thread, and the request waits for it without holding up the
+        others."""
+        if kv is not None:
+            self.transfers.check(kv)
         if params.constraint is not None:
             if self.grammar is None:
                 raise RequestError(f"{params.constraint.field}: structured output needs the checkpoint's tokenizer "
@@ -136,7 +144,10 @@ class Engine:
             raise RequestError(f"stop {list(params.stop)[:3]}: stop strings need the checkpoint's tokenizer "
                                "(tokenizer.json or tiktoken.model), and this engine was started without one")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv)
+        self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv,
+                           kv_tokens=kv.num_tokens if kv is not None else 0)
+        if kv is not None:
+            self.transfers.sources[request_id] = kv
         keys = [request_id] if params.n == 1 else [sample_id(request_id, i) for i in range(params.n)]
         self.stops.add(keys, prompt, params)
         self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
@@ -145,6 +156,7 @@ class Engine:
         """Ends ``request_id`` now: one finished output per sample still running (n > 1). Each goes to the stats
         record (``StepRecorder.aborted``), which ends the request once, at the first (the abort in /metrics)."""
         outs = self.scheduler.abort_all(request_id) or [self.scheduler.abort(request_id)]  # unknown id: RequestError
+        self.transfers.sources.pop(request_id, None)
         self.stops.ended(outs)
         now = time.monotonic()
         for out in outs:
@@ -218,7 +230,9 @@ class Engine:
         t0 = time.perf_counter()
         self.recorder.begin(time.monotonic())
         self.profiling.before_step(self.stats.steps)
+        self.transfers.finish_loads()
         plan = self.scheduler.schedule()
+        self.transfers.start_loads()
         t1 = time.perf_counter()
         self.recorder.scheduled(plan, time.monotonic(), self.scheduler.blocked)
         launched = None
@@ -233,6 +247,8 @@ class Engine:
             self.recorder.host("target", step.target_s)
         elif self._in_flight is not None:
             self.control.send(Drain())
+        else:
+            self.transfers.idle()
         t2 = time.perf_counter()
         self.recorder.host("schedule", t1 - t0)
         self.recorder.host("launch", t2 - t1)
@@ -262,6 +278,11 @@ class Engine:
         self.recorder.host("readback", t2 - t1)
         self.recorder.host("update", time.perf_counter() - t2)
         return reports, merged, outputs
+
+    def read_prefix_kv(self, tokens: list[int], dp_rank: int = 0) -> HostKV:
+        """The KV of the leading full blocks of ``tokens`` that attention-DP rank ``dp_rank``'s prefix cache holds,
+        in host memory (:meth:`engine.kv_transfers.KVTransfers.read_prefix`): a source for :meth:`add_request`."""
+        return self.transfers.read_prefix(tokens, dp_rank)
 
     def heartbeat(self) -> None:
         """A control-plane round trip with every rank while idle: keeps idle workers inside the process-group

@@ -91,7 +91,8 @@ def step_kind(items: Iterable[StepItem]) -> StepKind:
 class StepPlan:
     """One step as rank 0 broadcasts it: each attention-DP rank's items, and the changes to the requests the ranks
     keep since the last plan — ``finished`` ids (ended, aborted or preempted: dropped first), ``added`` requests and
-    each item's new KV ``blocks`` (appended to its table) — and the KV block ``copies`` a fork needs."""
+    each item's new KV ``blocks`` (appended to its table) — the KV block ``copies`` a fork needs and the KV ``loads``
+    to wait for."""
 
     step_id: int
     work: list[list[StepItem]]  # per attention-DP rank
@@ -102,6 +103,8 @@ class StepPlan:
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # (attention-DP rank, src, dst): KV blocks each rank of that DP group copies before the step (n > 1's fork)
     copies: tuple[tuple[int, int, int], ...] = ()
+    # KV loads (engine.worker.kv_loads) every rank waits for before the step: done on rank 0, their blocks now read
+    loads: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

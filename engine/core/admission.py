@@ -5,6 +5,8 @@
   without holding up the others, one whose blocks are not free stops admission.
 - The reserve: the blocks of its first chunk (``on_demand``) or of its whole request (``reserve``: prompt +
   max_tokens capped at max_model_len, plus the speculative scratch); the cached prefix needs none.
+- KV from elsewhere (``Request.kv_tokens``): the reserve covers it; the blocks the prefix cache does not hold are
+  loaded (:meth:`take_loads`) and the request is placed but not fed until the load is done (``Request.loading``).
 - ``share_inflight_prefix``: a request whose next uncached block a running request is computing now waits (without
   holding up the others) and hits that block once it is committed, rather than computing the shared prefix again.
 """
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
 from engine.core.journal import RankJournal
@@ -19,11 +22,25 @@ from engine.core.kv_manager import KVManager
 from engine.core.requests import Request, RequestTable
 
 
+@dataclass(frozen=True, kw_only=True)
+class KVLoad:
+    """A load admission started: source blocks ``source_blocks`` of request ``request_id``'s KV source into its
+    ``blocks`` on attention-DP rank ``dp_rank``."""
+
+    load_id: int
+    request_id: str
+    dp_rank: int
+    blocks: tuple[int, ...]
+    source_blocks: tuple[int, ...]
+
+
 class Admission:
     def __init__(self, cfg: SchedulerConfig, table: RequestTable, kv: KVManager, journal: RankJournal):
         self.cfg, self.table, self.kv, self.journal = cfg, table, kv, journal
         self._order = itertools.count()
         self.prefix_waits = 0  # admission passes that put a request off for a block another is prefilling
+        self._load_ids = itertools.count()
+        self._loads: list[KVLoad] = []  # loads admission started since the engine last took them
 
     def admit(self, last_fed: set[str]) -> str:
         """Admits in queue order while a rank has room and the blocks a request's first step needs. ``last_fed``:
@@ -54,6 +71,8 @@ class Admission:
                 return "kv"
             table.waiting.remove(req)
             req.dp_rank, req.num_computed = dp, cached
+            if req.kv_tokens > cached:
+                self._start_load(req, cached)
             if prefilling is not None:  # admitted now: those behind it wait for what it will compute
                 prefilling[dp].update(hashes[cached // self.cfg.block_size:])
             self.journal.joined(req)
@@ -63,11 +82,24 @@ class Admission:
         return blocked
 
     def _reserve(self, req: Request, dp: int, hashes: list[int]) -> int:
-        """Token slots ``req`` takes at admission on ``dp`` (cached prefix included)."""
+        """Token slots ``req`` takes at admission on ``dp`` (cached prefix and KV to load included)."""
         if self.cfg.kv_allocation == "reserve":
             return self.table.request_slots(len(req.prompt), req.params.max_tokens)
-        hit = self.kv.cached_blocks(dp, hashes) * self.cfg.block_size
+        hit = max(self.kv.cached_blocks(dp, hashes) * self.cfg.block_size, req.kv_tokens)
         return hit + min(len(req.feed_tokens) - hit, self.cfg.max_num_batched_tokens)
+
+    def _start_load(self, req: Request, cached: int) -> None:
+        """``req``'s blocks past its ``cached`` prefix up to ``kv_tokens`` come from its source."""
+        bs = self.cfg.block_size
+        first, end = cached // bs, req.kv_tokens // bs
+        req.loading = next(self._load_ids)
+        self._loads.append(KVLoad(load_id=req.loading, request_id=req.request_id, dp_rank=req.dp_rank,
+                                  blocks=tuple(self.kv.table(req)[first:end]), source_blocks=tuple(range(first, end))))
+
+    def take_loads(self) -> list[KVLoad]:
+        """The loads admission started since the last call, for the engine to send to the ranks."""
+        loads, self._loads = self._loads, []
+        return loads
 
     def _prefilling(self, last_fed: set[str]) -> list[set[int]]:
         """Per DP rank, the hashes of the full blocks not yet committed of the running requests the last plan fed."""

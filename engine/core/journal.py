@@ -1,5 +1,6 @@
 """What the ranks must learn with the next plan that has work: requests added (with their settings, once),
-requests that left them (ended or preempted), each item's new block-table entries and a fork's block copies."""
+requests that left them (ended or preempted), each item's new block-table entries, a fork's block copies and the KV
+loads to wait for."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Changes:
     added: tuple[NewRequest, ...]
     finished: tuple[str, ...]
     copies: tuple[tuple[int, int, int], ...]
+    loads: tuple[int, ...]
 
 
 class RankJournal:
@@ -26,6 +28,7 @@ class RankJournal:
         self._added: list[NewRequest] = []
         self._finished: list[str] = []
         self._copies: list[tuple[int, int, int]] = []
+        self._loads: list[int] = []
 
     def joined(self, req: Request) -> None:
         """``req`` runs on its rank from the next plan: prompt, output to replay, params and seed go once."""
@@ -48,6 +51,10 @@ class RankJournal:
         """DP rank ``dp`` copies block ``src`` into ``dst`` before the next step (a fork's partial block)."""
         self._copies.append((dp, src, dst))
 
+    def loaded(self, load_id: int) -> None:
+        """Every rank waits for load ``load_id`` before the next step (its blocks are read or handed out then)."""
+        self._loads.append(load_id)
+
     @staticmethod
     def new_blocks(req: Request, table: list[int]) -> tuple[int, ...] | None:
         """The entries of ``table`` (``req``'s block table) its ranks do not hold yet, now counted as sent."""
@@ -58,6 +65,6 @@ class RankJournal:
 
     def take(self) -> Changes:
         """The changes since the last plan with work, and a fresh journal."""
-        changes = Changes(tuple(self._added), tuple(self._finished), tuple(self._copies))
-        self._added, self._finished, self._copies = [], [], []
+        changes = Changes(tuple(self._added), tuple(self._finished), tuple(self._copies), tuple(self._loads))
+        self._added, self._finished, self._copies, self._loads = [], [], [], []
         return changes

@@ -302,6 +302,11 @@ class KVManager:
         """Blocks of ``hashes`` that ``dp``'s pool holds, from the first."""
         return len(self.pools[dp].cached_prefix(hashes))
 
+    def prefix_blocks(self, dp: int, tokens: list[int]) -> list[int]:
+        """The blocks of ``dp``'s pool that hold the leading full blocks of ``tokens``, from the first (none with
+        prefix caching off)."""
+        return self.pools[dp].cached_prefix(self.index.hashes(tokens))
+
     def num_free(self, dp: int) -> int:
         """Blocks ``dp``'s pool can hand out now (empty or cached unreferenced)."""
         return self.pools[dp].num_free

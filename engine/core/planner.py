@@ -7,7 +7,8 @@
 - Preemption (``on_demand``): when an item's blocks are not free, the running request admitted last on that rank is
   preempted — vLLM's FCFS rule: the oldest request always progresses (no livelock) and the newest has the least to
   recompute. Never one already in this step, nor one with a step in flight (``overlap``: its KV is being written):
-  then the item waits a step. A preempted request frees its blocks through the prefix cache (its committed blocks
+  then the item waits a step; nor one whose KV is being loaded (a load writes its blocks). A preempted request
+  frees its blocks through the prefix cache (its committed blocks
   stay cached, so its resume hits them), drops its speculative state and goes back to the front of the queue; on
   resume it prefills prompt + output and samples its next token.
 - ``overlap``: step n+1 is planned before step n's tokens are back. A request sampled in step n then feeds a
@@ -42,7 +43,7 @@ class StepPlanner:
             total_of = {r.request_id: len(r.feed_tokens) + r.pending for r in running}
             decodes = [r for r in running if self._feeds_last_token(r, total_of[r.request_id])]
             for req in decodes + [r for r in running if r not in decodes]:
-                if req.dp_rank != dp or req.request_id in scheduled:  # preempted by an earlier item of this step
+                if req.dp_rank != dp or req.request_id in scheduled or req.loading >= 0:  # preempted; or loading
                     continue
                 total = total_of[req.request_id]
                 n = min(total - req.num_computed, budget)
@@ -107,7 +108,7 @@ class StepPlanner:
         flight; None if there is none."""
         in_flight = {rid for step in self.in_flight.values() for rid in step}
         candidates = [r for r in self.table.running[req.dp_rank] if r.admitted > req.admitted and r.pending == 0
-                      and r.request_id not in scheduled and r.request_id not in in_flight]
+                      and r.loading < 0 and r.request_id not in scheduled and r.request_id not in in_flight]
         return max(candidates, key=lambda r: r.admitted, default=None)
 
     def _preempt(self, req: Request) -> None:

@@ -39,6 +39,8 @@ class Request:
     client_id: str = ""  # the id its outputs carry: its own, or (one of n samples) its request's
     index: int = 0  # which of its request's n samples
     fork_n: int = 0  # > 0: it prefills the prompt but its last token, then forks into this many samples
+    kv_tokens: int = 0  # leading prompt tokens whose KV arrives from elsewhere (a KV source) at admission
+    loading: int = -1  # the id of its KV load while it runs (admitted, blocks reserved, not fed until it is done)
 
     @property
     def tokens(self) -> list[int]:
@@ -88,14 +90,18 @@ class RequestTable:
             raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}), got {dp_rank}")
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
-            retain_kv: bool = False) -> Request:
+            retain_kv: bool = False, kv_tokens: int = 0) -> Request:
         """Validates and queues a request. ``params.n > 1``: one request prefills the prompt but its last token and
         then forks into n samples (:meth:`samples_of`); a one-token prompt has nothing to share and queues the
-        samples at once."""
+        samples at once. ``kv_tokens``: leading prompt tokens whose KV a source holds (loaded at admission; the
+        full blocks short of the prompt's last token are taken, that token is fed to sample)."""
         self.validate(request_id, prompt, params, dp_rank)
+        if kv_tokens and params.n > 1:
+            raise RequestError(f"n={params.n}: a request whose KV arrives from elsewhere runs one sample")
         if params.n == 1:
+            loaded = min(kv_tokens, len(prompt) - 1) // self.cfg.block_size * self.cfg.block_size
             return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,
-                                       retain_kv=retain_kv))
+                                       retain_kv=retain_kv, kv_tokens=loaded))
         self.groups[request_id] = set()
         if len(prompt) > 1:
             return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,
@@ -169,3 +175,7 @@ class RequestTable:
 
     def num_running(self) -> int:
         return sum(len(r) for r in self.running)
+
+    def loading(self, dp: int) -> int:
+        """Requests on ``dp`` whose KV is being loaded (placed, not fed yet)."""
+        return sum(r.loading >= 0 for r in self.running[dp])

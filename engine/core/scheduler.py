@@ -12,6 +12,8 @@ and the journal of what the ranks must learn (``journal.py``). Blocks are the KV
 - Limits apply per DP rank, as with vLLM's per-DP-rank engines: ``max_num_seqs`` running,
   ``max_num_batched_tokens`` fed per forward.
 - Every end (stop, length, abort, error) releases the request's blocks.
+- KV from elsewhere: a request added with ``kv_tokens`` is admitted with its blocks reserved and waits, placed but
+  not fed, while its load runs off the step thread (:meth:`take_loads`, :meth:`loaded`); the others' steps go on.
 - ``overlap`` (``engine.overlap=on``, plain decoding only): a request that stops (or is aborted) at step n may be in
   step n+1 already: that step's token for it is discarded, and its blocks were freed once, when it ended.
 - ``n > 1``: one request prefills the prompt but its last token and then forks into n samples (seeds ``seed + i``)
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 from engine.blocks import blocks_for
 from engine.config import RequestError, SchedulerConfig
-from engine.core.admission import Admission
+from engine.core.admission import Admission, KVLoad
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager, KVManagerConfig
 from engine.core.outputs import OutputProcessor
@@ -48,6 +50,7 @@ class SchedulerStats:
     running: int
     waiting: int
     blocks_in_use: int
+    loading: int  # of the waiting, those whose KV is being loaded (placed on their rank, not fed yet)
     preemptions: int
     prefix_waits: int
     prompt_tokens: int
@@ -88,9 +91,23 @@ class Scheduler:
         self._blocked = ""
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
-            retain_kv: bool = False) -> Request:
+            retain_kv: bool = False, kv_tokens: int = 0) -> Request:
         """Queues a request (:meth:`RequestTable.add`); raises RequestError naming the field."""
-        return self.table.add(request_id, prompt, params, seed, dp_rank, retain_kv)
+        return self.table.add(request_id, prompt, params, seed, dp_rank, retain_kv, kv_tokens)
+
+    def take_loads(self) -> list[KVLoad]:
+        """The KV loads admission started since the last call (:meth:`Admission.take_loads`)."""
+        return self.admission.take_loads()
+
+    def loaded(self, load_id: int) -> None:
+        """Load ``load_id`` is done on rank 0: its request (if it still runs) has its loaded tokens computed and
+        committed, and is fed from the next step; every rank waits for the load before that step."""
+        self.journal.loaded(load_id)
+        for req in self.table.requests.values():
+            if req.loading == load_id:
+                req.num_computed, req.kv_tokens, req.loading = req.kv_tokens, 0, -1
+                self.kv.commit(req, req.num_computed)
+                return
 
     def has_work(self) -> bool:
         return self.table.has_work()
@@ -110,7 +127,7 @@ class Scheduler:
             return StepPlan(step_id, work, overlap=overlap)
         changes = self.journal.take()
         return StepPlan(step_id, work, overlap=overlap, added=changes.added, finished=changes.finished, blocks=blocks,
-                        copies=changes.copies)
+                        copies=changes.copies, loads=changes.loads)
 
     def update(self, plan: StepPlan, results: Mapping[str, StepResult],
                stopped: Mapping[str, tuple[int, str]] | None = None) -> list[RequestOutput]:
@@ -138,6 +155,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        if req.loading >= 0:  # its blocks go back now: whoever gets them waits for the load first
+            self.journal.loaded(req.loading)
         if req.dp_rank is not None:
             self.kv.free(req)
         self.journal.left(req)
@@ -186,12 +205,15 @@ class Scheduler:
             dp = r.pinned_dp if r.pinned_dp is not None else 0
             waiting[dp] += 1
             deferred[dp] += r.deferred
+        loading = [table.loading(dp) for dp in range(self.dp_size)]
         uncached = self.admission.waiting_uncached_tokens() if table.waiting else 0
-        per_dp = tuple(RankLoad(running=len(table.running[dp]), waiting=waiting[dp], deferred=deferred[dp],
-                                blocks_used=pool.num_used, blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
+        per_dp = tuple(RankLoad(running=len(table.running[dp]) - loading[dp], waiting=waiting[dp] + loading[dp],
+                                deferred=deferred[dp], loading=loading[dp], blocks_used=pool.num_used,
+                                blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
                                 waiting_uncached_tokens=uncached if dp == 0 else 0, cache_hit_rate=kv.hit_rate_of(dp))
                        for dp, pool in enumerate(kv.pools))
-        return SchedulerStats(per_dp=per_dp, blocked=self._blocked, running=table.num_running(),
-                              waiting=len(table.waiting), blocks_in_use=kv.blocks_in_use(),
+        return SchedulerStats(per_dp=per_dp, blocked=self._blocked, running=table.num_running() - sum(loading),
+                              waiting=len(table.waiting) + sum(loading), loading=sum(loading),
+                              blocks_in_use=kv.blocks_in_use(),
                               preemptions=self.planner.preemptions, prefix_waits=self.admission.prefix_waits,
                               prompt_tokens=kv.prompt_tokens, cached_tokens=kv.cached_tokens)

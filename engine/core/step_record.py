@@ -25,6 +25,7 @@ class RankLoad:
     running: int = 0
     waiting: int = 0
     deferred: int = 0  # of the waiting, those put off for a prefix another request is prefilling
+    loading: int = 0  # of the waiting, those whose KV is being loaded (engine/worker/kv_loads.py)
     blocks_used: int = 0
     blocks_cached: int = 0
     blocks_total: int = 1

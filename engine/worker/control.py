@@ -5,12 +5,12 @@ gather as declared) and run on the other ranks by one loop (:meth:`ControlPlane.
 message, raises :class:`RankProtocolError` at once, naming both, instead of waiting in a collective that will never
 match. A new cross-rank action is a new message type, not a branch in two loops kept in step by hand.
 
-Shapes the next features take (not built yet): a weight move (``MoveExpertWeights``: layer, slots and their new
-experts; runs in the background on each rank and replies when staged, then ``SwapExpertMaps`` switches a layer's
-maps on every rank between two steps), a KV load into given blocks (``LoadKV``: block ids and where their bytes are —
-a host buffer or a transfer address; replies a checksum per block), a KV read out of given blocks (``ReadKV``: block
-ids → their bytes over every layer group, for a tier or a hand-off) and a lease release (``ReleaseLease``: blocks a
-peer read may reuse).
+KV moves: :class:`ReadKV` reads given blocks out of every layer group into host memory, :class:`LoadKV` starts
+writing a source's blocks into given blocks off the step thread (the plan that first uses them waits for it:
+``StepPlan.loads``). Shapes the next features take (not built yet): a weight move (``MoveExpertWeights``: layer,
+slots and their new experts; runs in the background on each rank and replies when staged, then ``SwapExpertMaps``
+switches a layer's maps on every rank between two steps) and a lease release (``ReleaseLease``: blocks a peer read
+may reuse).
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
+import torch
+
 from engine.params import Constraint
 from engine.profiling import ProfileControl, RankProfiler
 from engine.step import RankReport, StepPlan
+from engine.worker.kv_loads import KVSource
 from engine.worker.runner import Launched, ModelRunner
 from engine.worker.telemetry import TelemetrySampler
 from parallelism.comm import Comm
@@ -133,6 +136,36 @@ class Profile(RankMessage):
 
     def run(self, rank: RankState) -> str:
         return rank.profiler.apply(self.control)
+
+
+@dataclass(frozen=True)
+class ReadKV(RankMessage):
+    """The bytes of ``blocks`` over every layer group, on the ranks of attention-DP group ``dp_rank``; replies
+    ``[len(blocks), block_bytes]`` uint8 there (``PagedKVCache.read_blocks``), None elsewhere."""
+
+    dp_rank: int
+    blocks: tuple[int, ...]
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> torch.Tensor | None:
+        runner = rank.runner
+        return runner.cache.read_blocks(list(self.blocks)) if runner.requests.dp_rank == self.dp_rank else None
+
+
+@dataclass(frozen=True)
+class LoadKV(RankMessage):
+    """Load ``load_id``: on the ranks of attention-DP group ``dp_rank``, start writing ``source``'s blocks
+    ``source_blocks`` into ``blocks`` on the loader thread (``engine.worker.kv_loads.RankLoads``)."""
+
+    load_id: int
+    dp_rank: int
+    blocks: tuple[int, ...]
+    source_blocks: tuple[int, ...]
+    source: KVSource
+
+    def run(self, rank: RankState) -> None:
+        if rank.runner.requests.dp_rank == self.dp_rank:
+            rank.runner.loads.start(self.load_id, list(self.blocks), list(self.source_blocks), self.source)
 
 
 @dataclass(frozen=True)

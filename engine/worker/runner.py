@@ -25,6 +25,7 @@ from engine.worker.capture import capture_blocker, free_device_memory, memory_bl
 from engine.worker.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
 from engine.worker.kv_budget import cache_spec
 from engine.worker.kv_cache import PagedKV, PagedKVCache, SeqSlots
+from engine.worker.kv_loads import RankLoads
 from engine.worker.rank_requests import RankRequests
 from engine.worker.spec_contract import Speculation, StaticLayout, TreeRows
 from model.batch import ForwardBatch
@@ -86,6 +87,7 @@ class ModelRunner:
         self.sampling = SamplingState(cfg.vocab_size, tuple(cfg.eos_token_ids), device,
                                       GrammarMasks(grammar, device) if grammar is not None else None)
         self.requests = RankRequests(model.groups.coords.attn_dp_rank, self.sampling)
+        self.loads = RankLoads(self.cache, model.groups.rank)  # KV arriving from elsewhere (engine/worker/kv_loads.py)
 
     @property
     def tree_size(self) -> int:
@@ -136,7 +138,9 @@ class ModelRunner:
 
     def launch_plan(self, plan: StepPlan) -> Launched:
         """:meth:`launch` of this rank's share of ``plan``, after applying its changes to the requests kept here and
-        its KV block copies (a fork's partial block, every layer group of the cache)."""
+        its KV block copies (a fork's partial block, every layer group of the cache), once the KV loads it names are
+        written."""
+        self.loads.wait(plan.loads)
         dp = self.requests.dp_rank
         copies = [(src, dst) for rank, src, dst in plan.copies if rank == dp]
         self.cache.copy_blocks(copies)

@@ -1,0 +1,62 @@
+"""Rank 0's side of KV that moves: sources of requests waiting for admission, the loads admission started (sent to
+the ranks as :class:`~engine.worker.control.LoadKV`, each rank's share written on its loader thread), and blocks
+read out of the ranks' caches (:class:`~engine.worker.control.ReadKV`).
+
+A request whose KV arrives from elsewhere is placed with its blocks reserved and is not fed while its load runs; the
+others' steps go on. Rank 0 sees its own share done (:meth:`KVTransfers.finish_loads`), the request joins the next
+step, and every rank waits for its share before that step (``StepPlan.loads``)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import RequestError
+from engine.core.scheduler import Scheduler
+from engine.worker.control import ControlPlane, LoadKV, RankState, ReadKV
+from engine.worker.kv_loads import HostKV, KVSource
+
+IDLE_WAIT_S = 0.05  # an engine with only loads to wait for blocks this long on rank 0's share instead of spinning
+
+
+class KVTransfers:
+    def __init__(self, control: ControlPlane, rank: RankState, scheduler: Scheduler):
+        self.control, self.rank, self.scheduler = control, rank, scheduler
+        self.sources: dict[str, KVSource] = {}  # requests whose KV arrives from elsewhere, until their load starts
+        self.loading: set[int] = set()  # loads started whose rank-0 share is not done
+
+    def check(self, kv: KVSource) -> None:
+        """Refuses a source whose rank-0 blocks do not fit this cache (another model, dtype or layout)."""
+        me = self.control.comm.rank
+        if isinstance(kv, HostKV) and me in kv.per_rank:
+            mine, want = kv.per_rank[me], self.rank.runner.cache.block_bytes()
+            if mine.dtype != torch.uint8 or mine.dim() != 2 or mine.shape[1] != want:
+                raise RequestError(f"kv: blocks of {mine.dtype} {list(mine.shape)} do not fit this engine's KV cache "
+                                   f"({want} bytes per block on rank {me})")
+
+    def start_loads(self) -> None:
+        """Sends the loads admission started to the ranks (each starts its share on its loader thread)."""
+        for load in self.scheduler.take_loads():
+            source = self.sources.pop(load.request_id)
+            self.control.send(LoadKV(load.load_id, load.dp_rank, load.blocks, load.source_blocks, source), self.rank)
+            self.loading.add(load.load_id)
+
+    def finish_loads(self) -> None:
+        """Loads whose rank-0 share is written: their requests join the next step."""
+        loads = self.rank.runner.loads
+        for load_id in sorted(i for i in self.loading if loads.done(i)):
+            self.loading.discard(load_id)
+            self.scheduler.loaded(load_id)
+
+    def idle(self) -> None:
+        """A step with nothing to launch: wait briefly for a load's rank-0 share (if any) rather than spin."""
+        if self.loading:
+            self.rank.runner.loads.wait_any(tuple(self.loading), timeout_s=IDLE_WAIT_S)
+
+    def read_prefix(self, tokens: list[int], dp_rank: int = 0) -> HostKV:
+        """The KV of the leading full blocks of ``tokens`` that attention-DP rank ``dp_rank``'s prefix cache holds,
+        read out of every layer group on each of its ranks into host memory: ``HostKV.per_rank[r]`` is rank ``r``'s
+        ``[blocks, block_bytes]`` uint8."""
+        blocks = self.scheduler.kv.prefix_blocks(dp_rank, tokens)
+        replies = self.control.send(ReadKV(dp_rank, tuple(blocks)), self.rank)
+        per_rank = {r: data for r, data in enumerate(replies) if data is not None}
+        return HostKV(per_rank, len(blocks) * self.scheduler.cfg.block_size)
