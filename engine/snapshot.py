@@ -51,6 +51,7 @@ def _kv(engine: Engine) -> dict:
             "retention_s": cfg.kv_retention_s, "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
             "hit_rate": kv.hit_rate, "evictions": kv.evictions, "preemptions": s.preemptions,
             "blocks_used": used, "blocks_total": total, "usage": used / total, "index_digest": kv.index_digest,
+            "requests_loading": s.loading,
             "per_dp": [{"running": s.per_dp[dp].running, "blocks_used": p.blocks_used, "blocks_cached": p.blocks_cached,
                         "blocks_free": p.blocks_free, "index_digest": p.index_digest}
                        for dp, p in enumerate(kv.per_dp)]}
@@ -77,6 +78,8 @@ def _speculation(engine: Engine) -> dict:
     if engine.speculation is None:
         doc["summary"] = "spec-decode acceptance: none yet (speculative decoding off)"
     else:
-        doc.update(asdict(engine.speculation.facts),
+        facts = engine.speculation.facts
+        doc.update({k: v for k, v in asdict(facts).items() if k != "context_kv"},
+                   drafter_kv_bytes_per_token=facts.context_kv.bytes_per_token() if facts.context_kv else 0,
                    summary=f"spec-decode acceptance length: {tau:.2f}" if tau else "spec-decode acceptance: none yet")
     return doc

@@ -69,6 +69,8 @@ FAMILIES = _families(
     Family("vllm:num_requests_waiting_by_reason", "gauge", "Number of waiting requests by reason: 'capacity' = "
            "waiting for KV blocks or a running slot; 'deferred' = waiting for a shared prefix another request is "
            "prefilling (engine.share_inflight_prefix).", ("reason",)),
+    Family("switchyard:num_requests_loading", "gauge", "Number of waiting requests whose KV is being loaded from "
+           "elsewhere (a host buffer, a tier or another worker); they also count in vllm:num_requests_waiting."),
     Family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
     Family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens."),
     Family("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
@@ -151,9 +153,10 @@ class MetricsExporter:
         self._lock = threading.Lock()
         # family → {extra label values: value}; a histogram's value: [count per bucket..., +Inf count, sum]
         self._data: dict[str, dict[tuple, float | list]] = {name: {} for name in FAMILIES}
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached",
-                     "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens"):
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "switchyard:num_requests_loading",
+                     "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                     "vllm:prompt_tokens_cached", "vllm:num_preemptions", "vllm:prompt_tokens",
+                     "vllm:generation_tokens"):
             self._data[name][()] = 0.0
         self._data["vllm:num_requests_waiting_by_reason"] = {(r,): 0.0 for r in WAITING_REASONS}
         self._data["vllm:request_success"] = {(r,): 0.0 for r in FINISH_REASONS}
@@ -191,10 +194,11 @@ class MetricsExporter:
                 self._step(d, r)
 
     def _scheduler(self, d: dict, r: StepRecord) -> None:
-        t, running, waiting, deferred, used, total = r.tokens, 0, 0, 0, 0, 0
+        t, running, waiting, deferred, loading, used, total = r.tokens, 0, 0, 0, 0, 0, 0
         blocks = d["switchyard:kv_blocks"]
         for dp, k in enumerate(r.kv):
             running, waiting, deferred = running + k.running, waiting + k.waiting, deferred + k.deferred
+            loading += k.loading
             used, total = used + k.blocks_used, total + k.blocks_total
             label = str(dp)
             blocks[(label, "used")], blocks[(label, "cached")], blocks[(label, "free")] = \
@@ -202,7 +206,8 @@ class MetricsExporter:
         d["vllm:num_requests_running"][()] = running
         d["vllm:num_requests_waiting"][()] = waiting
         by_reason = d["vllm:num_requests_waiting_by_reason"]
-        by_reason[("capacity",)], by_reason[("deferred",)] = waiting - deferred, deferred
+        by_reason[("capacity",)], by_reason[("deferred",)] = waiting - deferred - loading, deferred
+        d["switchyard:num_requests_loading"][()] = loading
         d["vllm:kv_cache_usage_perc"][()] = used / total if total else 0.0
         d["vllm:prefix_cache_queries"][()] += t.prompt_queried
         d["vllm:prefix_cache_hits"][()] += t.prompt_cached

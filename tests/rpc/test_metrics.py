@@ -313,8 +313,8 @@ def _gpu_record(t: float, energy_mj: dict[int, float], tokens: int, throttle=("s
 
 
 def test_deferred_waiting_requests_have_their_own_reason():
-    """``vllm:num_requests_waiting_by_reason``: of 4 waiting on two DP ranks, 3 put off for a prefix being prefilled
-    are ``deferred``, the rest ``capacity``."""
+    """``vllm:num_requests_waiting_by_reason``: of 6 waiting on two DP ranks, 3 put off for a prefix being prefilled
+    are ``deferred``, 2 loading their KV are neither (``switchyard:num_requests_loading``), the rest ``capacity``."""
     import dataclasses
 
     from engine.core.step_record import RankLoad
@@ -322,10 +322,11 @@ def test_deferred_waiting_requests_have_their_own_reason():
 
     e = MetricsExporter("m")
     e.observe(dataclasses.replace(_gpu_record(1.0, {0: 0}, tokens=1),
-                                  kv=(RankLoad(waiting=3, deferred=2, blocks_total=10),
-                                      RankLoad(waiting=1, deferred=1, blocks_total=10))))
+                                  kv=(RankLoad(waiting=4, deferred=2, loading=1, blocks_total=10),
+                                      RankLoad(waiting=2, deferred=1, loading=1, blocks_total=10))))
     m = samples(e.text().decode())
-    assert m[("vllm:num_requests_waiting", ())] == 4
+    assert m[("vllm:num_requests_waiting", ())] == 6
+    assert m[("switchyard:num_requests_loading", ())] == 2
     assert m[("vllm:num_requests_waiting_by_reason", (("reason", "capacity"),))] == 1
     assert m[("vllm:num_requests_waiting_by_reason", (("reason", "deferred"),))] == 3
 
