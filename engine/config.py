@@ -1,9 +1,12 @@
-"""The engine's configuration as the user sets it (hydra group ``engine``), validated once."""
+"""The engine's configuration as the user sets it (hydra group ``engine``, one flat set of keys), kept by owner:
+the scheduler's (:class:`SchedulerConfig`), the KV cache's (:class:`CacheConfig`) and the runner's
+(:class:`RunnerConfig`), inside one :class:`EngineConfig` built from the flat keys (:meth:`EngineConfig.flat`) and
+validated once, each key by its owner."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ALLOCATIONS = ("on_demand", "reserve")
 
@@ -12,19 +15,63 @@ class RequestError(ValueError):
     """A request the engine cannot run; the message names the field."""
 
 
+def _at_least_one(cfg, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise RequestError(f"engine.{name} must be >= 1, got {value}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """What the scheduler decides by: limits per attention-DP rank, the context length, admission's rules."""
+
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's context length (vLLM's rule; for_model)
+    max_model_len: int | None = None  # None: the model's context length (vLLM's rule; EngineConfig.for_model)
+    # a waiting request whose next uncached block a running request is prefilling waits for that block to be
+    # committed, then hits it, rather than computing the shared prefix again (SGLang's in-batch prefix caching)
+    share_inflight_prefix: bool = True
+    # "on_demand": blocks allocated per step for what it writes, recompute preemption when they run out;
+    # "reserve": prompt + max_tokens reserved at admission, never preempted
+    kv_allocation: str = "on_demand"
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        if self.kv_allocation not in ALLOCATIONS:
+            raise RequestError(f"engine.kv_allocation must be one of {ALLOCATIONS}, got {self.kv_allocation!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its blocks, how many (or how much device memory), and what outlives a request."""
+
     block_size: int = 16
     num_blocks: int = 1024  # per DP rank
-    # decode / tree-verify steps over fixed-shape buffers (engine/worker/cuda_graphs.py): "auto" = on a CUDA device,
-    # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
-    static_steps: str = "auto"
     # on CUDA: share of the device's memory the engine may use; num_blocks is then sized from what is free after
     # the weights (engine/worker/kv_budget.py). None: num_blocks as given. Off CUDA num_blocks is always used.
     gpu_memory_utilization: float | None = 0.9
+    # full blocks of committed tokens indexed by a chained hash and reused by later requests (docs/kv_cache.md)
+    prefix_caching: bool = True
+    # a retained request's blocks (a turn that ended in a tool call, or one that asked) outlive plain LRU this long
+    kv_retention_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "block_size", "num_blocks")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"engine.gpu_memory_utilization must be in (0, 1] or null, got "
+                               f"{self.gpu_memory_utilization}")
+        if self.kv_retention_s < 0:
+            raise RequestError(f"engine.kv_retention_s must be >= 0, got {self.kv_retention_s}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How each rank runs a step: static shapes, overlap, the numerics, the expert tally, warm-up."""
+
+    # decode / tree-verify steps over fixed-shape buffers (engine/worker/cuda_graphs.py): "auto" = on a CUDA device,
+    # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
+    static_steps: str = "auto"
     warm_up: bool = True  # the scripts run Engine.warm_up (every static shape, captured on CUDA) before serving
     overlap: str = "off"  # "on": the host schedules and stages step n+1 while step n runs (Engine.step)
     # every row's arithmetic independent of what shares its launch (model.kernel_select.batch_invariant_kernels):
@@ -33,40 +80,55 @@ class SchedulerConfig:
     # count the distinct experts each MoE layer reads in decode/verify steps (model.expert_tally; GetEngineInfo
     # reports them): a few device ops per MoE layer, captured with the step. The bench turns it on.
     expert_tally: bool = False
-    # full blocks of committed tokens indexed by a chained hash and reused by later requests (docs/kv_cache.md)
-    prefix_caching: bool = True
-    # a waiting request whose next uncached block a running request is prefilling waits for that block to be
-    # committed, then hits it, rather than computing the shared prefix again (SGLang's in-batch prefix caching)
-    share_inflight_prefix: bool = True
-    # "on_demand": blocks allocated per step for what it writes, recompute preemption when they run out;
-    # "reserve": prompt + max_tokens reserved at admission, never preempted
-    kv_allocation: str = "on_demand"
-    # a retained request's blocks (a turn that ended in a tool call, or one that asked) outlive plain LRU this long
-    kv_retention_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise RequestError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.static_steps not in ("auto", "on", "off"):
             raise RequestError(f"engine.static_steps must be auto, on or off, got {self.static_steps!r}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise RequestError(f"engine.gpu_memory_utilization must be in (0, 1] or null, got "
-                               f"{self.gpu_memory_utilization}")
         if self.overlap not in ("on", "off"):
             raise RequestError(f"engine.overlap must be on or off, got {self.overlap!r}")
-        if self.kv_allocation not in ALLOCATIONS:
-            raise RequestError(f"engine.kv_allocation must be one of {ALLOCATIONS}, got {self.kv_allocation!r}")
-        if self.kv_retention_s < 0:
-            raise RequestError(f"engine.kv_retention_s must be >= 0, got {self.kv_retention_s}")
 
-    def for_model(self, context_len: int) -> SchedulerConfig:
+
+OWNERS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "runner": RunnerConfig}
+KEY_OWNER = {f.name: owner for owner, cls in OWNERS.items() for f in dataclasses.fields(cls)}  # engine.<key> → owner
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The scheduler's, the cache's and the runner's configs. Built from the flat keys a user types
+    (``engine.max_model_len``, ``engine.prefix_caching``, …) with :meth:`flat`; read by owner
+    (``cfg.cache.block_size``)."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    @staticmethod
+    def flat(**keys) -> EngineConfig:
+        """The config of the hydra group ``engine``'s keys (defaults for the others); an unknown key is named."""
+        return EngineConfig().replace(**keys)
+
+    def replace(self, **keys) -> EngineConfig:
+        """This config with the flat ``keys`` changed, each in its owner's config."""
+        unknown = sorted(set(keys) - set(KEY_OWNER))
+        if unknown:
+            raise RequestError(f"engine.{unknown[0]} is not an engine setting (known: {', '.join(sorted(KEY_OWNER))})")
+        parts = {owner: dataclasses.replace(getattr(self, owner), **{k: v for k, v in keys.items()
+                                                                      if KEY_OWNER[k] == owner})
+                 for owner in OWNERS}
+        return EngineConfig(**parts)
+
+    def keys(self) -> dict:
+        """Every flat key and its value, as the user sets them (EngineInfo's ``scheduler`` section)."""
+        return {k: getattr(getattr(self, owner), k) for k, owner in KEY_OWNER.items()}
+
+    def for_model(self, context_len: int) -> EngineConfig:
         """This config for a model of ``context_len`` tokens (``max_position_embeddings``): ``max_model_len`` unset
         becomes it; one above it is refused, naming both."""
-        if self.max_model_len is None:
-            return dataclasses.replace(self, max_model_len=context_len)
-        if self.max_model_len > context_len:
-            raise RequestError(f"engine.max_model_len={self.max_model_len} is above the model's context length "
+        length = self.scheduler.max_model_len
+        if length is None:
+            return self.replace(max_model_len=context_len)
+        if length > context_len:
+            raise RequestError(f"engine.max_model_len={length} is above the model's context length "
                                f"{context_len} (max_position_embeddings in its config.json); leave it unset or "
                                "lower it")
         return self

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.core.kv_manager import KvEvent
 from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.core.scheduler import Scheduler
@@ -70,7 +70,7 @@ class _InFlight:
 class Engine:
     """Rank-0 API: ``add_request``, ``abort``, ``step``; drives the other ranks."""
 
-    def __init__(self, model: CausalLM, cfg: SchedulerConfig, seed: int = 0, speculation: Speculation | None = None,
+    def __init__(self, model: CausalLM, cfg: EngineConfig, seed: int = 0, speculation: Speculation | None = None,
                  tokenizer: Detokenize | None = None, grammar: GrammarBackend | None = None,
                  telemetry: TelemetrySampler | None = None):
         """``speculation``: speculative decoding, built by spec_decode (``spec_decode.speculation``); None: off.
@@ -99,7 +99,7 @@ class Engine:
         self._subscribers: list[Callable[[StepRecord], None]] = []
         self._rng = random.Random(seed)
         self._in_flight: _InFlight | None = None  # overlap: launched, not yet read back
-        if cfg.overlap == "on" and not self.scheduler.overlap:
+        if cfg.runner.overlap == "on" and not self.scheduler.overlap:
             log.info("engine.overlap=on: speculative steps drain (the next start depends on the accepted count)")
 
     def subscribe(self, fn: Callable[[StepRecord], None]) -> None:
@@ -199,8 +199,8 @@ class Engine:
         dynamic prefill's kernels (Triton JIT on CUDA) compile before the first request. Seeded, so the engine's
         seed stream is untouched; its records and stats are dropped; its blocks are released."""
         cfg, sched = self.scheduler.cfg, self.scheduler
-        tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1,
-                     cfg.num_blocks * cfg.block_size - sched.spec_reserve_slots - 1)
+        tokens = min(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_model_len - 1,
+                     cfg.cache.num_blocks * cfg.cache.block_size - sched.spec_reserve_slots - 1)
         t0, warm = time.perf_counter(), self.stats
         params = SamplingParams(temperature=0.0, max_tokens=1, seed=0)
         for dp in range(sched.dp_size):

@@ -59,4 +59,4 @@ class KVTransfers:
         blocks = self.scheduler.kv.prefix_blocks(dp_rank, tokens)
         replies = self.control.send(ReadKV(dp_rank, tuple(blocks)), self.rank)
         per_rank = {r: data for r, data in enumerate(replies) if data is not None}
-        return HostKV(per_rank, len(blocks) * self.scheduler.cfg.block_size)
+        return HostKV(per_rank, len(blocks) * self.scheduler.cfg.cache.block_size)

@@ -13,11 +13,11 @@ from engine.messages import EngineFacts, EngineSnapshot
 
 
 def engine_facts(engine: Engine) -> EngineFacts:
-    cfg, sched = engine.model.cfg, engine.scheduler.cfg
+    cfg, sched, cache = engine.model.cfg, engine.scheduler.cfg.scheduler, engine.scheduler.cfg.cache
     facts = engine.speculation.facts if engine.speculation is not None else None
     return EngineFacts(vocab_size=cfg.vocab_size, max_model_len=min(sched.max_model_len, cfg.max_position_embeddings),
                        model_type=cfg.model_type, eos_token_ids=tuple(cfg.eos_token_ids), dtype=str(engine.model.dtype),
-                       attention="mla" if cfg.mla is not None else "gqa", kv_block_size=sched.block_size,
+                       attention="mla" if cfg.mla is not None else "gqa", kv_block_size=cache.block_size,
                        max_num_seqs=sched.max_num_seqs, dp_size=engine.groups.layout.attn_dp,
                        layout=engine.groups.layout.describe(), draft_positions=facts.draft_rows if facts else 0,
                        drafted_per_step=facts.tree_size - 1 if facts else 0, grammar=engine.grammar is not None)
@@ -39,7 +39,7 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
         idle_s=dict(s.idle_s), telemetry={str(rank): sample for rank, sample in sorted(s.telemetry.items())},
         cuda_graphs=_graphs(engine), experts_touched=tally.snapshot() if tally is not None else None,
         warmup={"seconds": s.warmup_s, "shapes": s.warmup_shapes}, spec_decode=_speculation(engine),
-        scheduler=asdict(engine.scheduler.cfg), kv=_kv(engine))
+        scheduler=engine.scheduler.cfg.keys(), kv=_kv(engine))
 
 
 def _kv(engine: Engine) -> dict:
@@ -47,8 +47,9 @@ def _kv(engine: Engine) -> dict:
     (empty or evictable), with a digest of the index's block hashes."""
     cfg, s, kv = engine.scheduler.cfg, engine.scheduler.stats(), engine.scheduler.kv.stats()
     used, total = sum(p.blocks_used for p in kv.per_dp), sum(p.blocks_total for p in kv.per_dp)
-    return {"prefix_caching": cfg.prefix_caching, "allocation": cfg.kv_allocation, "kv_block_size": cfg.block_size,
-            "retention_s": cfg.kv_retention_s, "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
+    return {"prefix_caching": cfg.cache.prefix_caching, "allocation": cfg.scheduler.kv_allocation,
+            "kv_block_size": cfg.cache.block_size, "retention_s": cfg.cache.kv_retention_s,
+            "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
             "hit_rate": kv.hit_rate, "evictions": kv.evictions, "preemptions": s.preemptions,
             "blocks_used": used, "blocks_total": total, "usage": used / total, "index_digest": kv.index_digest,
             "requests_loading": s.loading,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from model.loader import load_model
@@ -29,7 +29,7 @@ from spec_decode.speculation import load_speculation
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 
 
-def run(model, cfg: SchedulerConfig, spec: SpecConfig, prompts: list[list[int]], new_tokens: int):
+def run(model, cfg: EngineConfig, spec: SpecConfig, prompts: list[list[int]], new_tokens: int):
     """One engine over ``prompts`` submitted together → (tokens per prompt, output tokens per CPU second)."""
     engine = Engine(model, cfg, speculation=load_speculation(spec, model))
     start = time.process_time()
@@ -53,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:args.batch]]
-    off = SchedulerConfig(max_num_seqs=max(8, args.batch), max_num_batched_tokens=args.budget_tokens,
+    off = EngineConfig.flat(max_num_seqs=max(8, args.batch), max_num_batched_tokens=args.budget_tokens,
                           max_model_len=512, block_size=16, num_blocks=512, static_steps="on")
     cfgs = {"off": off, "on": dataclasses.replace(off, batch_invariant=True)}
     models = {flag: load_model(ZOO / "target", build_groups(Layout()), torch.bfloat16) for flag in cfgs}  # on: switched

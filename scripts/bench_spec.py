@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from model.loader import load_model
@@ -33,7 +33,7 @@ class Arm:
     drifts during the run (this shared box does) slows every arm alike and the ratios stay side by side."""
 
     def __init__(self, model, spec: SpecConfig, new_tokens: int):
-        cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
+        cfg = EngineConfig.flat(max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
                               num_blocks=512)
         self.spec, self.engine = spec, Engine(model, cfg, speculation=load_speculation(spec, model))
         self.params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)

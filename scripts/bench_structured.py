@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import SchedulerConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.params import Constraint, SamplingParams  # noqa: E402
 from engine.sampling.grammar import GrammarBackend, unpack_bits  # noqa: E402
@@ -150,7 +150,7 @@ def new_schema_compile(backend: GrammarBackend) -> dict:
 def engine_for(path: Path, spec: SpecConfig, grammar: GrammarBackend, dtype=torch.float32) -> Engine:
     groups = build_groups(Layout(world_size=1, attn_tp=1, attn_dp=1, moe_tp=1, moe_ep=1))
     model = load_model(path, groups, dtype)
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, block_size=16,
+    cfg = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, block_size=16,
                           num_blocks=512, static_steps="on")
     return Engine(model, cfg, speculation=load_speculation(spec, model), tokenizer=load_tokenizer(path),
                   grammar=grammar)

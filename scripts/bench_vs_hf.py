@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from model.loader import load_model
@@ -44,7 +44,7 @@ def hf_decode(hf, prompts: torch.Tensor, new_tokens: int, repeats: int) -> float
 
 def engine_decode(model, prompts: torch.Tensor, new_tokens: int, repeats: int) -> tuple[float, list]:
     best, tokens = 0.0, None
-    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=512, block_size=16,
+    cfg = EngineConfig.flat(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=512, block_size=16,
                           num_blocks=256)
     for _ in range(repeats):
         engine = Engine(model, cfg)

@@ -19,7 +19,7 @@ from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_loggin
 from omegaconf import DictConfig, OmegaConf
 from preflight import one_line_errors, preflight
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.kv_budget import size_kv_cache
@@ -33,10 +33,10 @@ from spec_decode.speculation import load_speculation
 log = logging.getLogger("generate")
 
 
-def scheduler_config(cfg: DictConfig) -> SchedulerConfig:
+def scheduler_config(cfg: DictConfig) -> EngineConfig:
     e = OmegaConf.to_container(cfg.engine, resolve=True)
     e.pop("seed", None)
-    return SchedulerConfig(**e)
+    return EngineConfig.flat(**e)
 
 
 def sampling_params(cfg: DictConfig) -> SamplingParams:
@@ -71,7 +71,7 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         return
     tok = load_tokenizer(ckpt)
     engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=tok)
-    if sched_cfg.warm_up:  # JIT and capture before the decode clock starts
+    if sched_cfg.runner.warm_up:  # JIT and capture before the decode clock starts
         engine.warm_up()
     model.groups.counter.reset()
     outputs = generate_all(engine, prompts, params)

@@ -17,7 +17,7 @@ import argparse
 import torch
 from tiny_kimi import decode_batch, load_pair
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.core.step_record import HOST_PHASES, LAUNCH_PARTS, StepRecord
 from engine.engine import Engine
 from engine.step import StepKind
@@ -42,7 +42,7 @@ class DecodePhases:
 
 
 def run_once(args, model, speculation) -> DecodePhases:
-    cfg = SchedulerConfig(max_num_seqs=args.batch, max_model_len=256, num_blocks=256, static_steps="on",
+    cfg = EngineConfig.flat(max_num_seqs=args.batch, max_model_len=256, num_blocks=256, static_steps="on",
                           overlap=args.overlap)
     engine = Engine(model, cfg, speculation=speculation)
     engine.warm_up()

@@ -20,7 +20,7 @@ import time
 import torch
 from tiny_kimi import decode_batch, load_pair
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.core.step_record import StepRecord
 from engine.engine import Engine
 from engine.step import RankReport, StepKind
@@ -56,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, speculation = load_pair(args.spec)
-    engine = Engine(model, SchedulerConfig(max_num_seqs=args.batch, max_model_len=256, num_blocks=256),
+    engine = Engine(model, EngineConfig.flat(max_num_seqs=args.batch, max_model_len=256, num_blocks=256),
                     speculation=speculation)
     exporter = exporter_for(engine, "tiny_kimi")
     observe_us, decode_ms, records = [], [], []

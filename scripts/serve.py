@@ -30,7 +30,7 @@ from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_loggin
 from omegaconf import DictConfig, OmegaConf
 from preflight import debug_requested, one_line, one_line_errors, preflight
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling.grammar import GrammarBackend
 from engine.worker.kv_budget import size_kv_cache
@@ -52,10 +52,10 @@ def configs(cfg: DictConfig):
     e = OmegaConf.to_container(cfg.engine, resolve=True)
     e.pop("seed", None)
     e["max_num_seqs"] = server.max_num_seqs
-    return SchedulerConfig(**e), server
+    return EngineConfig.flat(**e), server
 
 
-def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_cfg, spec, seed: int,
+def rank_main(rank: int, layout, ckpt: str, sched_cfg: EngineConfig, server_cfg, spec, seed: int,
               rank0_pid, device: DeviceConfig) -> None:
     setup_logging(rank)
     if rank == 0:
@@ -85,7 +85,7 @@ def rank_main(rank: int, layout, ckpt: str, sched_cfg: SchedulerConfig, server_c
 
     engine = Engine(model, sched_cfg, seed, speculation=speculation, tokenizer=load_tokenizer(ckpt), grammar=grammar,
                     telemetry=telemetry)
-    if sched_cfg.warm_up:  # every static shape before the first request (on CUDA: captured)
+    if sched_cfg.runner.warm_up:  # every static shape before the first request (on CUDA: captured)
         engine.warm_up()
     serve(engine, ckpt, server_cfg, ranks)
 

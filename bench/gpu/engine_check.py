@@ -1,6 +1,6 @@
 """The engine end to end on the trained tiny_kimi pair: ``run(device, budget_s) -> dict``.
 
-Per arm — plain decoding (graphs on and off; ``engine.overlap`` on and off when ``SchedulerConfig`` has that
+Per arm — plain decoding (graphs on and off; ``engine.overlap`` on and off when ``EngineConfig`` has that
 field), DFlash (block 9, its best on this pair) and DDTree (block 16) at budgets 16, 64, 256; batch 1 and 8; greedy
 and seeded T=1; bf16 and fp32 — one row: decode tok/s after a warm-up (``Engine.warm_up()`` when the engine has
 it, then one untimed pass of the arm's first batch), τ, coverage per step kind with the eager reasons, whether
@@ -25,7 +25,7 @@ import torch
 
 from bench import REPO
 from bench.gpu import projection
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig, RunnerConfig
 from engine.core.recorder import EngineStats
 from engine.core.step_record import StepRecord
 from engine.engine import Engine
@@ -52,8 +52,8 @@ ROW_KEYS = ("arm", "method", "budget", "block_size", "batch", "temperature", "dt
 
 @dataclass(frozen=True, kw_only=True)
 class Arm:
-    """One engine configuration and workload. ``overlap``: ``SchedulerConfig.overlap``'s value (None: the
-    field's default, or no such field); ``batch_invariant``: ``SchedulerConfig.batch_invariant``."""
+    """One engine configuration and workload. ``overlap``: ``RunnerConfig.overlap``'s value (None: the
+    field's default, or no such field); ``batch_invariant``: ``RunnerConfig.batch_invariant``."""
 
     method: str = "none"
     budget: int | None = None
@@ -107,10 +107,10 @@ class Plan:
 
 
 def overlap_values() -> tuple[object, ...] | str:
-    """``SchedulerConfig.overlap``'s on and off values, or why there are none (the field is another change's)."""
-    fields = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
+    """``engine.overlap``'s on and off values, or why there are none (the field is another change's)."""
+    fields = {f.name: f for f in dataclasses.fields(RunnerConfig)}
     if "overlap" not in fields:
-        return "SchedulerConfig has no overlap field on this commit"
+        return "RunnerConfig has no overlap field on this commit"
     default = fields["overlap"].default
     return (True, False) if isinstance(default, bool) else ("on", "off")
 
@@ -196,7 +196,7 @@ def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> 
     kv = dict(max_num_seqs=max(8, arm.batch), max_num_batched_tokens=1024, max_model_len=1024, block_size=16,
               num_blocks=512, static_steps=arm.static_steps, gpu_memory_utilization=None,
               batch_invariant=arm.batch_invariant)
-    cfg = SchedulerConfig(**kv, **({} if arm.overlap is None else {"overlap": arm.overlap}))
+    cfg = EngineConfig.flat(**kv, **({} if arm.overlap is None else {"overlap": arm.overlap}))
     spec = arm.spec()
     engine = Engine(model, cfg, seed=0, speculation=load_speculation(spec, model))
     warm = []
@@ -217,7 +217,7 @@ def run_arm(model, arm: Arm, groups: list[list[list[int]]], new_tokens: int) -> 
     row = dict(arm=arm.label, method=arm.method, budget=arm.budget, block_size=arm.block, batch=arm.batch,
                temperature=arm.temperature, dtype=arm.dtype,
                static_steps="on" if engine.runner.static is not None else "off",
-               overlap=None if arm.overlap is None else cfg.overlap,
+               overlap=None if arm.overlap is None else cfg.runner.overlap,
                prompts=sum(map(len, groups)), new_tokens=new_tokens,
                decode_tok_s=s.decode_tokens / s.decode_s if s.decode_s else None, x_plain=None,
                tau=s.acceptance_length if spec.enabled else 1.0, decode_steps=len(t.walls),

@@ -27,7 +27,7 @@ import torch
 from bench.gpu.engine_check import ZOO, Arm, first_diff, load_prompts, run_arm
 from bench.gpu.harness import check_rows
 from bench.gpu.row_cases import BF16_ONLY, MODEL, ROW_CASES, TINY, Dims, kernel_ops, row_mismatches
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from model.kernel_select import KernelSet, batch_invariant_kernels, select_kernels
@@ -90,7 +90,7 @@ def run_requests(engine: Engine, requests: list[Request]) -> Tokens:
     return out
 
 
-def arm_tokens(model, spec: SpecConfig, cfg: SchedulerConfig, runs: list[list[Request]]) -> list[Tokens]:
+def arm_tokens(model, spec: SpecConfig, cfg: EngineConfig, runs: list[list[Request]]) -> list[Tokens]:
     """Each run on a fresh engine with ``spec`` and ``cfg``."""
     speculation = load_speculation(spec, model)
     return [run_requests(Engine(model, cfg, speculation=speculation), requests) for requests in runs]
@@ -109,7 +109,7 @@ def token_diffs(got: list[Tokens], plain: list[Tokens] | None) -> dict:
 
 def token_rows(model, plan: Plan, runs: list[list[Request]], flag: bool, left: Callable[[], float]) -> list[dict]:
     """Every method of ``plan`` with ``engine.batch_invariant=flag``, compared with the first (plain) arm."""
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
+    cfg = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
                           num_blocks=256, static_steps="on", gpu_memory_utilization=None, batch_invariant=flag)
     rows, plain, longest = [], None, 0.0
     for method, budget in plan.methods:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager
 from engine.core.requests import Request, RequestTable
@@ -35,7 +35,7 @@ class KVLoad:
 
 
 class Admission:
-    def __init__(self, cfg: SchedulerConfig, table: RequestTable, kv: KVManager, journal: RankJournal):
+    def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, journal: RankJournal):
         self.cfg, self.table, self.kv, self.journal = cfg, table, kv, journal
         self._order = itertools.count()
         self.prefix_waits = 0  # admission passes that put a request off for a block another is prefilling
@@ -52,14 +52,14 @@ class Admission:
             req.deferred = False
         for req in list(table.waiting):
             ranks = [r for r in ([req.pinned_dp] if req.pinned_dp is not None else range(table.dp_size))
-                     if table.seats(r) + max(req.fork_n, 1) <= self.cfg.max_num_seqs]
+                     if table.seats(r) + max(req.fork_n, 1) <= self.cfg.scheduler.max_num_seqs]
             if not ranks:
                 blocked = blocked or "max_num_seqs"
                 if req.pinned_dp is None:
                     return blocked
                 continue
             hashes = self.kv.hashes(req)
-            if self.cfg.share_inflight_prefix and hashes:
+            if self.cfg.scheduler.share_inflight_prefix and hashes:
                 prefilling = prefilling if prefilling is not None else self._prefilling(last_fed)
                 if self._waits_for_prefill(hashes, ranks, prefilling):
                     req.deferred = True
@@ -74,7 +74,7 @@ class Admission:
             if req.kv_tokens > cached:
                 self._start_load(req, cached)
             if prefilling is not None:  # admitted now: those behind it wait for what it will compute
-                prefilling[dp].update(hashes[cached // self.cfg.block_size:])
+                prefilling[dp].update(hashes[cached // self.cfg.cache.block_size:])
             self.journal.joined(req)
             if req.admitted < 0:
                 req.admitted, req.num_cached = next(self._order), cached
@@ -83,14 +83,14 @@ class Admission:
 
     def _reserve(self, req: Request, dp: int, hashes: list[int]) -> int:
         """Token slots ``req`` takes at admission on ``dp`` (cached prefix and KV to load included)."""
-        if self.cfg.kv_allocation == "reserve":
+        if self.cfg.scheduler.kv_allocation == "reserve":
             return self.table.request_slots(len(req.prompt), req.params.max_tokens)
-        hit = max(self.kv.cached_blocks(dp, hashes) * self.cfg.block_size, req.kv_tokens)
-        return hit + min(len(req.feed_tokens) - hit, self.cfg.max_num_batched_tokens)
+        hit = max(self.kv.cached_blocks(dp, hashes) * self.cfg.cache.block_size, req.kv_tokens)
+        return hit + min(len(req.feed_tokens) - hit, self.cfg.scheduler.max_num_batched_tokens)
 
     def _start_load(self, req: Request, cached: int) -> None:
         """``req``'s blocks past its ``cached`` prefix up to ``kv_tokens`` come from its source."""
-        bs = self.cfg.block_size
+        bs = self.cfg.cache.block_size
         first, end = cached // bs, req.kv_tokens // bs
         req.loading = next(self._load_ids)
         self._loads.append(KVLoad(load_id=req.loading, request_id=req.request_id, dp_rank=req.dp_rank,
@@ -116,5 +116,5 @@ class Admission:
     def waiting_uncached_tokens(self) -> int:
         """Prompt tokens of waiting requests not in the prefix cache (their best rank's hit)."""
         return sum(len(req.tokens) - max(self.kv.cached_blocks(dp, self.kv.hashes(req))
-                                         for dp in range(self.table.dp_size)) * self.cfg.block_size
+                                         for dp in range(self.table.dp_size)) * self.cfg.cache.block_size
                    for req in self.table.waiting)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.core.kv_manager import KVManager
 from engine.core.requests import Request
 from engine.step import RequestOutput, StepItem, StepResult
 
 
 class OutputProcessor:
-    def __init__(self, cfg: SchedulerConfig, kv: KVManager, eos_token_ids: tuple[int, ...], overlap: bool,
+    def __init__(self, cfg: EngineConfig, kv: KVManager, eos_token_ids: tuple[int, ...], overlap: bool,
                  retain_after: frozenset[int], finish: Callable[[Request, str], None],
                  fork: Callable[[Request], None]):
         """``retain_after``: token ids that, ending an output, retain its KV (tool calls). ``finish(req, reason)``
@@ -81,6 +81,6 @@ class OutputProcessor:
         if stop_string is not None:
             req.stop_reason = stop_string
             return "stop"
-        if len(req.output) >= p.max_tokens or len(req.tokens) >= self.cfg.max_model_len:
+        if len(req.output) >= p.max_tokens or len(req.tokens) >= self.cfg.scheduler.max_model_len:
             return "length"
         return None

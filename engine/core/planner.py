@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager
 from engine.core.requests import Request, RequestTable
@@ -26,7 +26,7 @@ from engine.step import StepItem
 
 
 class StepPlanner:
-    def __init__(self, cfg: SchedulerConfig, table: RequestTable, kv: KVManager, journal: RankJournal,
+    def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, journal: RankJournal,
                  spec_reserve_slots: int, overlap: bool):
         self.cfg, self.table, self.kv, self.journal = cfg, table, kv, journal
         self.spec_reserve_slots, self.overlap = spec_reserve_slots, overlap
@@ -38,7 +38,7 @@ class StepPlanner:
         waited for blocks no preemption could free."""
         work, scheduled, blocks, blocked = [], {}, {}, False
         for dp in range(self.table.dp_size):
-            budget, items, row = self.cfg.max_num_batched_tokens, [], 0
+            budget, items, row = self.cfg.scheduler.max_num_batched_tokens, [], 0
             running = self.table.running[dp]
             total_of = {r.request_id: len(r.feed_tokens) + r.pending for r in running}
             decodes = [r for r in running if self._feeds_last_token(r, total_of[r.request_id])]
@@ -123,4 +123,4 @@ class StepPlanner:
         """Whether a token already sampled for ``req`` (overlap: not read back yet) reaches its length limit."""
         p = req.params
         return req.pending > 0 and (len(req.output) + req.pending >= p.max_tokens
-                                    or len(req.tokens) + req.pending >= self.cfg.max_model_len)
+                                    or len(req.tokens) + req.pending >= self.cfg.scheduler.max_model_len)

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.blocks import blocks_for
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.params import SamplingParams
 from engine.step import sample_id
 
@@ -56,7 +56,7 @@ class RequestTable:
     """Requests by id, ``n > 1`` groups, the waiting queue (first come first served) and each DP rank's running set
     in priority order (admission order)."""
 
-    def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, spec_reserve_slots: int):
+    def __init__(self, cfg: EngineConfig, dp_size: int, vocab_size: int, spec_reserve_slots: int):
         self.cfg, self.dp_size, self.vocab_size, self.spec_reserve_slots = cfg, dp_size, vocab_size, spec_reserve_slots
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, set[str]] = {}  # n > 1: a request's id → its live members (forking request, samples)
@@ -65,7 +65,7 @@ class RequestTable:
 
     def request_slots(self, prompt_len: int, max_tokens: int) -> int:
         """KV slots a whole request may need: prompt + max_tokens (capped at max_model_len) + its tree's scratch."""
-        return min(prompt_len + max_tokens, self.cfg.max_model_len) + self.spec_reserve_slots
+        return min(prompt_len + max_tokens, self.cfg.scheduler.max_model_len) + self.spec_reserve_slots
 
     def validate(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None) -> None:
         """Raises RequestError naming the field when the request can never run."""
@@ -76,16 +76,17 @@ class RequestTable:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if len(prompt) + params.max_tokens > self.cfg.max_model_len:
+        if len(prompt) + params.max_tokens > self.cfg.scheduler.max_model_len:
             raise RequestError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds "
-                               f"max_model_len {self.cfg.max_model_len}")
-        if params.n > self.cfg.max_num_seqs:
-            raise RequestError(f"n={params.n} is above max_num_seqs={self.cfg.max_num_seqs} (engine.max_num_seqs, "
+                               f"max_model_len {self.cfg.scheduler.max_model_len}")
+        if params.n > self.cfg.scheduler.max_num_seqs:
+            limit = self.cfg.scheduler.max_num_seqs
+            raise RequestError(f"n={params.n} is above max_num_seqs={limit} (engine.max_num_seqs, "
                                "server.max_num_seqs when served): a request's samples run at once on one DP rank")
-        need = blocks_for(self.request_slots(len(prompt), params.max_tokens), self.cfg.block_size)
-        if need > self.cfg.num_blocks:
+        need = blocks_for(self.request_slots(len(prompt), params.max_tokens), self.cfg.cache.block_size)
+        if need > self.cfg.cache.num_blocks:
             raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt)} + max_tokens "
-                               f"{params.max_tokens}), more than the cache holds ({self.cfg.num_blocks})")
+                               f"{params.max_tokens}), more than the cache holds ({self.cfg.cache.num_blocks})")
         if dp_rank is not None and not 0 <= dp_rank < self.dp_size:
             raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}), got {dp_rank}")
 
@@ -99,7 +100,7 @@ class RequestTable:
         if kv_tokens and params.n > 1:
             raise RequestError(f"n={params.n}: a request whose KV arrives from elsewhere runs one sample")
         if params.n == 1:
-            loaded = min(kv_tokens, len(prompt) - 1) // self.cfg.block_size * self.cfg.block_size
+            loaded = min(kv_tokens, len(prompt) - 1) // self.cfg.cache.block_size * self.cfg.cache.block_size
             return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,
                                        retain_kv=retain_kv, kv_tokens=loaded))
         self.groups[request_id] = set()

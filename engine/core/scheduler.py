@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.blocks import blocks_for
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.core.admission import Admission, KVLoad
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager, KVManagerConfig
@@ -62,24 +62,25 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+    def __init__(self, cfg: EngineConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  spec_reserve_slots: int = 0, namespace: bytes = b"", retain_after: frozenset[int] = frozenset()):
         """``spec_reserve_slots`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing
         that many KV slots (its tree). ``namespace``: what the prefix cache's hashes are computed under (model,
         drafter, KV dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV."""
-        if cfg.max_model_len is None:
-            raise ValueError("SchedulerConfig.max_model_len is unset: resolve it with for_model first")
-        need = blocks_for(cfg.max_model_len + spec_reserve_slots, cfg.block_size)
-        if need > cfg.num_blocks:  # vLLM's rule: else a request that fits max_model_len could wait forever
-            raise RequestError(f"engine.num_blocks={cfg.num_blocks} (blocks of {cfg.block_size} tokens) cannot "
-                               f"hold one max_model_len={cfg.max_model_len} request plus its speculative scratch of "
+        length, cache = cfg.scheduler.max_model_len, cfg.cache
+        if length is None:
+            raise ValueError("engine.max_model_len is unset: resolve it with EngineConfig.for_model first")
+        need = blocks_for(length + spec_reserve_slots, cache.block_size)
+        if need > cache.num_blocks:  # vLLM's rule: else a request that fits max_model_len could wait forever
+            raise RequestError(f"engine.num_blocks={cache.num_blocks} (blocks of {cache.block_size} tokens) cannot "
+                               f"hold one max_model_len={length} request plus its speculative scratch of "
                                f"{spec_reserve_slots} slots: it needs {need} blocks; raise engine.num_blocks or "
                                "lower engine.max_model_len")
         self.cfg, self.dp_size, self.spec_reserve_slots = cfg, dp_size, spec_reserve_slots
-        self.overlap = cfg.overlap == "on" and spec_reserve_slots == 0  # a verify's next start needs its accepted count
-        self.kv = KVManager(KVManagerConfig(num_blocks=cfg.num_blocks, kv_block_size=cfg.block_size,
-                                            dp_size=dp_size, prefix_caching=cfg.prefix_caching,
-                                            retention_s=cfg.kv_retention_s, namespace=namespace))
+        self.overlap = cfg.runner.overlap == "on" and spec_reserve_slots == 0  # a verify's start needs its accepted
+        self.kv = KVManager(KVManagerConfig(num_blocks=cache.num_blocks, kv_block_size=cache.block_size,
+                                            dp_size=dp_size, prefix_caching=cache.prefix_caching,
+                                            retention_s=cache.kv_retention_s, namespace=namespace))
         self.table = RequestTable(cfg, dp_size, vocab_size, spec_reserve_slots)
         self.journal = RankJournal()
         self.admission = Admission(cfg, self.table, self.kv, self.journal)

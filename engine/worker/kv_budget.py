@@ -4,11 +4,10 @@ name and rule), elsewhere ``engine.num_blocks``; the count and the maximum concu
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.worker.kv_cache import KVCacheSpec, KVSpec
 from engine.worker.spec_contract import Speculation
 from model.transformer import CausalLM
@@ -36,19 +35,19 @@ def bytes_per_block(model: CausalLM, kv_block_size: int, speculation: Speculatio
     return cache_spec(model, speculation).bytes_per_token() * kv_block_size
 
 
-def max_concurrency(num_blocks: int, cfg: SchedulerConfig) -> float:
+def max_concurrency(num_blocks: int, cfg: EngineConfig) -> float:
     """Requests of ``max_model_len`` tokens the blocks hold at once (per attention-DP rank), as vLLM logs it."""
-    return num_blocks * cfg.block_size / cfg.max_model_len
+    return num_blocks * cfg.cache.block_size / cfg.scheduler.max_model_len
 
 
-def size_kv_cache(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None) -> SchedulerConfig:
+def size_kv_cache(model: CausalLM, cfg: EngineConfig, speculation: Speculation | None = None) -> EngineConfig:
     """``cfg`` with ``num_blocks`` sized from free device memory on CUDA (every rank measures, all take the
-    smallest count); unchanged elsewhere or with ``cfg.gpu_memory_utilization=None``. Call on every rank after the
+    smallest count); unchanged elsewhere or with ``cfg.cache.gpu_memory_utilization=None``. Call on every rank after the
     weights are loaded. Logs blocks, bytes and maximum concurrency on rank 0. ``max_model_len`` unset becomes the
-    model's context length (:meth:`SchedulerConfig.for_model`)."""
+    model's context length (:meth:`EngineConfig.for_model`)."""
     cfg = cfg.for_model(model.cfg.max_position_embeddings)
-    per_block = bytes_per_block(model, cfg.block_size, speculation)
-    how, utilization = "engine.num_blocks", cfg.gpu_memory_utilization
+    per_block = bytes_per_block(model, cfg.cache.block_size, speculation)
+    how, utilization = "engine.num_blocks", cfg.cache.gpu_memory_utilization
     if model.device.type == "cuda" and utilization is not None:
         torch.cuda.synchronize(model.device)
         torch.cuda.empty_cache()
@@ -59,11 +58,11 @@ def size_kv_cache(model: CausalLM, cfg: SchedulerConfig, speculation: Speculatio
             raise RuntimeError(f"engine.gpu_memory_utilization={utilization}: no memory left for one KV block "
                                f"({per_block} bytes) after the weights ({(total - free) / 2**30:.1f} of "
                                f"{total / 2**30:.1f} GiB in use); raise it or use more ranks")
-        cfg = replace(cfg, num_blocks=n)
+        cfg = cfg.replace(num_blocks=n)
         how = f"engine.gpu_memory_utilization={utilization} (free {free / 2**30:.2f} of {total / 2**30:.2f} GiB)"
     if model.groups.coords.rank == 0:
         log.info("KV cache: %d blocks of %d tokens per rank, %.1f MiB (%d bytes/block) from %s; maximum concurrency "
-                 "for %d tokens per request: %.2fx per attention-DP rank", cfg.num_blocks, cfg.block_size,
-                 cfg.num_blocks * per_block / 2**20, per_block, how, cfg.max_model_len,
-                 max_concurrency(cfg.num_blocks, cfg))
+                 "for %d tokens per request: %.2fx per attention-DP rank", cfg.cache.num_blocks, cfg.cache.block_size,
+                 cfg.cache.num_blocks * per_block / 2**20, per_block, how, cfg.scheduler.max_model_len,
+                 max_concurrency(cfg.cache.num_blocks, cfg))
     return cfg

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.profiling import RankProfiler
 from engine.sampling.grammar import GrammarBackend
 from engine.worker.capture import eager_reason
@@ -23,23 +23,23 @@ def control_plane(groups: ParallelGroups) -> Comm:
     return groups.control or groups.world
 
 
-def make_runner(model: CausalLM, cfg: SchedulerConfig, speculation: Speculation | None = None,
+def make_runner(model: CausalLM, cfg: EngineConfig, speculation: Speculation | None = None,
                 grammar: GrammarBackend | None = None) -> ModelRunner:
     """The rank's ModelRunner, speculating with ``speculation`` (None: off), constraining with ``grammar`` (None:
-    structured output refused), and static decode/verify steps per
-    ``cfg.static_steps``; ``cfg.batch_invariant`` switches the model to its batch-invariant kernels (off: to the set
-    they were made from)."""
+    structured output refused), and static decode/verify steps per ``cfg.runner.static_steps``;
+    ``cfg.runner.batch_invariant`` switches the model to its batch-invariant kernels (off: to the set they were made
+    from)."""
     cfg = cfg.for_model(model.cfg.max_position_embeddings)
-    kernels = launch_kernels(model.kernels, cfg.batch_invariant)
+    kernels = launch_kernels(model.kernels, cfg.runner.batch_invariant)
     if kernels is not model.kernels:
         model.use_kernels(kernels)
     on_cuda = model.device.type == "cuda"
-    static = cfg.static_steps == "on" or (cfg.static_steps == "auto" and on_cuda)
-    sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.max_num_seqs) if static else ()
-    return ModelRunner(model, cfg.num_blocks, cfg.block_size, speculation, static_batch_sizes=sizes,
-                       max_model_len=cfg.max_model_len,
-                       eager_reason="" if sizes else eager_reason(model, cfg.static_steps),
-                       overlap=cfg.overlap == "on" and speculation is None, expert_tally=cfg.expert_tally,
+    static = cfg.runner.static_steps == "on" or (cfg.runner.static_steps == "auto" and on_cuda)
+    sizes = tuple(b for b in STATIC_BATCH_SIZES if b <= cfg.scheduler.max_num_seqs) if static else ()
+    return ModelRunner(model, cfg.cache.num_blocks, cfg.cache.block_size, speculation, static_batch_sizes=sizes,
+                       max_model_len=cfg.scheduler.max_model_len,
+                       eager_reason="" if sizes else eager_reason(model, cfg.runner.static_steps),
+                       overlap=cfg.runner.overlap == "on" and speculation is None, expert_tally=cfg.runner.expert_tally,
                        grammar=grammar)
 
 

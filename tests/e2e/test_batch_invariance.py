@@ -337,7 +337,6 @@ ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
 def _arms_job(ctx, lay, runs, arms, cfg, path=ZOO / "target"):
     """The trained target in bf16, each arm (a SpecConfig and ``engine.static_steps``) on fresh engines over each run
     (a request list) with ``cfg``; rank 0 returns ``[[{rid: (tokens, reason)} per run] per arm]``."""
-    import dataclasses
 
     from engine.engine import Engine
     from engine.worker.loop import make_runner, worker_loop
@@ -352,7 +351,7 @@ def _arms_job(ctx, lay, runs, arms, cfg, path=ZOO / "target"):
     out = []
     for spec, static in arms:
         speculation, per_arm = load_speculation(spec, model), []
-        arm_cfg = dataclasses.replace(cfg, static_steps=static)
+        arm_cfg = cfg.replace(static_steps=static)
         for requests in runs:
             if ctx.rank != 0:
                 worker_loop(make_runner(model, arm_cfg, speculation))
@@ -381,9 +380,9 @@ def arms_and_runs(max_tokens: int, full: bool = True):
 
 
 def invariant_cfg(on: bool = True):
-    from engine.config import SchedulerConfig
+    from engine.config import EngineConfig
 
-    return SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
+    return EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
                            num_blocks=256, static_steps="on", batch_invariant=on)
 
 

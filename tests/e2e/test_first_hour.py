@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.worker.kv_budget import blocks_for_memory, max_concurrency, size_kv_cache
 from model.checkpoint_errors import CheckpointError, check_checkpoint_files, open_shard
 from model.config import ConfigError, load_config, parse_config
@@ -122,8 +122,8 @@ def test_kv_blocks_from_memory_hand_worked():
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         blocks_for_memory(1, 1, 1, 1.5)
     with pytest.raises(RequestError, match=r"engine\.gpu_memory_utilization must be in \(0, 1\]"):
-        SchedulerConfig(gpu_memory_utilization=0.0)
-    assert max_concurrency(512, SchedulerConfig(block_size=16, max_model_len=512)) == 16.0
+        EngineConfig.flat(gpu_memory_utilization=0.0)
+    assert max_concurrency(512, EngineConfig.flat(block_size=16, max_model_len=512)) == 16.0
 
 
 def test_kv_cache_size_logged_and_kept_off_cuda(caplog):
@@ -131,7 +131,7 @@ def test_kv_cache_size_logged_and_kept_off_cuda(caplog):
     from parallelism.comm import build_groups
 
     model = load_model(TARGET, build_groups(Layout()))
-    cfg = SchedulerConfig(num_blocks=64, block_size=16, max_model_len=256)
+    cfg = EngineConfig.flat(num_blocks=64, block_size=16, max_model_len=256)
     with caplog.at_level(logging.INFO, logger="engine.kv"):
         assert size_kv_cache(model, cfg) == cfg  # CPU: engine.num_blocks as given
     assert "KV cache: 64 blocks of 16 tokens" in caplog.text and "from engine.num_blocks" in caplog.text

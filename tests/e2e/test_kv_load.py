@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.kv_loads import HostKV
@@ -26,7 +26,7 @@ from tests.support.paths import REPO_ROOT
 ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=8, ignore_eos=True)
-CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, block_size=16, num_blocks=64,
+CFG = EngineConfig.flat(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, block_size=16, num_blocks=64,
                       static_steps="on", batch_invariant=True)
 pytestmark = pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(),
                                 reason="the trained tiny_kimi pair is absent")

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.loop import make_runner, worker_loop
@@ -61,7 +61,6 @@ def second_turn(prompts, outputs):
 def _engines(ctx, lay, arms, cfg, flag: str):
     """Rank 0: an Engine per arm (a SpecConfig) with ``cfg.<flag>`` on, then off, each shut down once the caller
     moves on; the other ranks serve them (and yield nothing)."""
-    import dataclasses
 
     if lay.world_size == 1 and ctx.rank != 0:
         return
@@ -69,7 +68,7 @@ def _engines(ctx, lay, arms, cfg, flag: str):
     for spec in arms:
         speculation = load_speculation(spec, model)
         for on in (True, False):
-            arm_cfg = dataclasses.replace(cfg, **{flag: on})
+            arm_cfg = cfg.replace(**{flag: on})
             if ctx.rank != 0:
                 worker_loop(make_runner(model, arm_cfg, speculation))
                 continue
@@ -102,7 +101,7 @@ def test_warm_turns_are_bit_identical_to_cold_ones(pool, preset):
     arms = [SpecConfig(), SpecConfig("dflash", drafter_path=drafter),
             SpecConfig("ddtree", budget=16, drafter_path=drafter)]
     prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:3]]
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, block_size=16,
+    cfg = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, block_size=16,
                           num_blocks=256, static_steps="on", batch_invariant=True)
     out = pool.run(_turns_job, layout(preset), arms, prompts, cfg)[0]
     for i, spec in enumerate(arms):
@@ -128,7 +127,7 @@ def test_waiting_for_a_prefix_being_prefilled_is_reported_as_deferred():
         return {w.request_id: StepResult([5], [0.0], [[]]) for w in plan.work[0] if w.sample}
 
     for share, overlap in ((True, "off"), (True, "on"), (False, "off")):
-        cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512, block_size=16,
+        cfg = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512, block_size=16,
                               num_blocks=64, share_inflight_prefix=share, overlap=overlap)
         sched = Scheduler(cfg, 1, 4096, (1,))
         shared = list(range(10, 110))
@@ -182,7 +181,7 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(pool, prese
     if preset == "single":
         arms.append(SpecConfig("ddtree", budget=16, drafter_path=str(ZOO / "drafter")))
     prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512, block_size=16,
+    cfg = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512, block_size=16,
                           num_blocks=256, static_steps="on", batch_invariant=True)
     out = pool.run(_fan_out_job, layout(preset), arms, prompts, cfg)[0]
     for i, spec in enumerate(arms):
@@ -198,7 +197,7 @@ def test_without_the_flag_a_warm_turn_still_gives_hfs_greedy_tokens(tiny_ckpts):
 
     path = tiny_ckpts["tiny_deepseek"]
     model = load_model(path, build_groups(layout("single")))
-    engine = Engine(model, SchedulerConfig(max_num_batched_tokens=16, block_size=4, num_blocks=256))
+    engine = Engine(model, EngineConfig.flat(max_num_batched_tokens=16, block_size=4, num_blocks=256))
     first = [5, 17, 3, 99, 150, 7, 64, 31, 2, 4, 6]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = _drive(engine, [("a", first, greedy)])["a"][0]
@@ -233,7 +232,6 @@ def _storm(model, cfg, requests, abort_at, spec=None):
 
 @pytest.mark.parametrize("mode", ["plain", "overlap", "ddtree"])
 def test_a_preemption_storm_loses_and_repeats_nothing(tiny_ckpts, random_drafter, mode):
-    import dataclasses
     import random
 
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
@@ -246,11 +244,11 @@ def test_a_preemption_storm_loses_and_repeats_nothing(tiny_ckpts, random_drafter
         requests.append((f"r{i}", prompt, params))
     aborts = {"r3": 4, "r11": 9}  # ~10 % cancelled mid-stream
     spec = SpecConfig("ddtree", budget=8, block_size=5, drafter_path=random_drafter) if mode == "ddtree" else None
-    base = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=64, max_model_len=96, block_size=8,
+    base = EngineConfig.flat(max_num_seqs=24, max_num_batched_tokens=64, max_model_len=96, block_size=8,
                            static_steps="off", batch_invariant=True, overlap="on" if mode == "overlap" else "off")
-    free_run, *_ = _storm(model, dataclasses.replace(base, num_blocks=1024), requests, {}, spec)
+    free_run, *_ = _storm(model, base.replace(num_blocks=1024), requests, {}, spec)
     scratch = 8 if spec else 0  # a pool for 3 max-length requests (and their trees)
-    tight = dataclasses.replace(base, num_blocks=3 * -(-(96 + scratch) // 8))
+    tight = base.replace(num_blocks=3 * -(-(96 + scratch) // 8))
     got, preemptions, used, consistent = _storm(model, tight, requests, aborts, spec)
     assert preemptions > 0 and used == 0 and consistent
     for rid, toks in got.items():

@@ -4,7 +4,7 @@ chunked prefill, abort, and KV blocks back to zero after every run."""
 import pytest
 import torch
 
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.loop import worker_loop
@@ -18,7 +18,7 @@ PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31, 8, 202, 11], [2, 4, 6], [200, 1, 77, 9
            [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [120, 121]]
 N_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
-SMALL = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=128)
+SMALL = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=128)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def _engine_job(ctx, lay, path, jobs, cfg=SMALL):
     model = load_model(path, groups)
     if ctx.rank != 0:
         for _ in jobs:
-            worker_loop(ModelRunner(model, cfg.num_blocks, cfg.block_size))
+            worker_loop(ModelRunner(model, cfg.cache.num_blocks, cfg.cache.block_size))
         return None
     results = []
     for requests, abort_after in jobs:
@@ -96,7 +96,7 @@ def test_batch_invariance_chunked_prefill_seeds_and_abort(pool, tiny_ckpts):
           for i, (rid, p, _) in enumerate(others)] + [("s", target, seeded)], None),
         (others + [("t", target, GREEDY)], ("o2", 3)),
     ]
-    chunked = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5, max_model_len=128, block_size=4,
+    chunked = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=5, max_model_len=128, block_size=4,
                               num_blocks=128)
     res = pool.run(_engine_job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], jobs)[0]
     res_chunked = pool.run(_engine_job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], jobs[:2], chunked)[0]
@@ -127,7 +127,7 @@ def test_request_validation_names_the_field(tiny_ckpts):
 @pytest.mark.parametrize("allocation", ["on_demand", "reserve"])
 def test_stop_token_and_admission_limits(tiny_ckpts, allocation):
     model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(layout("single")))
-    tight = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48, block_size=4, num_blocks=12,
+    tight = EngineConfig.flat(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48, block_size=4, num_blocks=12,
                             kv_allocation=allocation)
     engine = Engine(model, tight)
     free_run = run_requests(engine, [("a", PROMPTS[0], GREEDY)])["a"][0]

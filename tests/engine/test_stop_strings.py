@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.stop_strings import IncrementalDetokenizer
@@ -19,7 +19,7 @@ from tests.support.layouts import layout
 from tests.support.paths import REPO_ROOT
 
 ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
-CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, block_size=16, num_blocks=256)
+CFG = EngineConfig.flat(max_num_seqs=4, max_num_batched_tokens=256, block_size=16, num_blocks=256)
 pytestmark = pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(), reason="the trained pair is absent")
 
 
@@ -109,10 +109,10 @@ def test_min_tokens_holds_the_check_back(pair):
 
 
 def test_max_model_len_is_the_models_context_unless_set_lower():
-    assert CFG.for_model(1024).max_model_len == 1024
-    assert SchedulerConfig(max_model_len=700).for_model(1024).max_model_len == 700
+    assert CFG.for_model(1024).scheduler.max_model_len == 1024
+    assert EngineConfig.flat(max_model_len=700).for_model(1024).scheduler.max_model_len == 700
     with pytest.raises(RequestError, match="max_model_len=2048 is above the model's context length 1024"):
-        SchedulerConfig(max_model_len=2048).for_model(1024)
+        EngineConfig.flat(max_model_len=2048).for_model(1024)
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(pair):

@@ -264,7 +264,7 @@ def test_idle_reasons_move_when_requests_wait_for_kv(tiny_ckpts):
     """``engine.kv_allocation=reserve`` on a pool that holds one request at a time: the others wait for blocks, so
     blocked_kv grows while the engine steps; between the turns and after them the heartbeats count no_work; a
     one-slot engine counts admission_limit instead. Through the exporter, as /metrics shows it."""
-    from engine.config import SchedulerConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.params import SamplingParams
     from model.loader import load_model
@@ -275,9 +275,9 @@ def test_idle_reasons_move_when_requests_wait_for_kv(tiny_ckpts):
     model = load_model(tiny_ckpts["tiny_qwen3_moe"], build_groups(Layout()))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     idle = {}
-    for name, cfg in (("kv", SchedulerConfig(max_num_seqs=4, max_model_len=32, block_size=4, num_blocks=8,
+    for name, cfg in (("kv", EngineConfig.flat(max_num_seqs=4, max_model_len=32, block_size=4, num_blocks=8,
                                              kv_allocation="reserve")),
-                      ("slots", SchedulerConfig(max_num_seqs=1, max_model_len=32, block_size=4, num_blocks=64))):
+                      ("slots", EngineConfig.flat(max_num_seqs=1, max_model_len=32, block_size=4, num_blocks=64))):
         engine, exporter = Engine(model, cfg), MetricsExporter("tiny")
         engine.subscribe(exporter.observe)
         for i in range(3):
@@ -428,7 +428,7 @@ def test_profile_plan_starts_and_ends_on_the_steps_asked(tiny_ckpts, tmp_path):
     """One rank in-process: a plan from step 2 for 2 steps starts before the engine's third step and writes its trace
     after the fourth, by itself; a second plan while one is pending is refused; StopProfile before the start step
     cancels without files; a bad activity names the field."""
-    from engine.config import SchedulerConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.params import SamplingParams
     from engine.profiling import ProfileError, ProfilePlan, trace_path
@@ -437,7 +437,7 @@ def test_profile_plan_starts_and_ends_on_the_steps_asked(tiny_ckpts, tmp_path):
     from parallelism.layout import Layout
 
     model = load_model(tiny_ckpts["tiny_qwen3_moe"], build_groups(Layout()))
-    engine = Engine(model, SchedulerConfig(max_num_seqs=2, max_model_len=64, block_size=4, num_blocks=64))
+    engine = Engine(model, EngineConfig.flat(max_num_seqs=2, max_model_len=64, block_size=4, num_blocks=64))
     plan = ProfilePlan(trace_dir=str(tmp_path), stamp="t", start_step=2, num_steps=2)
     engine.start_profile(plan)
     with pytest.raises(ProfileError, match="already profiling"):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.step import SeqWork
@@ -22,7 +22,7 @@ from tests.support.layouts import layout
 from tests.support.paths import REPO_ROOT
 
 PROMPTS = [[5, 17, 3, 99, 150, 7, 64, 31], [2, 4, 6], [200, 1, 77, 90, 13]]
-CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
+CFG = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256)
 
 
 def _job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
@@ -90,7 +90,7 @@ def _static_job(ctx, lay, path, prompts, spec_list, params, cfg=CFG):
     for spec in spec_list:
         pair = []
         speculation = load_speculation(spec, model)
-        for on_off in (dataclasses.replace(cfg, static_steps="on"), cfg):
+        for on_off in (cfg.replace(static_steps="on"), cfg):
             if ctx.rank != 0:
                 worker_loop(make_runner(model, on_off, speculation))
                 continue
@@ -133,7 +133,7 @@ def test_static_steps_give_the_dynamic_tokens(pool, tiny_ckpts, random_drafter, 
 
 
 ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
-ZOO_CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, block_size=16,
+ZOO_CFG = EngineConfig.flat(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, block_size=16,
                           num_blocks=256)
 
 
@@ -381,7 +381,7 @@ def _faked_capture_job(ctx, lay, path, prompts, spec, params, fail_rank=-1):
     model.use_kernels(dataclasses.replace(reference_kernels(), graph_safe=True))  # as the Triton set is
     out, speculation = [], load_speculation(spec, model)
     with faked_capture(fail=ctx.rank == fail_rank):
-        for cfg in (dataclasses.replace(CFG, static_steps="on"), CFG):
+        for cfg in (CFG.replace(static_steps="on"), CFG):
             try:
                 if ctx.rank != 0:
                     worker_loop(make_runner(model, cfg, speculation))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.core.kv_manager import NO_PARENT, KVManager, KVManagerConfig, chain_hash
 from engine.core.requests import Request
 from engine.params import SamplingParams
@@ -97,7 +97,8 @@ def test_flush_is_refused_while_blocks_are_referenced():
 def test_a_pool_smaller_than_one_max_length_request_is_refused():
     with pytest.raises(RequestError, match="cannot hold one max_model_len=512 request"):
         from engine.core.scheduler import Scheduler
-        Scheduler(SchedulerConfig(max_model_len=512, block_size=16, num_blocks=20), 1, 203, (1,), spec_reserve_slots=17)
+        Scheduler(EngineConfig.flat(max_model_len=512, block_size=16, num_blocks=20), 1, 203, (1,),
+                  spec_reserve_slots=17)
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one():

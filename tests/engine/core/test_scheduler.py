@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from engine.config import RequestError, SchedulerConfig
+from engine.config import EngineConfig, RequestError
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager, KVManagerConfig
 from engine.core.requests import Request, RequestTable
@@ -15,12 +15,12 @@ from engine.core.scheduler import Scheduler
 from engine.params import SamplingParams
 from engine.step import StepResult, sample_id
 
-CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, block_size=4, num_blocks=64)
+CFG = EngineConfig.flat(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, block_size=4, num_blocks=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def scheduler(dp_size=1, **over) -> Scheduler:
-    return Scheduler(dataclasses.replace(CFG, **over), dp_size, 100, (1,))
+    return Scheduler(CFG.replace(**over), dp_size, 100, (1,))
 
 
 def results(plan, tokens=(5,)) -> dict[str, StepResult]:
@@ -46,7 +46,7 @@ def test_the_table_refuses_what_can_never_run_naming_the_field(prompt, params, d
 
 
 def test_a_request_larger_than_the_pool_and_a_reused_id_are_refused():
-    table = RequestTable(dataclasses.replace(CFG, num_blocks=8), 1, 100, 0)
+    table = RequestTable(CFG.replace(num_blocks=8), 1, 100, 0)
     with pytest.raises(RequestError, match="needs 9 KV blocks"):
         table.add("big", list(range(30)), dataclasses.replace(GREEDY, max_tokens=5), 0)
     table.add("r", [3, 4], GREEDY, 0)

@@ -2,9 +2,8 @@
 before the records existed (captured from the engine at 2710802 on the same workloads), and every rank's graph
 coverage arrives with the step."""
 
-import dataclasses
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.loop import make_runner, worker_loop
@@ -20,7 +19,7 @@ WORKLOADS = [[("r0", SHARED + [1, 2, 3, 4], 16), ("r1", [5, 17, 3, 99, 150], 20)
               ("r3", [200, 1, 77, 90, 13, 45, 46], 18)],
              [("r4", SHARED + [30, 31], 10), ("r5", SHARED + [40], 12), ("r6", [50, 51, 52], 30)]]
 # share_inflight_prefix off: engine_info_figures.json was recorded before it, when r4 and r5 prefilled side by side
-CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=4, num_blocks=20,
+CFG = EngineConfig.flat(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=4, num_blocks=20,
                       static_steps="on", share_inflight_prefix=False)
 
 
@@ -57,7 +56,7 @@ def figures_job(ctx, lay, path, drafter):
     model = load_model(path, ctx.groups(lay) if lay.world_size > 1 else build_groups(lay))
     out = []
     for spec, overlap in ((specs(drafter)[0], "on"), (specs(drafter)[2], "off")):
-        cfg = dataclasses.replace(CFG, overlap=overlap)
+        cfg = CFG.replace(overlap=overlap)
         speculation = load_speculation(spec, model)
         if ctx.rank != 0:
             worker_loop(make_runner(model, cfg, speculation))

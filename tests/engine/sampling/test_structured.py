@@ -39,7 +39,7 @@ def test_plain_decoding_with_penalties_equals_the_reference_over_hf_logits(tiny_
     """Greedy and seeded T=1 with penalties through the engine (fp32 tiny DeepSeek) equal, token for token, a loop
     that takes HF transformers' logits of each prefix, applies :func:`vllm_penalties` and draws with the same
     counter-based sampler."""
-    from engine.config import SchedulerConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from model.loader import load_model
     from model.tiny import load_hf
@@ -48,7 +48,7 @@ def test_plain_decoding_with_penalties_equals_the_reference_over_hf_logits(tiny_
 
     path, n = tiny_ckpts["tiny_deepseek"], 16
     model = load_model(path, build_groups(Layout(world_size=1, attn_tp=1, attn_dp=1, moe_tp=1, moe_ep=1)))
-    engine = Engine(model, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+    engine = Engine(model, EngineConfig.flat(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
                                            block_size=4, num_blocks=128))
     prompt = [5, 17, 3, 99, 150, 7, 64, 31, 8, 202, 11, 5, 17]
     params = [dataclasses.replace(p, max_tokens=n, min_tokens=n, seed=p.seed or 0) for p in PENALISED]
@@ -263,7 +263,7 @@ def _arms_job(ctx, lay, requests, arms, cfg):
     out = []
     for spec, static in arms:
         speculation = load_speculation(spec, model)
-        arm_cfg = dataclasses.replace(cfg, static_steps=static)
+        arm_cfg = cfg.replace(static_steps=static)
         if ctx.rank != 0:
             worker_loop(make_runner(model, arm_cfg, speculation, grammar))
             continue
@@ -327,9 +327,9 @@ def arms(full: bool):
 
 
 def cfg(num_blocks: int = 256):
-    from engine.config import SchedulerConfig
+    from engine.config import EngineConfig
 
-    return SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
+    return EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16,
                            num_blocks=num_blocks, static_steps="on", batch_invariant=True)
 
 
@@ -381,11 +381,11 @@ def test_preemption_replays_processor_state(pool):
 def test_samples_to_be_forked_hold_their_running_slots():
     """``max_num_seqs`` counts a request's samples from its admission: with 4 slots, an n=3 request, an n=1 and an
     n=2 one never run more than 4 sequences, n=2 waits until the n=3 group ends, and n=5 is refused."""
-    from engine.config import RequestError, SchedulerConfig
+    from engine.config import EngineConfig, RequestError
     from engine.core.scheduler import Scheduler
     from engine.step import StepResult
 
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16,
+    sched = Scheduler(EngineConfig.flat(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16,
                                       num_blocks=64), 1, 203, (1,))
     for rid, n, max_tokens in (("a", 3, 6), ("c", 1, 4), ("b", 2, 4)):
         sched.add(rid, list(range(10, 40)), SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n,

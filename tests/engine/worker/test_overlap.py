@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.loop import make_runner, worker_loop
@@ -18,7 +18,7 @@ from tests.spec_decode.test_spec_engine import specs
 from tests.support.layouts import layout
 
 # 8-token chunks: the 18- and 11-token prompts prefill over several steps, mixed with the others' decodes
-CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=128, block_size=4, num_blocks=256)
+CFG = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=128, block_size=4, num_blocks=256)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 LONG = [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
 ABORT_AFTER = 4  # d is aborted once the client holds its 4th token
@@ -61,7 +61,7 @@ def _overlap_job(ctx, lay, path, cfg=CFG):
     modes = [("off", "off"), ("off", "off"), ("on", "off"), ("off", "on"), ("on", "on")]
     out, probe, stop = {}, None, None
     for i, (overlap, static) in enumerate(modes):
-        run_cfg = dataclasses.replace(cfg, overlap=overlap, static_steps=static)
+        run_cfg = cfg.replace(overlap=overlap, static_steps=static)
         if ctx.rank != 0:
             worker_loop(make_runner(model, run_cfg))
             continue
@@ -107,13 +107,13 @@ def test_overlap_with_speculation_drains_and_stays_lossless(pool, tiny_ckpts, ra
     step: DFlash and DDTree still give plain decoding's tokens (greedy and seeded), under dp8_ep8."""
     from tests.spec_decode.test_spec_engine import PROMPTS, _job
 
-    cfg = dataclasses.replace(CFG, max_num_batched_tokens=64, overlap="on")
+    cfg = CFG.replace(max_num_batched_tokens=64, overlap="on")
     for params in (SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                    SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=12, ignore_eos=True)):
         (plain, _, b0), (chain, _, b1), (tree, _, b2) = pool.run(
             _job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], PROMPTS, specs(random_drafter), params, cfg)[0]
         (plain_off, _, _), = pool.run(_job, layout("dp8_ep8"), tiny_ckpts["tiny_deepseek"], PROMPTS,
-                                      specs(random_drafter)[:1], params, dataclasses.replace(cfg, overlap="off"))[0]
+                                      specs(random_drafter)[:1], params, cfg.replace(overlap="off"))[0]
         assert plain == plain_off and chain == plain and tree == plain
         assert b0 == b1 == b2 == 0
 
@@ -125,7 +125,7 @@ def test_scheduler_plans_the_next_step_before_the_tokens_are_back():
     from engine.core.scheduler import Scheduler
     from engine.step import StepResult
 
-    sched = Scheduler(dataclasses.replace(CFG, overlap="on", max_num_batched_tokens=64), 1, 203, (1,))
+    sched = Scheduler(CFG.replace(overlap="on", max_num_batched_tokens=64), 1, 203, (1,))
     sched.add("x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), 0)
     sched.add("y", [8, 9], SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=(42,)), 0)
     p0 = sched.schedule()
@@ -148,7 +148,7 @@ def test_scheduler_plans_the_next_step_before_the_tokens_are_back():
     assert sched.blocks_in_use() == 0
     assert sched.update(p2, {"y": result(99)}) == []  # its extra token is dropped; nothing is freed twice
     pool = sched.kv.pools[0]
-    assert pool.num_used == 0 and pool.consistent() and pool.num_free == CFG.num_blocks
+    assert pool.num_used == 0 and pool.consistent() and pool.num_free == CFG.cache.num_blocks
     assert not sched.has_work() and sched.schedule().num_tokens == 0
 
 
@@ -163,7 +163,7 @@ def _replay_job(ctx, lay, path):
     out = {}
     with faked_capture():
         for overlap in ("off", "on"):
-            cfg = dataclasses.replace(CFG, overlap=overlap, static_steps="on")
+            cfg = CFG.replace(overlap=overlap, static_steps="on")
             if ctx.rank != 0:
                 worker_loop(make_runner(model, cfg))
                 continue

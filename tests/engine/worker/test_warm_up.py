@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.loop import make_runner, worker_loop
@@ -20,7 +20,7 @@ from tests.engine.test_engine import PROMPTS, run_requests
 from tests.spec_decode.test_spec_engine import specs, static_steps
 from tests.support.layouts import layout
 
-CFG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256,
+CFG = EngineConfig.flat(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=256,
                       static_steps="on")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
