@@ -107,18 +107,14 @@ class SpeculativeDecoder:
 
     # ---- draft -----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, work: list[SeqWork]) -> dict[str, DraftTree]:
-        """One drafter forward for every request's ``[bonus, MASK × depth]`` block → a DFlash chain or DDTree
-        per request, rooted at its bonus (:meth:`draft_logits`)."""
-        return self.draft(work)[0]
-
-    @torch.no_grad()
     def draft(self, work: list[SeqWork], sampler: NodeSampler | None = None
               ) -> tuple[dict[str, DraftTree], torch.Tensor | None]:
-        """:meth:`propose`, building constrained requests' trees under their grammar (``sampler.grammar``) on the
-        host — the step's one round trip: the drafter's candidates come to the host, the grammar's matcher walks the
-        tree (accept, fill, roll back), no node holds a token the grammar forbids (``cfg.prune_drafts``), and the
-        node masks of that walk come back ``[J*N, W]`` int32 (None when no request is constrained)."""
+        """One drafter forward for every request's ``[bonus, MASK × depth]`` block → a DFlash chain or DDTree per
+        request, rooted at its bonus (:meth:`draft_logits`), by request id; constrained requests' trees are built
+        under their grammar (``sampler.grammar``) on the host — the step's one round trip: the drafter's candidates
+        come to the host, the grammar's matcher walks the tree (accept, fill, roll back), no node holds a token the
+        grammar forbids (``cfg.prune_drafts``), and the node masks of that walk come back ``[J*N, W]`` int32 (None
+        when no request is constrained)."""
         if not work:
             return {}, None
         logits = self.draft_logits(work)

@@ -12,7 +12,7 @@ the vectorised :func:`spec_decode.tree.build_tree` (no host synchronisation). Ba
 are padded with dummy sequences in the runner's scratch blocks.
 
 Off CUDA nothing is captured: the step runs eagerly and the tests check it against the dynamic
-``SpeculativeDecoder.propose``.
+``SpeculativeDecoder.draft``.
 """
 
 from __future__ import annotations

@@ -47,9 +47,9 @@ def spec_runner(model: CausalLM, budget: int, batch: int, context: int, static: 
 def prefill(runner: ModelRunner, prompts: list[list[int]], per_seq: int) -> list[SeqWork]:
     """Prefills ``prompts`` (request b in blocks ``b*per_seq ..``) → each request's first speculative step."""
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(len(prompts))]
-    first = runner.execute([SeqWork(request_id=str(b), token_ids=p, start=0, block_table=tables[b], sample=True,
-                                    params=GREEDY, seed=b, num_generated=0, decode=False)
-                            for b, p in enumerate(prompts)]).results
+    prefill = [SeqWork(request_id=str(b), token_ids=p, start=0, block_table=tables[b], sample=True, params=GREEDY,
+                       seed=b, num_generated=0, decode=False) for b, p in enumerate(prompts)]
+    first = runner.finish(runner.launch(prefill)).results
     return [SeqWork(request_id=str(b), token_ids=first[str(b)].tokens, start=len(p), block_table=tables[b],
                     sample=True, params=GREEDY, seed=b, num_generated=1, decode=True, spec=True)
             for b, p in enumerate(prompts)]
@@ -67,7 +67,7 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
     coverage = GraphCoverage()  # the static runner's steps, as each step's coverage records say
 
     def run_static():
-        out = static.execute(work["static"])
+        out = static.finish(static.launch(work["static"]))
         for kind, (replayed, why) in out.coverage.items():
             coverage.record(kind, replayed, why)
         return out
@@ -76,13 +76,13 @@ def check_spec_step(model: CausalLM, budget: int, batch: int, context: int, gen:
         got = run_static().results
     except RuntimeError as exc:  # strict_sync: a host synchronisation inside the device part
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
-    want = dynamic.execute(work["dynamic"]).results
+    want = dynamic.finish(dynamic.launch(work["dynamic"])).results
     row["same_tokens"] = all(got[k].tokens == want[k].tokens for k in want)
     row["tokens_per_step"] = sum(len(r.tokens) for r in got.values()) / batch
     row["host_syncs_draft_to_commit"] = 0 if torch.cuda.is_available() else "not checked off CUDA"
     if torch.cuda.is_available():
         row["static_ms"] = 1e3 * cuda_time_s(run_static)
-        row["dynamic_ms"] = 1e3 * cuda_time_s(lambda: dynamic.execute(work["dynamic"]))
+        row["dynamic_ms"] = 1e3 * cuda_time_s(lambda: dynamic.finish(dynamic.launch(work["dynamic"])))
         row["speedup"] = row["dynamic_ms"] / row["static_ms"]
     summary = coverage.summary()
     row["replays"] = {kind: f"{c['replays']}/{c['steps']}" for kind, c in summary.items()}

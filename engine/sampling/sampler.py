@@ -7,7 +7,6 @@ seeded request draws the same tokens whatever else is in its batch and in whatev
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,7 +14,6 @@ import torch
 from torch import Tensor
 
 from engine.params import SamplingParams
-from engine.staging import to_device
 from model import fixed_math
 
 TOP_K_OFF = torch.iinfo(torch.int64).max  # any value >= V disables top-k
@@ -34,14 +32,14 @@ _M2 = _int64(0x94D049BB133111EB)
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling tensors for B requests, built on the host once per step by :meth:`build`.
+    """Per-row sampling tensors for B requests.
 
     ``temperature, top_p, min_p [B]`` float32; ``top_k, seed, num_generated [B]`` int64 (top_k ``TOP_K_OFF`` = off;
     num_generated: the output index of the token being drawn). ``num_logprobs`` is the batch's largest
-    ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work. The engine's
-    ranks gather these rows from per-request tensors (``engine.sampling.logits_processors.SamplingState``);
-    :meth:`build` makes them from host lists. Features that change the logits (min_tokens, penalties, logit bias,
-    grammar masks) are logits processors, applied before :func:`sample`.
+    ``logprobs``; ``needs_sort`` / ``all_greedy`` are host flags that let :func:`sample` skip work (:func:`host_flags`).
+    The engine's ranks gather these rows from per-request tensors (``engine.sampling.logits_processors.SamplingState``;
+    a tree node at depth d draws output index ``num_generated + d``, ``TreeSampling``). Features that change the
+    logits (min_tokens, penalties, logit bias, grammar masks) are logits processors, applied before :func:`sample`.
     """
 
     temperature: Tensor
@@ -53,46 +51,6 @@ class SamplingBatch:
     num_logprobs: int
     needs_sort: bool
     all_greedy: bool
-
-    @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        seeds: list[int],
-        num_generated: list[int],
-        device: torch.device | str = "cpu",
-    ) -> SamplingBatch:
-        """``seeds[i]`` is row i's effective seed (``params[i].seed``, or one the engine drew for an unseeded
-        request); ``num_generated[i]`` the tokens it has produced so far (``SeqWork.num_generated``), i.e. the
-        output index of the token drawn."""
-        if not len(seeds) == len(num_generated) == len(params):
-            raise ValueError(
-                f"params, seeds, num_generated must have equal lengths, got "
-                f"{len(params)}, {len(seeds)}, {len(num_generated)}"
-            )
-        device = torch.device(device)
-
-        def f32(xs):  # pinned and asynchronous on CUDA: the host does not wait for the step in flight
-            return to_device(xs, torch.float32, device)
-
-        def i64(xs):
-            return to_device(xs, torch.int64, device)
-
-        return cls(
-            temperature=f32([p.temperature for p in params]),
-            top_k=i64([top_k_of(p) for p in params]),
-            top_p=f32([p.top_p for p in params]),
-            min_p=f32([p.min_p for p in params]),
-            seed=i64([_int64(s) for s in seeds]),
-            num_generated=i64(num_generated),
-            **host_flags(params),
-        )
-
-    def advanced(self, by: Tensor) -> SamplingBatch:
-        """The same rows ``by [B]`` int64 output tokens later (a tree node at depth ``by`` draws the output index
-        ``num_generated + by``). On the device, without host synchronisation: the speculative walk builds the batch
-        from host values once per request and offsets it by the tree's depths."""
-        return dataclasses.replace(self, num_generated=self.num_generated + by)
 
 
 def top_k_of(p: SamplingParams) -> int:

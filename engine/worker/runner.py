@@ -146,14 +146,6 @@ class ModelRunner:
         self.cache.copy_blocks(copies)
         return self.launch(self.requests.apply(plan), plan.work)
 
-    def execute(self, work: list[SeqWork], dp_work: list[list[StepItem]] | None = None) -> RunnerOutput:
-        """Collective over the layout (idle DP ranks pass ``[]`` and still enter every MoE collective).
-        ``dp_work``: every attention-DP rank's work this step (the whole plan; default ``[work]``), from which
-        all ranks pick the same static shape. Returns each sampling request's StepResult on the rank that
-        holds the logits (None on the others) and the step's coverage records, the target step's under its
-        kind (:func:`engine.step.step_kind`). :meth:`launch` then :meth:`finish`."""
-        return self.finish(self.launch(work, dp_work))
-
     def finish(self, step: Launched) -> RunnerOutput:
         """``step``'s one readback (it waits for that step's copy only, not for steps launched after it)."""
         results = step.results
@@ -168,9 +160,13 @@ class ModelRunner:
 
     @torch.no_grad()
     def launch(self, work: list[SeqWork], dp_work: list[list[StepItem]] | None = None) -> Launched:
-        """Queues the step on the device (:meth:`execute` without the readback of plainly sampled tokens).
-        Speculative items are walked and read back here: the next step's start depends on them. The tokens ``work``
-        feeds join its requests' histories first (the logits processors' state)."""
+        """Queues the step on the device; :meth:`finish` reads it back. Collective over the layout (idle DP ranks
+        pass ``[]`` and still enter every MoE collective). ``dp_work``: every attention-DP rank's work this step (the
+        whole plan; default ``[work]``), from which all ranks pick the same static shape. Speculative items are walked
+        and read back here: the next step's start depends on them. The tokens ``work`` feeds join its requests'
+        histories first (the logits processors' state). ``finish`` returns each sampling request's StepResult on the
+        rank that holds the logits (None on the others) and the step's coverage records, the target step's under its
+        kind (:func:`engine.step.step_kind`)."""
         dp_work = [work] if dp_work is None else dp_work
         work = self.sampling.bind(work)
         self.sampling.feed(work, self.last_tokens)

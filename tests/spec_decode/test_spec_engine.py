@@ -210,9 +210,9 @@ def test_batched_drafting_equals_one_request_at_a_time(tiny_ckpts, random_drafte
         work.append(w)
     head = spec.draft_head  # draft_head_dtype "auto" on an fp32 target: a bf16 copy iff this CPU has bf16 matmul
     assert (head.dtype if head is not None else None) == (torch.bfloat16 if native_bf16_matmul("cpu") else None)
-    together = spec.propose(work)
+    together = spec.draft(work)[0]
     for w in work:
-        assert _same_tree(spec.propose([w])[w.request_id], together[w.request_id])
+        assert _same_tree(spec.draft([w])[0][w.request_id], together[w.request_id])
 
 
 def test_drafter_context_follows_the_block_table(tiny_ckpts, random_drafter):
@@ -237,7 +237,7 @@ def test_drafter_context_follows_the_block_table(tiny_ckpts, random_drafter):
         spec_b.add_context(_work("other", 9, 0, [7, 8, 9]), torch.randn(hi - lo, width, generator=gen), lo)
     logits = spec_a.draft_logits([alone])
     assert torch.equal(logits, spec_b.draft_logits([reused]))
-    assert _same_tree(spec_a.propose([alone])["a"], spec_b.propose([reused])["a"])
+    assert _same_tree(spec_a.draft([alone])[0]["a"], spec_b.draft([reused])[0]["a"])
     torch.testing.assert_close(spec_once.draft_logits([alone]), logits, rtol=1e-5, atol=1e-5)
 
 
@@ -256,7 +256,7 @@ def test_static_draft_equals_dynamic_propose(tiny_ckpts, random_drafter, method)
         w = _work(str(i), 20 + i, n, blocks)
         spec.add_context(w, torch.randn(n, len(spec.feature_layers) * spec.model.cfg.hidden_size, generator=gen), 0)
         work.append(w)
-    want_logits, want = spec.draft_logits(work), spec.propose(work)
+    want_logits, want = spec.draft_logits(work), spec.draft(work)[0]
     draft = StaticDraft(spec, batch=4, max_blocks=4, scratch_blocks=(15, 14))
     draft.load(work)
     logits, tokens, parents, depth, valid, _ = draft.run()

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
-from engine.sampling.sampler import SamplingBatch, sample
+from engine.sampling.sampler import sample
 from model.tree_mask import ancestor_mask
 from spec_decode.config import SpecConfig, SpecConfigError
 from spec_decode.tree import DraftTree, build_chain, build_tree, build_tree_host, path_by_depth, tree_paths, walk
+from tests.support.sampling import sampling_batch
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512])
@@ -156,7 +157,7 @@ def sample_and_walk(tree, logits, seed, generated):
     """The engine's rule: the pick at each node is the target's sample for that output index."""
     num_generated = [generated + int(d) for d in tree.depth]
     params = SamplingParams(temperature=1.0)
-    sb = SamplingBatch.build([params] * tree.tree_size, [seed] * tree.tree_size, num_generated)
+    sb = sampling_batch([params] * tree.tree_size, [seed] * tree.tree_size, num_generated)
     picks = sample(logits, sb).tokens
     path, count = path_by_depth(tree, walk(tree, picks), int(tree.depth.max()) + 1)
     return picks[path[:count]].tolist()  # what Speculator.accept commits

@@ -14,6 +14,7 @@ import torch
 
 from engine.params import SamplingError, SamplingParams
 from engine.sampling.sampler import GAMMA, SamplingBatch, filter_logits, gumbel_noise, mix64, sample
+from tests.support.sampling import advanced, sampling_batch
 
 EOS = (7,)
 
@@ -21,7 +22,7 @@ EOS = (7,)
 def batch(params, seeds=None, num_generated=None) -> SamplingBatch:
     n = len(params)
     seeds = seeds if seeds is not None else [p.seed if p.seed is not None else 0 for p in params]
-    return SamplingBatch.build(params, seeds, num_generated or [0] * n)
+    return sampling_batch(params, seeds, num_generated or [0] * n)
 
 
 def state_sample(logits, params, seeds=None, num_generated=None, depth=None):
@@ -246,7 +247,7 @@ def test_advanced_batch_draws_what_a_batch_built_later_draws():
         later = [generated + int(d) for d in depth]
         want = state_sample(logits, rows, seeds, later).tokens
         got = state_sample(logits, rows, seeds, [generated] * len(rows), depth=depth).tokens
-        assert torch.equal(sample(logits, batch(rows, seeds, [generated] * len(rows)).advanced(depth)).tokens,
+        assert torch.equal(sample(logits, advanced(batch(rows, seeds, [generated] * len(rows)), depth)).tokens,
                            sample(logits, batch(rows, seeds, later)).tokens)
         assert torch.equal(got, want)
         greedy = got[:4].tolist()  # request 0: EOS and the stop id banned while generated + d < 3
@@ -296,6 +297,6 @@ def test_logprobs_of_chosen_and_top_n():
     assert none.top_ids.shape == none.top_logprobs.shape == (5, 0)
 
 
-def test_build_rejects_ragged_inputs():
+def test_sampling_rows_reject_ragged_inputs():
     with pytest.raises(ValueError, match="equal lengths"):
-        SamplingBatch.build([SamplingParams()] * 2, [0], [0, 0])
+        sampling_batch([SamplingParams()] * 2, [0], [0, 0])

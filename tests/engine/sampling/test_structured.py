@@ -23,11 +23,12 @@ import torch
 
 from engine.params import Constraint, SamplingParams
 from engine.sampling.logits_processors import Rows, SamplingState, TreeSampling
-from engine.sampling.sampler import SamplingBatch, sample
+from engine.sampling.sampler import sample
 from engine.step import NewRequest
 from tests.engine.test_engine import run_requests
 from tests.support.layouts import layout
 from tests.support.paths import REPO_ROOT
+from tests.support.sampling import sampling_batch
 
 ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
 TARGET = ZOO / "target"
@@ -63,7 +64,7 @@ def test_plain_decoding_with_penalties_equals_the_reference_over_hf_logits(tiny_
             logits[0, list(model.cfg.eos_token_ids)] = float("-inf")  # min_tokens
             logits = vllm_penalties(logits, [prompt], [out], [p.presence_penalty], [p.frequency_penalty],
                                     [p.repetition_penalty])
-            out.append(int(sample(logits, SamplingBatch.build([p], [p.seed], [len(out)])).tokens[0]))
+            out.append(int(sample(logits, sampling_batch([p], [p.seed], [len(out)])).tokens[0]))
         assert got[str(i)][0] == out, i
 
 
@@ -135,7 +136,7 @@ def test_penalties_equal_vllms_formulas_on_plain_rows_and_tree_nodes():
                                  PENALISED[j].repetition_penalty) for j in (0, 1) for _ in range(5)], strict=True))
     out = sampler.sample(node_rows, tokens, depth, ancestors, tree_logits)
     nodes = dataclasses.replace(node_rows, num_generated=node_rows.num_generated + depth.reshape(-1))
-    sb = SamplingBatch.build([PENALISED[j] for j in (0, 1) for _ in range(5)], [j for j in (0, 1) for _ in range(5)],
+    sb = sampling_batch([PENALISED[j] for j in (0, 1) for _ in range(5)], [j for j in (0, 1) for _ in range(5)],
                              nodes.num_generated.tolist())
     assert torch.equal(out.tokens, sample(tree_logits, sb, ref).tokens)
 

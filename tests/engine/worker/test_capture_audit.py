@@ -150,12 +150,15 @@ def run_every_kind(runner: ModelRunner, batch: int) -> dict:
     seqs = [dict(request_id=str(b), block_table=list(range(b * per_seq, (b + 1) * per_seq)),
                  params=PARAMS[b % len(PARAMS)], seed=b) for b in range(batch)]
     prompts = [torch.randint(2, 64, (CTX,), generator=gen).tolist() for _ in range(batch)]
-    out = runner.execute([SeqWork(**s, token_ids=p, start=0, sample=True, num_generated=0, decode=False)
-                          for s, p in zip(seqs, prompts, strict=True)]).results
-    out = runner.execute([SeqWork(**s, token_ids=out[s["request_id"]].tokens, start=CTX, sample=True,
-                                  num_generated=1, decode=True) for s in seqs]).results
-    return runner.execute([SeqWork(**s, token_ids=out[s["request_id"]].tokens, start=CTX + 1, sample=True,
-                                   num_generated=2, decode=True, spec=True) for s in seqs]).results
+    def step(work):
+        return runner.finish(runner.launch(work)).results
+
+    out = step([SeqWork(**s, token_ids=p, start=0, sample=True, num_generated=0, decode=False)
+                for s, p in zip(seqs, prompts, strict=True)])
+    out = step([SeqWork(**s, token_ids=out[s["request_id"]].tokens, start=CTX, sample=True, num_generated=1,
+                        decode=True) for s in seqs])
+    return step([SeqWork(**s, token_ids=out[s["request_id"]].tokens, start=CTX + 1, sample=True, num_generated=2,
+                         decode=True, spec=True) for s in seqs])
 
 
 CASES = [("ddtree", b, n) for b in BUDGETS for n in (1, 8)] + [("dflash", 16, n) for n in (1, 8)]
