@@ -10,7 +10,6 @@ so a box shared with other jobs does not skew it as it skews wall-clock), best o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ def main() -> None:
     prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:args.batch]]
     off = EngineConfig.flat(max_num_seqs=max(8, args.batch), max_num_batched_tokens=args.budget_tokens,
                           max_model_len=512, block_size=16, num_blocks=512, static_steps="on")
-    cfgs = {"off": off, "on": dataclasses.replace(off, batch_invariant=True)}
+    cfgs = {"off": off, "on": off.replace(batch_invariant=True)}
     models = {flag: load_model(ZOO / "target", build_groups(Layout()), torch.bfloat16) for flag in cfgs}  # on: switched
     drafter = str(ZOO / "drafter")
     arms = {"none": SpecConfig(), "dflash": SpecConfig("dflash", drafter_path=drafter),

@@ -104,7 +104,6 @@ def test_bf16_model_decodes(quant_ckpts, ckpt):
 def test_expert_tally_counts_quantized_experts(quant_ckpts):
     """``engine.expert_tally`` (the bench turns it on) hooks quantized expert layers too: a decode step's count per
     MoE layer is between 1 and the experts its rows can route to."""
-    import dataclasses
 
     from engine.engine import Engine
     from model.loader import load_model
@@ -113,7 +112,7 @@ def test_expert_tally_counts_quantized_experts(quant_ckpts):
     from tests.engine.test_engine import SMALL, run_requests
 
     model = load_model(quant_ckpts["kimi_k25_int4"][0], build_groups(Layout()), torch.float32)
-    engine = Engine(model, dataclasses.replace(SMALL, expert_tally=True))
+    engine = Engine(model, SMALL.replace(expert_tally=True))
     run_requests(engine, [("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
     counts = engine.runner.tally.snapshot()
     engine.shutdown()

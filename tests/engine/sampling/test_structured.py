@@ -370,7 +370,7 @@ def test_preemption_replays_processor_state(pool):
     ddtree = SpecConfig("ddtree", budget=8, block_size=9, drafter_path=drafter, tree_temperature=0.33)
     roomy = pool.run(_arms_job, layout("single"), requests, [(SpecConfig(), "on")], cfg())[0]
     # requests sharing a prompt would wait for each other's prefill and never press the pool (share_inflight_prefix)
-    tight_cfg = dataclasses.replace(cfg(44), share_inflight_prefix=False)
+    tight_cfg = cfg(44).replace(share_inflight_prefix=False)
     tight = pool.run(_arms_job, layout("single"), requests, [(SpecConfig(), "on"), (ddtree, "on")], tight_cfg)[0]
     for got, _, preempted, kv in tight:
         assert preempted > 0 and kv == 0
@@ -421,7 +421,7 @@ def _n_job(ctx, lay, spec_arms, prompt):
     out = []
     for spec in spec_arms:
         speculation = load_speculation(spec, model)
-        arm_cfg = dataclasses.replace(cfg(), prefix_caching=False)
+        arm_cfg = cfg().replace(prefix_caching=False)
         if ctx.rank != 0:
             worker_loop(make_runner(model, arm_cfg, speculation))
             continue
@@ -465,7 +465,7 @@ def test_overlap_gives_the_same_constrained_and_penalised_tokens(pool):
     unconstrained = [r for r in requests if r[2].constraint is None]
     runs = {}
     for overlap in ("off", "on"):
-        over = dataclasses.replace(cfg(), overlap=overlap)
+        over = cfg().replace(overlap=overlap)
         runs[overlap] = [pool.run(_arms_job, layout("single"), reqs, [(SpecConfig(), "on")], over)[0][0][0]
                          for reqs in (requests, unconstrained)]
     assert runs["on"] == runs["off"]
