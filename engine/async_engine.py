@@ -121,13 +121,16 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, capacity: int, step_timeout_s: float, heartbeat_s: float,
                  on_fatal: Callable[[str], None] | None = None, throughput_window_s: float = 10.0,
-                 on_kv_events: Callable[[list[KvEvent]], None] | None = None):
+                 on_kv_events: Callable[[list[KvEvent]], None] | None = None,
+                 diagnose: Callable[[], str] | None = None):
         """``capacity``: most requests (running + waiting) in the engine; one more is :class:`Overloaded`.
-        ``on_kv_events``: called on the event loop with each step's prefix-index changes (the KV event stream)."""
+        ``on_kv_events``: called on the event loop with each step's prefix-index changes (the KV event stream).
+        ``diagnose``: on an engine failure, what the caller knows of why (which rank's process is gone), appended to
+        the reason every stream and the log get."""
         self.engine_facts = engine_facts(engine)
         self.capacity = capacity
         self._thread = EngineThread(engine, self, step_timeout_s, heartbeat_s, on_fatal or (lambda reason: None),
-                                    throughput_window_s, on_kv_events)
+                                    throughput_window_s, on_kv_events, diagnose)
         self._grammar = engine.grammar  # compiles run on the loop's executor, never on the engine thread
         self._streams: dict[str, RequestStream] = {}  # loop thread only
         self._pending: set[asyncio.Future] = set()  # loop thread only
@@ -270,10 +273,10 @@ class EngineThread:
 
     def __init__(self, engine: Engine, front: AsyncEngine, step_timeout_s: float, heartbeat_s: float,
                  on_fatal: Callable[[str], None], throughput_window_s: float,
-                 on_kv_events: Callable[[list[KvEvent]], None] | None):
+                 on_kv_events: Callable[[list[KvEvent]], None] | None, diagnose: Callable[[], str] | None = None):
         self.engine, self.front = engine, front
         self.step_timeout_s, self.heartbeat_s, self.on_fatal = step_timeout_s, heartbeat_s, on_fatal
-        self.on_kv_events, self.window_s = on_kv_events, throughput_window_s
+        self.on_kv_events, self.window_s, self.diagnose = on_kv_events, throughput_window_s, diagnose
         engine.kv_events(on_kv_events is not None)
         self.handlers: dict[type, Callable[[Any], Any]] = {
             AddRequest: self._add, AbortRequest: self._abort, Precompile: lambda r: engine.precompile(r.constraint),
@@ -414,6 +417,8 @@ class EngineThread:
         with self._fatal_lock:
             if self.dead:
                 return
+            why = self.diagnose() if self.diagnose is not None else ""
+            reason = f"{why}; {reason}" if why else reason
             self.dead = reason
         self._stopped.set()
         log.error("engine dead: %s", reason)

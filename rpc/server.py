@@ -33,6 +33,7 @@ from rpc import info
 from rpc.health import Health
 from rpc.kv_events import KvEventHub
 from rpc.metrics import MetricsServer, exporter_for
+from rpc.rank_liveness import gone_ranks
 from rpc.servicer import SERVICE_NAME, ModelFacts, Servicer
 
 log = logging.getLogger(__name__)
@@ -90,12 +91,20 @@ def serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[dict]) 
 
 def _fatal_exit(loop: asyncio.AbstractEventLoop, health: Health, grace_s: float, workers: list[int]):
     def die(reason: str) -> None:  # any thread
-        log.error("engine failure: %s — failing open streams, exiting 1", reason)
+        log.error("engine failure: %s — failing open streams, health NOT_SERVING, exiting 1", reason)
+        started = time.monotonic()
+        coro = health.not_serving()
         try:
-            asyncio.run_coroutine_threadsafe(health.not_serving(), loop)
-        except RuntimeError:
-            pass
-        time.sleep(grace_s)  # let the loop send the UNAVAILABLE statuses
+            flipped = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop is closed: nothing serves health any more
+            coro.close()
+        else:
+            try:
+                flipped.result(timeout=grace_s)
+            except Exception:  # noqa: BLE001 - the loop is stuck: exit all the same
+                log.error("health could not be set NOT_SERVING within %ss", grace_s)
+        time.sleep(max(grace_s - (time.monotonic() - started), 0))  # let the loop send the UNAVAILABLE statuses
+        log.error("exiting 1: %s", reason)
         for pid in workers:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -118,7 +127,7 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
     kv_events = KvEventHub(ef.kv_block_size, lambda: aengine.loads, max_running=ef.max_num_seqs)
     aengine = AsyncEngine(engine, capacity, cfg.step_timeout_s, cfg.heartbeat_s,
                           on_fatal=_fatal_exit(loop, health, cfg.fatal_grace_s, workers),
-                          on_kv_events=kv_events.publish)
+                          on_kv_events=kv_events.publish, diagnose=lambda: gone_ranks(ranks, host))
     facts = ModelFacts.read(model_dir, cfg.served_model_name, ef)
     servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir)
 

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig
-from torch.multiprocessing import ProcessRaisedException
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from model.checkpoint_errors import check_checkpoint_files, read_json
 from model.config import ModelConfig, load_config
@@ -120,6 +120,9 @@ def one_line(err: BaseException) -> str:
     if isinstance(err, ProcessRaisedException):
         last = [ln for ln in str(err).splitlines() if ln.strip()][-1]
         return f"rank {err.error_index}: {last.strip()}"
+    if isinstance(err, ProcessExitedException):  # killed or exited without raising: name it as a rank
+        how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
+        return f"rank {err.error_index} (pid {err.error_pid}) terminated with {how}"
     return " ".join(str(err).split()) or type(err).__name__
 
 

@@ -93,8 +93,13 @@ def test_kill9_of_a_rank_ends_streams_unavailable_and_exits(server8):
         with pytest.raises(grpc.RpcError) as err:
             list(it)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"rank 3 (pid {pids[3]}) exited" in err.value.details(), err.value.details()  # names the rank
     rc = srv.wait(timeout=EXIT_WITHIN_S)
     assert rc != 0 and time.monotonic() - t0 < EXIT_WITHIN_S
+    lines = [line for line in srv.log(20000).splitlines() if line.strip()]
+    # the log's last line says which: rank 0's own, or the launcher's when it ended rank 0 first
+    assert f"rank 3 (pid {pids[3]})" in lines[-1], lines[-3:]
+    assert "never awaited" not in srv.log(20000)  # the health flip was scheduled on the loop and awaited
     assert not [r for r, pid in pids.items() if alive(pid)]  # no rank left behind
     with pytest.raises(grpc.RpcError) as err:  # nobody answers health any more
         client.health(timeout=2)
@@ -115,6 +120,7 @@ def test_hung_rank_trips_the_step_watchdog(tiny_ckpts, tmp_path):
         with pytest.raises(grpc.RpcError) as err:
             list(it)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "step_timeout_s" in err.value.details()
+        assert f"rank 1 (pid {pids[1]}) is stopped" in err.value.details(), err.value.details()
         rc = srv.wait(timeout=EXIT_WITHIN_S)
         assert rc != 0 and time.monotonic() - t0 < EXIT_WITHIN_S
         assert not [r for r, pid in pids.items() if alive(pid)]
