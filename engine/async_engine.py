@@ -57,6 +57,9 @@ from engine.step import RequestOutput
 log = logging.getLogger(__name__)
 
 
+LOAD_CHANGING = (AddRequest, AbortRequest, FlushCache)  # requests after which the loads are published at once
+
+
 class Overloaded(RuntimeError):
     """Running + waiting requests are at the server's capacity."""
 
@@ -180,6 +183,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Ends the request if it is still in the engine (its stream gets a finished "abort" output)."""
         self._call(AbortRequest(request_id), reply=False)
+
+    async def aborted(self, request_id: str) -> None:
+        """:meth:`abort`, returning once the engine has ended the request and published its loads."""
+        await self._call(AbortRequest(request_id))
 
     def close(self, stream: RequestStream) -> None:
         """Called when the consumer is done with a stream; aborts the request if it has not finished."""
@@ -334,6 +341,9 @@ class EngineThread:
             result, error = self.handlers[type(request)](request), None
         except caller_errors as err:
             result, error = None, err
+        if isinstance(request, LOAD_CHANGING):  # the loads move now, before the caller hears back
+            self._commands_at = time.monotonic()
+            self._publish_loads()
         if fut is not None:
             self.front.loop.call_soon_threadsafe(self.front.settle, fut, result, error)
         elif error is not None:

@@ -17,6 +17,7 @@ import math
 import threading
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -151,6 +152,7 @@ class MetricsExporter:
         self.base = (model_name, "0")
         self.draft_positions, self.drafted_per_step = draft_positions, drafted_per_step
         self._lock = threading.Lock()
+        self._live: Callable[[], tuple] | None = None  # follow()
         # family → {extra label values: value}; a histogram's value: [count per bucket..., +Inf count, sum]
         self._data: dict[str, dict[tuple, float | list]] = {name: {} for name in FAMILIES}
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "switchyard:num_requests_loading",
@@ -193,10 +195,27 @@ class MetricsExporter:
             if r.kind is not None:
                 self._step(d, r)
 
+    def follow(self, loads: Callable[[], tuple]) -> None:
+        """Read the scheduler gauges (running, waiting, loading, KV usage and blocks) from ``loads()`` — per-rank
+        ``RankLoad`` figures the engine publishes after every request it runs (an add, an abort, a flush) and every
+        step — at each scrape, so they move with the engine rather than at the next step record."""
+        self._live = loads
+
     def _scheduler(self, d: dict, r: StepRecord) -> None:
-        t, running, waiting, deferred, loading, used, total = r.tokens, 0, 0, 0, 0, 0, 0
+        if self._live is None:
+            self._gauges(d, r.kv)
+        t = r.tokens
+        d["vllm:prefix_cache_queries"][()] += t.prompt_queried
+        d["vllm:prefix_cache_hits"][()] += t.prompt_cached
+        d["vllm:num_preemptions"][()] += r.preemptions
+        d["vllm:generation_tokens"][()] += t.generated
+
+    @staticmethod
+    def _gauges(d: dict, per_dp: tuple) -> None:
+        """The scheduler gauges from per attention-DP rank ``RankLoad`` figures."""
+        running, waiting, deferred, loading, used, total = 0, 0, 0, 0, 0, 0
         blocks = d["switchyard:kv_blocks"]
-        for dp, k in enumerate(r.kv):
+        for dp, k in enumerate(per_dp):
             running, waiting, deferred = running + k.running, waiting + k.waiting, deferred + k.deferred
             loading += k.loading
             used, total = used + k.blocks_used, total + k.blocks_total
@@ -209,10 +228,6 @@ class MetricsExporter:
         by_reason[("capacity",)], by_reason[("deferred",)] = waiting - deferred - loading, deferred
         d["switchyard:num_requests_loading"][()] = loading
         d["vllm:kv_cache_usage_perc"][()] = used / total if total else 0.0
-        d["vllm:prefix_cache_queries"][()] += t.prompt_queried
-        d["vllm:prefix_cache_hits"][()] += t.prompt_cached
-        d["vllm:num_preemptions"][()] += r.preemptions
-        d["vllm:generation_tokens"][()] += t.generated
 
     def _requests(self, r: StepRecord) -> None:
         q, d = r.requests, self._data
@@ -301,7 +316,10 @@ class MetricsExporter:
     # ---- the collector (metrics thread) ---------------------------------------------------------------------
     def collect(self):
         """``prometheus_client``'s collector protocol: every family that has a sample."""
+        live = self._live() if self._live is not None else None
         with self._lock:
+            if live is not None:
+                self._gauges(self._data, live)
             snapshot = {name: {k: list(v) if isinstance(v, list) else v for k, v in series.items()}
                         for name, series in self._data.items() if series}
         for name, series in snapshot.items():

@@ -214,7 +214,10 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
         unknown = [rid for rid in request.request_ids if rid not in self._seen]
         for rid in request.request_ids:
             if rid in self._seen:
-                self.engine.abort(rid)
+                try:
+                    await self.engine.aborted(rid)  # its KV is free and the gauges moved when Abort returns
+                except EngineDead:
+                    pass
         if unknown:
             log.info("Abort: INVALID_ARGUMENT — unknown request id(s) %s", unknown[:5])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

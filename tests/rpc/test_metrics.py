@@ -249,6 +249,33 @@ def test_profile_writes_one_loadable_trace_per_rank(server):
 
 
 # ---------------------------------------------------------------------------------------- without a server
+def test_gauges_move_with_the_engine_not_with_the_next_record(tiny_ckpts, tmp_path):
+    """One rank, ``server.heartbeat_s=60`` (no idle record for a minute): the first scrape after a cancelled stream's
+    Abort returns shows nothing running and its blocks free, and the first after FlushCache returns shows no cached
+    block — with no step in between (the step counter has not moved)."""
+    srv = ServerProcess(tiny_ckpts["tiny_deepseek"], ["server.heartbeat_s=60"], tmp_path / "server.log")
+    try:
+        client = srv.wait_ready()
+        client.generate(SHARED, max_tokens=2, temperature=0.0, ignore_eos=True)  # cached blocks to flush later
+        stream = client.stream(PROMPTS[0], temperature=0.0, max_tokens=400, ignore_eos=True)
+        it = iter(stream)
+        next(it)
+        m = samples(scrape(srv.metrics_url))
+        assert m[("vllm:num_requests_running", ())] == 1
+        stream.cancel()
+        client.abort(stream.request_id)  # what smg sends after it cancels a stream
+        m = samples(scrape(srv.metrics_url))
+        steps = sum(v for (name, _), v in m.items() if name == "switchyard:steps_total")
+        assert m[("vllm:num_requests_running", ())] == 0 and m[("vllm:kv_cache_usage_perc", ())] == 0
+        assert m[("switchyard:kv_blocks", (("dp_rank", "0"), ("state", "cached")))] > 0
+        assert client.flush_cache()[0]
+        m = samples(scrape(srv.metrics_url))
+        assert m[("switchyard:kv_blocks", (("dp_rank", "0"), ("state", "cached")))] == 0
+        assert sum(v for (name, _), v in m.items() if name == "switchyard:steps_total") == steps
+    finally:
+        srv.close()
+
+
 def test_idle_seconds_hand_worked():
     from engine.core.step_record import idle_seconds
 
