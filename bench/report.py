@@ -91,13 +91,19 @@ def write_markdown(cells: list[dict], proj: list[dict], path: Path, plots: list[
     lines = ["# Bench summary", "",
              "Measured on this machine; see `telemetry_source` in the cell JSONs for what was sampled. On a CPU "
              "box with gloo the numbers rank host and interconnect overheads, not GPU kernels.", "",
-             "| " + " | ".join(h for _, h in COLUMNS) + " | calls/tok | bytes/tok | graphs | bound | = ref |",
+             "`bound`: what the floor model names (the largest floor, or host/launch when the step is over twice the "
+             "floors), then the measured step over the floors it explains; below 1× the step was faster than the "
+             "floor, whose link or peak figures are then above this box's (on gloo over loopback, the interconnect "
+             "floor uses the topology's link numbers).", "",
+             "| " + " | ".join(h for _, h in COLUMNS) + " | calls/tok | bytes/tok | graphs | bound (step ÷ floor) "
+             "| = ref |",
              "|" + "---|" * (len(COLUMNS) + 5)]
     for c in cells:
         r = flat_row(c)
         lines.append("| " + " | ".join(_fmt(r[k]) for k, _ in COLUMNS) + f" | {_fmt(r['comm_calls_per_token'])} | "
                      f"{_fmt(r['comm_bytes_per_token'])} | {r['graph_coverage'] or '-'} | "
-                     f"{r['bound'] or '-'} ({_fmt(r['bound_ratio'])}×) | {'✓' if r['matches_reference'] else '✗'} |")
+                     f"{r['bound'] or '-'} (step {_fmt(r['bound_ratio'])}× floor) | "
+                     f"{'✓' if r['matches_reference'] else '✗'} |")
     if proj:
         lines += ["", "## Projection (cost model, not measured): Kimi K2 INT4, batch 1, context 2048", "",
                   "Each layout's measured collective calls per output token, rescaled to 61 layers, on the "
