@@ -180,13 +180,10 @@ class AsyncEngine:
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Ends the request if it is still in the engine (its stream gets a finished "abort" output)."""
-        self._call(AbortRequest(request_id), reply=False)
-
-    async def aborted(self, request_id: str) -> None:
-        """:meth:`abort`, returning once the engine has ended the request and published its loads."""
-        await self._call(AbortRequest(request_id))
+    def abort(self, request_id: str, reply: bool = False) -> asyncio.Future | None:
+        """Ends the request if it is still in the engine (its stream gets a finished "abort" output). With
+        ``reply``: a future done once the engine has ended it and published its loads (EngineDead if dead)."""
+        return self._call(AbortRequest(request_id), reply=reply)
 
     def close(self, stream: RequestStream) -> None:
         """Called when the consumer is done with a stream; aborts the request if it has not finished."""

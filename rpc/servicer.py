@@ -215,7 +215,7 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
         for rid in request.request_ids:
             if rid in self._seen:
                 try:
-                    await self.engine.aborted(rid)  # its KV is free and the gauges moved when Abort returns
+                    await self.engine.abort(rid, reply=True)  # its KV is free and the gauges moved when Abort returns
                 except EngineDead:
                     pass
         if unknown:
