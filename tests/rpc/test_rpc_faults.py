@@ -96,8 +96,8 @@ def test_kill9_of_a_rank_ends_streams_unavailable_and_exits(server8):
         assert f"rank 3 (pid {pids[3]}) exited" in err.value.details(), err.value.details()  # names the rank
     try:  # until it exits the server says NOT_SERVING (the flip precedes the grace period); never SERVING again
         assert client.health(timeout=2) == "NOT_SERVING"
-    except grpc.RpcError as gone:
-        assert gone.code() == grpc.StatusCode.UNAVAILABLE  # already exited
+    except grpc.RpcError as gone:  # already exited, or the health call was in flight when the server stopped
+        assert gone.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), gone
     rc = srv.wait(timeout=EXIT_WITHIN_S)
     assert rc != 0 and time.monotonic() - t0 < EXIT_WITHIN_S
     lines = [line for line in srv.log(20000).splitlines() if line.strip()]
