@@ -55,6 +55,10 @@ class CacheConfig:
     prefix_caching: bool = True
     # a retained request's blocks (a turn that ended in a tool call, or one that asked) outlive plain LRU this long
     kv_retention_s: float = 30.0
+    # the host-memory tier under the prefix cache, GiB per attention-DP group (0: off; docs/kv_cache.md, "Host tier")
+    host_kv_cache_gb: float = 0.0
+    # when a block is copied to the host tier: "evict" (as the device pool evicts it) or "through" (once committed)
+    host_kv_write: str = "evict"
 
     def __post_init__(self) -> None:
         _at_least_one(self, "block_size", "num_blocks")
@@ -63,6 +67,10 @@ class CacheConfig:
                                f"{self.gpu_memory_utilization}")
         if self.kv_retention_s < 0:
             raise RequestError(f"engine.kv_retention_s must be >= 0, got {self.kv_retention_s}")
+        if self.host_kv_cache_gb < 0:
+            raise RequestError(f"engine.host_kv_cache_gb must be >= 0 (0: no host tier), got {self.host_kv_cache_gb}")
+        if self.host_kv_write not in ("evict", "through"):
+            raise RequestError(f"engine.host_kv_write must be evict or through, got {self.host_kv_write!r}")
 
 
 @dataclass(frozen=True)

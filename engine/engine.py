@@ -87,7 +87,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
                                    spec_reserve_slots=speculation.facts.spec_reserve_slots if speculation else 0,
                                    namespace=cache_namespace(model, speculation),
-                                   retain_after=retain_after_ids(tokenizer))
+                                   retain_after=retain_after_ids(tokenizer),
+                                   host_slots=self.runner.loads.host.slots.shape[0] if self.runner.loads.host else 0)
         self.stops = StopChecks(tokenizer)  # stop strings: matched here, between the readback and the core's update
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
@@ -232,6 +233,7 @@ class Engine:
         self.profiling.before_step(self.stats.steps)
         self.transfers.finish_loads()
         plan = self.scheduler.schedule()
+        self.transfers.start_stores()
         self.transfers.start_loads()
         t1 = time.perf_counter()
         self.recorder.scheduled(plan, time.monotonic(), self.scheduler.blocked)

@@ -12,8 +12,8 @@ import torch
 
 from engine.config import RequestError
 from engine.core.scheduler import Scheduler
-from engine.worker.control import ControlPlane, LoadKV, RankState, ReadKV
-from engine.worker.kv_loads import HostKV, KVSource
+from engine.worker.control import ControlPlane, LoadKV, RankState, ReadKV, StoreKV
+from engine.worker.kv_loads import HostKV, HostTierKV, KVSource
 
 IDLE_WAIT_S = 0.05  # an engine with only loads to wait for blocks this long on rank 0's share instead of spinning
 
@@ -33,10 +33,20 @@ class KVTransfers:
                 raise RequestError(f"kv: blocks of {mine.dtype} {list(mine.shape)} do not fit this engine's KV cache "
                                    f"({want} bytes per block on rank {me})")
 
+    def start_stores(self) -> None:
+        """Sends the host tier's copies the last admission pass and plan queued (blocks they evicted, or committed
+        blocks with ``host_kv_write=through``), before that pass's loads and step: each rank runs them first."""
+        for dp in range(self.scheduler.dp_size):
+            stores = self.scheduler.kv.take_stores(dp)
+            if stores:
+                blocks, slots = zip(*stores, strict=True)
+                self.control.send(StoreKV(dp, blocks, slots), self.rank)
+
     def start_loads(self) -> None:
-        """Sends the loads admission started to the ranks (each starts its share on its loader thread)."""
+        """Sends the loads admission started to the ranks (each starts its share on its copy thread)."""
+        bs = self.scheduler.cfg.cache.block_size
         for load in self.scheduler.take_loads():
-            source = self.sources.pop(load.request_id)
+            source = HostTierKV(len(load.source_blocks) * bs) if load.from_host else self.sources.pop(load.request_id)
             self.control.send(LoadKV(load.load_id, load.dp_rank, load.blocks, load.source_blocks, source), self.rank)
             self.loading.add(load.load_id)
 

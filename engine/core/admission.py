@@ -7,6 +7,8 @@
   max_tokens capped at max_model_len, plus the speculative scratch); the cached prefix needs none.
 - KV from elsewhere (``Request.kv_tokens``): the reserve covers it; the blocks the prefix cache does not hold are
   loaded (:meth:`take_loads`) and the request is placed but not fed until the load is done (``Request.loading``).
+- The host tier: a prefix that continues past the device pool's hit in the rank's host tier is KV from elsewhere
+  too (``KVLoad.from_host``: its source blocks are host slots); placement counts both tiers' blocks.
 - ``share_inflight_prefix``: a request whose next uncached block a running request is computing now waits (without
   holding up the others) and hits that block once it is committed, rather than computing the shared prefix again.
 """
@@ -31,7 +33,8 @@ class KVLoad:
     request_id: str
     dp_rank: int
     blocks: tuple[int, ...]
-    source_blocks: tuple[int, ...]
+    source_blocks: tuple[int, ...]  # the source's blocks; host slots when ``from_host``
+    from_host: bool = False
 
 
 class Admission:
@@ -65,19 +68,25 @@ class Admission:
                     req.deferred = True
                     self.prefix_waits += 1
                     continue
-            dp = max(ranks, key=lambda r: (self.kv.cached_blocks(r, hashes), self.kv.num_free(r), -r))
-            cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes))
+            dp = max(ranks, key=lambda r: (self.kv.reusable_blocks(r, hashes), self.kv.num_free(r), -r))
+            device = self.kv.cached_blocks(dp, hashes)
+            slots = self.kv.host_prefix(dp, hashes, device) if not req.kv_tokens else []
+            if slots:  # the host tier's blocks arrive like KV from elsewhere
+                req.kv_tokens = (device + len(slots)) * self.cfg.cache.block_size
+            cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots))
             if cached is None:
+                if slots:
+                    req.kv_tokens = 0
                 return "kv"
             table.waiting.remove(req)
             req.dp_rank, req.num_computed = dp, cached
             if req.kv_tokens > cached:
-                self._start_load(req, cached)
+                self._start_load(req, cached, tuple(slots))
             if prefilling is not None:  # admitted now: those behind it wait for what it will compute
                 prefilling[dp].update(hashes[cached // self.cfg.cache.block_size:])
             self.journal.joined(req)
             if req.admitted < 0:
-                req.admitted, req.num_cached = next(self._order), cached
+                req.admitted, req.num_cached = next(self._order), cached + len(slots) * self.cfg.cache.block_size
             table.place(req, dp)
         return blocked
 
@@ -88,13 +97,15 @@ class Admission:
         hit = max(self.kv.cached_blocks(dp, hashes) * self.cfg.cache.block_size, req.kv_tokens)
         return hit + min(len(req.feed_tokens) - hit, self.cfg.scheduler.max_num_batched_tokens)
 
-    def _start_load(self, req: Request, cached: int) -> None:
-        """``req``'s blocks past its ``cached`` prefix up to ``kv_tokens`` come from its source."""
+    def _start_load(self, req: Request, cached: int, host_slots: tuple[int, ...]) -> None:
+        """``req``'s blocks past its ``cached`` prefix up to ``kv_tokens`` come from its source (``host_slots``, when
+        given: from the host tier)."""
         bs = self.cfg.cache.block_size
         first, end = cached // bs, req.kv_tokens // bs
         req.loading = next(self._load_ids)
         self._loads.append(KVLoad(load_id=req.loading, request_id=req.request_id, dp_rank=req.dp_rank,
-                                  blocks=tuple(self.kv.table(req)[first:end]), source_blocks=tuple(range(first, end))))
+                                  blocks=tuple(self.kv.table(req)[first:end]),
+                                  source_blocks=host_slots or tuple(range(first, end)), from_host=bool(host_slots)))
 
     def take_loads(self) -> list[KVLoad]:
         """The loads admission started since the last call, for the engine to send to the ranks."""

@@ -10,6 +10,9 @@ prefix index, LRU eviction and retention, and the events that describe the index
   blocks are never written.
 - Retention: a block freed by a request that asked to be retained (an agent waiting on a tool) is evicted only after
   every plain-LRU block, until its deadline passes.
+- The host tier (``engine.host_kv_cache_gb`` > 0, ``engine/core/host_tier.py``): evicted blocks (or, with
+  ``engine.host_kv_write=through``, committed ones) are copied to host slots by hash; an admission whose prefix
+  continues past the device pool in the host tier loads those blocks back through the loading state.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.blocks import blocks_for
+from engine.core.host_tier import HostTier
 
 NO_PARENT = 0
 
@@ -70,8 +74,12 @@ class RequestBlocks:
 class BlockPool:
     """One attention-DP rank's blocks. Pure bookkeeping (rank 0 keeps one per attention-DP rank)."""
 
-    def __init__(self, num_blocks: int, kv_block_size: int, dp_rank: int, emit: Callable[[KvEvent], None]):
+    def __init__(self, num_blocks: int, kv_block_size: int, dp_rank: int, emit: Callable[[KvEvent], None],
+                 spill: Callable[[int, int, float | None], None] | None = None):
+        """``spill(block, hash, retained until or None)``: called for every cached block evicted, before its id is
+        handed out again (the host tier keeps its bytes)."""
         self.num_blocks, self.kv_block_size, self.dp_rank, self.emit = num_blocks, kv_block_size, dp_rank, emit
+        self.spill = spill
         self.refs = [0] * num_blocks
         self.hash_of: dict[int, int] = {}  # block → its hash, for cached blocks (referenced or not)
         self.index: dict[int, int] = {}  # hash → block
@@ -137,11 +145,13 @@ class BlockPool:
         return out
 
     def _evict(self) -> int:
-        b = self.lru.popitem(last=False)[0] if self.lru else self.retained.popitem(last=False)[0]
+        b, until = (self.lru.popitem(last=False)[0], None) if self.lru else self.retained.popitem(last=False)
         h = self.hash_of.pop(b)
         del self.index[h]
         self.evictions += 1
         self.emit(KvEvent("removed", self.dp_rank, (h,)))
+        if self.spill is not None:
+            self.spill(b, h, until)
         return b
 
     def _expire(self, now: float) -> None:
@@ -202,11 +212,26 @@ class KVStats:
     """The KV manager at one moment (:meth:`KVManager.stats`); token counts since start."""
 
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # from the device pool
     hit_rate: float
     evictions: int
     index_digest: str  # of every pool's index
     per_dp: tuple[PoolStats, ...]
+    host: HostStats | None = None  # the host tier (None: off)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostStats:
+    """The host tier over every attention-DP rank: slots held and total, tokens asked for (prompt tokens past the
+    device pool's hit) and served, blocks copied into the device pool (``load``) and out of it (``store``)."""
+
+    blocks: int
+    slots: int
+    queried_tokens: int
+    hit_tokens: int
+    load_blocks: int
+    store_blocks: int
+    evictions: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +242,8 @@ class KVManagerConfig:
     prefix_caching: bool = True
     retention_s: float = 0.0  # how long a retained request's blocks outlive plain LRU
     namespace: bytes = b""
+    host_slots: int = 0  # per attention-DP rank: the host tier's blocks (0: no host tier)
+    host_write: str = "evict"  # when a block enters the host tier: "evict" (leaving the device) or "through"
 
 
 class KVRequest(Protocol):
@@ -282,10 +309,18 @@ class KVManager:
         self.index = (PrefixIndex if cfg.prefix_caching else NoPrefixIndex)(cfg.kv_block_size, cfg.namespace)
         self.recording = False  # keep events for a publisher (the server's SubscribeKvEvents) to drain
         self.events: list[KvEvent] = []
-        self.pools = [BlockPool(cfg.num_blocks, cfg.kv_block_size, dp, self._record) for dp in range(cfg.dp_size)]
+        on = cfg.host_slots > 0 and cfg.prefix_caching
+        self.host = [HostTier(cfg.host_slots) for _ in range(cfg.dp_size)] if on else []
+        spill = on and cfg.host_write == "evict"
+        self.pools = [BlockPool(cfg.num_blocks, cfg.kv_block_size, dp, self._record,
+                                self._spiller(dp) if spill else None) for dp in range(cfg.dp_size)]
         self.requests: dict[str, RequestBlocks] = {}
         self.prompt_tokens = self.cached_tokens = 0  # admissions' prompt tokens, and those served from the cache
         self.prompt_by_dp, self.cached_by_dp = [0] * cfg.dp_size, [0] * cfg.dp_size  # the same per pool
+        self.host_queried = self.host_hits = self.host_loads = self.host_stores = 0  # tokens, tokens, blocks, blocks
+
+    def _spiller(self, dp: int) -> Callable[[int, int, float | None], None]:
+        return lambda block, block_hash, until: self.host[dp].put(block, block_hash, self.clock(), until)
 
     def _record(self, event: KvEvent) -> None:
         if self.recording:
@@ -307,14 +342,40 @@ class KVManager:
         prefix caching off)."""
         return self.pools[dp].cached_prefix(self.index.hashes(tokens))
 
+    def host_prefix(self, dp: int, hashes: list[int], device_blocks: int) -> list[int]:
+        """The host slots of ``dp`` that continue a device hit of ``device_blocks`` blocks of ``hashes``, pinned until
+        :meth:`take_stores` (none with the tier off)."""
+        return self.host[dp].prefix(hashes[device_blocks:]) if self.host else []
+
+    def reusable_blocks(self, dp: int, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` that ``dp`` holds in its device pool or, past it, in its host tier (a peek:
+        nothing pinned)."""
+        device = self.cached_blocks(dp, hashes)
+        if not self.host:
+            return device
+        index = self.host[dp].index
+        return device + next((i for i, h in enumerate(hashes[device:]) if h not in index), len(hashes) - device)
+
+    def take_stores(self, dp: int) -> list[tuple[int, int]]:
+        """The host tier's copies ``(device block, host slot)`` queued on ``dp`` since the last call, for the ranks to
+        run before the next step; the admission pass's pins end here."""
+        if not self.host:
+            return []
+        tier = self.host[dp]
+        tier.unpin_all()
+        stores = tier.take_stores()
+        self.host_stores += len(stores)
+        return stores
+
     def num_free(self, dp: int) -> int:
         """Blocks ``dp``'s pool can hand out now (empty or cached unreferenced)."""
         return self.pools[dp].num_free
 
     # ---- admission and growth ------------------------------------------------------------------------------
-    def admit(self, req: KVRequest, dp: int, reserve: int) -> int | None:
-        """Starts ``req`` on ``dp``: takes its cached prefix and allocates what makes ``reserve`` token slots.
-        Returns the tokens served from the cache, or None (nothing taken) when the blocks are not free."""
+    def admit(self, req: KVRequest, dp: int, reserve: int, host_blocks: int = 0) -> int | None:
+        """Starts ``req`` on ``dp``: takes its cached prefix and allocates what makes ``reserve`` token slots
+        (``host_blocks`` of them past the device hit to be loaded from the host tier). Returns the tokens served from
+        the device pool, or None (nothing taken) when the blocks are not free."""
         pool, hashes, tokens = self.pools[dp], self.hashes(req), req.feed_tokens
         hit = pool.cached_prefix(hashes)
         need = max(blocks_for(reserve, self.cfg.kv_block_size) - len(hit), 0)
@@ -329,6 +390,10 @@ class KVManager:
         self.cached_tokens += cached
         self.prompt_by_dp[dp] += len(tokens)
         self.cached_by_dp[dp] += cached
+        if self.host:
+            self.host_queried += len(tokens) - cached
+            self.host_hits += host_blocks * self.cfg.kv_block_size
+            self.host_loads += host_blocks
         return cached
 
     def allocate(self, req: KVRequest, slots: int) -> bool:
@@ -366,8 +431,14 @@ class KVManager:
         """The first ``committed`` of ``req``'s tokens have their target and drafter KV written: index every full
         block they complete."""
         blocks = self.requests.get(req.request_id)
-        if blocks is not None:
-            self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed)
+        if blocks is None:
+            return
+        done = len(blocks.hashes)
+        self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed)
+        if self.host and self.cfg.host_write == "through":
+            tier, now = self.host[req.dp_rank], self.clock()
+            for i in range(done, len(blocks.hashes)):
+                tier.put(blocks.table[i], blocks.hashes[i], now)
 
     def free(self, req: KVRequest) -> None:
         """Drops ``req``'s blocks (end, abort, preemption): committed full blocks stay cached."""
@@ -395,6 +466,8 @@ class KVManager:
             return False
         for pool in self.pools:
             pool.clear()
+        for tier in self.host:
+            tier.clear()
         return True
 
     def drain_events(self) -> list[KvEvent]:
@@ -417,7 +490,16 @@ class KVManager:
                        for p in pools)
         return KVStats(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, hit_rate=self.hit_rate,
                        evictions=sum(p.evictions for p in pools),
-                       index_digest=index_digest(wire_hash(h) for p in pools for h in p.index), per_dp=per_dp)
+                       index_digest=index_digest(wire_hash(h) for p in pools for h in p.index), per_dp=per_dp,
+                       host=self.host_stats())
+
+    def host_stats(self) -> HostStats | None:
+        """The host tier now (None: off)."""
+        if not self.host:
+            return None
+        return HostStats(blocks=sum(len(t) for t in self.host), slots=sum(t.num_slots for t in self.host),
+                         queried_tokens=self.host_queried, hit_tokens=self.host_hits, load_blocks=self.host_loads,
+                         store_blocks=self.host_stores, evictions=sum(t.evictions for t in self.host))
 
     def blocks_in_use(self) -> int:
         """Referenced blocks over every pool (cached unreferenced ones count as free)."""

@@ -63,10 +63,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 spec_reserve_slots: int = 0, namespace: bytes = b"", retain_after: frozenset[int] = frozenset()):
+                 spec_reserve_slots: int = 0, namespace: bytes = b"", retain_after: frozenset[int] = frozenset(),
+                 host_slots: int = 0):
         """``spec_reserve_slots`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing
         that many KV slots (its tree). ``namespace``: what the prefix cache's hashes are computed under (model,
-        drafter, KV dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV."""
+        drafter, KV dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV.
+        ``host_slots``: the host KV tier's blocks per attention-DP rank (0: none)."""
         length, cache = cfg.scheduler.max_model_len, cfg.cache
         if length is None:
             raise ValueError("engine.max_model_len is unset: resolve it with EngineConfig.for_model first")
@@ -80,7 +82,8 @@ class Scheduler:
         self.overlap = cfg.runner.overlap == "on" and spec_reserve_slots == 0  # a verify's start needs its accepted
         self.kv = KVManager(KVManagerConfig(num_blocks=cache.num_blocks, kv_block_size=cache.block_size,
                                             dp_size=dp_size, prefix_caching=cache.prefix_caching,
-                                            retention_s=cache.kv_retention_s, namespace=namespace))
+                                            retention_s=cache.kv_retention_s, namespace=namespace,
+                                            host_slots=host_slots, host_write=cache.host_kv_write))
         self.table = RequestTable(cfg, dp_size, vocab_size, spec_reserve_slots)
         self.journal = RankJournal()
         self.admission = Admission(cfg, self.table, self.kv, self.journal)

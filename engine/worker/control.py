@@ -7,10 +7,10 @@ match. A new cross-rank action is a new message type, not a branch in two loops 
 
 KV moves: :class:`ReadKV` reads given blocks out of every layer group into host memory, :class:`LoadKV` starts
 writing a source's blocks into given blocks off the step thread (the plan that first uses them waits for it:
-``StepPlan.loads``). Shapes the next features take (not built yet): a weight move (``MoveExpertWeights``: layer,
-slots and their new experts; runs in the background on each rank and replies when staged, then ``SwapExpertMaps``
-switches a layer's maps on every rank between two steps) and a lease release (``ReleaseLease``: blocks a peer read
-may reuse).
+``StepPlan.loads``), :class:`StoreKV` copies device blocks into the rank's host-tier slots before the next step.
+Shapes the next features take (not built yet): a weight move (``MoveExpertWeights``: layer, slots and their new
+experts; runs in the background on each rank and replies when staged, then ``SwapExpertMaps`` switches a layer's
+maps on every rank between two steps) and a lease release (``ReleaseLease``: blocks a peer read may reuse).
 """
 
 from __future__ import annotations
@@ -166,6 +166,20 @@ class LoadKV(RankMessage):
     def run(self, rank: RankState) -> None:
         if rank.runner.requests.dp_rank == self.dp_rank:
             rank.runner.loads.start(self.load_id, list(self.blocks), list(self.source_blocks), self.source)
+
+
+@dataclass(frozen=True)
+class StoreKV(RankMessage):
+    """On the ranks of attention-DP group ``dp_rank``, queue copies of device ``blocks`` into host-tier ``slots`` on
+    the copy thread (every later step waits for them: ``RankLoads.wait_stores``)."""
+
+    dp_rank: int
+    blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+
+    def run(self, rank: RankState) -> None:
+        if rank.runner.requests.dp_rank == self.dp_rank:
+            rank.runner.loads.store(list(self.blocks), list(self.slots))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,19 @@
-"""KV that arrives from elsewhere: where a request's blocks come from (:class:`KVSource`, :class:`HostKV`), and one
-rank's loads in flight (:class:`RankLoads`), each run on a loader thread off the step path.
+"""KV that moves in and out of a rank's cache: where a request's blocks come from (:class:`KVSource`,
+:class:`HostKV`, :class:`HostTierKV`), the rank's host-tier slots (:class:`HostPool`), and the rank's copies in flight
+(:class:`RankLoads`), each run on one copy thread off the step path.
 
 A load writes a source's blocks into blocks the scheduler reserved (``engine.core.admission``); the request joins a
 step only after rank 0 saw its own share done, and every rank waits for the loads a plan names before that step
 touches its cache (``StepPlan.loads``), so a block is never read, or handed to another request, while a load still
+writes it. A host-tier store (device block → host slot) is queued before the loads and the step of the same
+admission pass and every step waits for the stores queued before it: one thread runs them in the order they came,
+so a store reads its block before a load or a forward writes it again, and a load reads its slot before a later store
 writes it.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,8 +29,9 @@ class KVSource(Protocol):
 
     num_tokens: int
 
-    def read(self, rank: int, blocks: list[int]) -> torch.Tensor:
-        """Rank ``rank``'s share of source blocks ``blocks``: ``[len(blocks), block_bytes]`` uint8 (host memory)."""
+    def read(self, at: RankLoads, blocks: list[int]) -> torch.Tensor:
+        """The share of source blocks ``blocks`` of the rank loading them (``at.rank``, its host tier ``at.host``):
+        ``[len(blocks), block_bytes]`` uint8 (host memory)."""
         ...
 
 
@@ -37,18 +43,47 @@ class HostKV:
     per_rank: dict[int, torch.Tensor]
     num_tokens: int
 
-    def read(self, rank: int, blocks: list[int]) -> torch.Tensor:
-        return self.per_rank[rank][blocks]
+    def read(self, at: RankLoads, blocks: list[int]) -> torch.Tensor:
+        return self.per_rank[at.rank][blocks]
+
+
+@dataclass(frozen=True)
+class HostTierKV:
+    """Blocks in the loading rank's own host tier: the source blocks are its slots."""
+
+    num_tokens: int
+
+    def read(self, at: RankLoads, blocks: list[int]) -> torch.Tensor:
+        if at.host is None:
+            raise RuntimeError(f"rank {at.rank} has no host KV tier to load slots {blocks[:4]} from")
+        return at.host.slots[blocks]
+
+
+class HostPool:
+    """One rank's host-tier slots: ``slots [num_slots, block_bytes]`` uint8, each one block's bytes over every layer
+    group in :meth:`PagedKVCache.read_blocks`' layout (pinned memory on CUDA, so copies run by DMA)."""
+
+    def __init__(self, num_slots: int, block_bytes: int, pin: bool):
+        self.slots = torch.empty(num_slots, block_bytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def host_slots(host_kv_cache_gb: float, block_bytes: int, group_ranks: int) -> int:
+    """Slots of a host tier of ``host_kv_cache_gb`` GiB per attention-DP group, whose ``group_ranks`` ranks each keep
+    their ``block_bytes`` share of every slot (an MLA latent is kept once per attention-TP rank)."""
+    return int(host_kv_cache_gb * 2**30) // (block_bytes * group_ranks)
 
 
 class RankLoads:
-    """One rank's KV loads: started by the load message, each on the loader thread; :meth:`wait` before a step that
-    names them (a load that failed raises there, naming it)."""
+    """One rank's KV copies: loads started by the load message and host-tier stores, each on the copy thread;
+    :meth:`wait` before a step that names a load (a load that failed raises there, naming it), :meth:`wait_stores`
+    before every step. ``seconds[direction]``: time the thread spent copying (``load``, ``store``)."""
 
-    def __init__(self, cache: PagedKVCache, rank: int):
-        self.cache, self.rank = cache, rank
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-load-{rank}")
+    def __init__(self, cache: PagedKVCache, rank: int, host: HostPool | None = None):
+        self.cache, self.rank, self.host = cache, rank, host
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-copy-{rank}")
         self._pending: dict[int, Future] = {}
+        self._stores: list[Future] = []
+        self.seconds = {"load": 0.0, "store": 0.0}
 
     def start(self, load_id: int, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
         """Reads ``source_blocks`` of this rank's share of ``source`` and writes them into ``blocks``, off the step
@@ -56,9 +91,33 @@ class RankLoads:
         self._pending[load_id] = self._pool.submit(self._load, blocks, source_blocks, source)
 
     def _load(self, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
-        self.cache.write_blocks(blocks, source.read(self.rank, source_blocks))
+        t0 = time.perf_counter()
+        self.cache.write_blocks(blocks, source.read(self, source_blocks))
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
+        self.seconds["load"] += time.perf_counter() - t0
+
+    def store(self, blocks: list[int], slots: list[int]) -> None:
+        """Copies device ``blocks`` into host-tier ``slots``, after every copy queued before it (the next step
+        waits for it: :meth:`wait_stores`)."""
+        if self.host is None:
+            raise RuntimeError(f"rank {self.rank} has no host KV tier to store blocks {blocks[:4]} in")
+        self._stores.append(self._pool.submit(self._store, blocks, slots))
+
+    def _store(self, blocks: list[int], slots: list[int]) -> None:
+        t0 = time.perf_counter()
+        self.host.slots[slots] = self.cache.read_blocks(blocks)
+        self.seconds["store"] += time.perf_counter() - t0
+
+    def wait_stores(self) -> None:
+        """Blocks until every store queued so far is done (a step may then write their blocks); raises the first
+        that failed."""
+        stores, self._stores = self._stores, []
+        for f in stores:
+            try:
+                f.result()
+            except Exception as e:
+                raise RuntimeError(f"rank {self.rank}: host KV tier store failed: {e}") from e
 
     def done(self, load_id: int) -> bool:
         """Whether load ``load_id`` finished here (or never ran here: this rank is not in its DP group)."""

@@ -25,7 +25,7 @@ from engine.worker.capture import capture_blocker, free_device_memory, memory_bl
 from engine.worker.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
 from engine.worker.kv_budget import cache_spec
 from engine.worker.kv_cache import PagedKV, PagedKVCache, SeqSlots
-from engine.worker.kv_loads import RankLoads
+from engine.worker.kv_loads import HostPool, RankLoads, host_slots
 from engine.worker.rank_requests import RankRequests
 from engine.worker.spec_contract import Speculation, StaticLayout, TreeRows
 from model.batch import ForwardBatch
@@ -51,14 +51,15 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, kv_block_size: int, speculation: Speculation | None = None,
                  static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0,
                  eager_reason: str = "static steps off", overlap: bool = False, expert_tally: bool = False,
-                 grammar: GrammarBackend | None = None):
+                 grammar: GrammarBackend | None = None, host_kv_cache_gb: float = 0.0):
         """``speculation`` (from spec_decode) builds the rank's speculator when spec decoding is on.
         ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
         the ``num_blocks`` the scheduler hands out, enough for a padding sequence of ``spec_reserve_slots``
         slots. ``eager_reason``: why no step replays when static steps are off. ``overlap`` (``engine.overlap``):
         every attention-TP rank samples, so the next step's inputs can take tokens from this one on the device.
         ``expert_tally`` (``engine.expert_tally``): :attr:`tally` counts the experts of decode and verify steps.
-        ``grammar``: structured output's xgrammar backend (None: constraints refused upstream)."""
+        ``grammar``: structured output's xgrammar backend (None: constraints refused upstream).
+        ``host_kv_cache_gb`` (``engine.host_kv_cache_gb``): the host KV tier's GiB per attention-DP group (0: none)."""
         self.model, self.overlap = model, overlap
         self.tally = ExpertTally(model) if expert_tally else None  # before any capture: graphs then hold its ops
         self.reports = model.groups.attn_tp.rank == 0  # holds the group's results (the others: None)
@@ -87,7 +88,9 @@ class ModelRunner:
         self.sampling = SamplingState(cfg.vocab_size, tuple(cfg.eos_token_ids), device,
                                       GrammarMasks(grammar, device) if grammar is not None else None)
         self.requests = RankRequests(model.groups.coords.attn_dp_rank, self.sampling)
-        self.loads = RankLoads(self.cache, model.groups.rank)  # KV arriving from elsewhere (engine/worker/kv_loads.py)
+        slots = host_slots(host_kv_cache_gb, self.cache.block_bytes(), model.groups.attn_tp.size)
+        host = HostPool(slots, self.cache.block_bytes(), pin=device.type == "cuda") if slots else None
+        self.loads = RankLoads(self.cache, model.groups.rank, host)  # KV copies in and out (engine/worker/kv_loads.py)
 
     @property
     def tree_size(self) -> int:
@@ -141,6 +144,7 @@ class ModelRunner:
         its KV block copies (a fork's partial block, every layer group of the cache), once the KV loads it names are
         written."""
         self.loads.wait(plan.loads)
+        self.loads.wait_stores()
         dp = self.requests.dp_rank
         copies = [(src, dst) for rank, src, dst in plan.copies if rank == dp]
         self.cache.copy_blocks(copies)

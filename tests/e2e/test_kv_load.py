@@ -108,9 +108,9 @@ class GatedHostKV(HostKV):
         super().__init__(host.per_rank, host.num_tokens)
         object.__setattr__(self, "gate", gate)
 
-    def read(self, rank: int, blocks: list[int]) -> torch.Tensor:
+    def read(self, at, blocks: list[int]) -> torch.Tensor:
         assert self.gate.wait(timeout=60), "the test never opened the gate"
-        return super().read(rank, blocks)
+        return super().read(at, blocks)
 
 
 def test_a_request_waiting_for_its_kv_does_not_hold_up_the_others():

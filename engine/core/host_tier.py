@@ -1,0 +1,115 @@
+"""The host-memory KV tier's index on rank 0: which block hashes each attention-DP rank's host slots hold, which
+slots to evict, and the copies (device block → host slot) the ranks must make (``docs/kv_cache.md``, "Host tier").
+
+- A slot holds one device block's bytes over every layer group (target and drafter), on each rank of the DP group
+  (``engine.worker.kv_loads.HostPool``). The index is pure bookkeeping, like the device pool's.
+- A hash enters the tier when the device pool evicts its block (``engine.host_kv_write=evict``) or when its block is
+  committed (``through``); a store is queued for the ranks, run before the next step's forward (they keep the order
+  of store, load and step on one copy thread).
+- Eviction is LRU over unpinned slots; a slot whose block was retained on the device (a turn waiting on a tool) is
+  evicted only after every plain slot, until its deadline. A slot being read by a load admission just started is
+  pinned until the load is sent to the ranks, so a store of the same admission pass never overwrites it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class HostTier:
+    """One attention-DP rank's host slots: hash → slot, LRU with retention and pins."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.free = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest id first
+        self.index: dict[int, int] = {}  # hash → slot
+        self.hash_of: dict[int, int] = {}  # slot → hash
+        self.lru: OrderedDict[int, None] = OrderedDict()  # next to evict first
+        self.retained: OrderedDict[int, float] = OrderedDict()  # slot → deadline; after every plain slot
+        self.pinned: set[int] = set()
+        self.stores: list[tuple[int, int]] = []  # (device block, slot) queued for the ranks, in order
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def prefix(self, hashes: list[int]) -> list[int]:
+        """The slots of the longest prefix of ``hashes`` held here, pinned and made most recent (:meth:`unpin_all`
+        once their load is sent)."""
+        slots = []
+        for h in hashes:
+            slot = self.index.get(h)
+            if slot is None:
+                break
+            slots.append(slot)
+        for slot in slots:
+            self.pinned.add(slot)
+            self._touch(slot, None)
+        return slots
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
+
+    def put(self, block: int, block_hash: int, now: float, retain_until: float | None = None) -> bool:
+        """Keeps ``block``'s bytes under ``block_hash``: queues the copy into a slot (evicting the least recent
+        unpinned one when none is free); a hash already held is only made most recent. False when every slot is
+        pinned (nothing stored)."""
+        slot = self.index.get(block_hash)
+        if slot is not None:
+            self._touch(slot, retain_until)
+            return True
+        slot = self.free.pop() if self.free else self._evict(now)
+        if slot is None:
+            return False
+        self.index[block_hash], self.hash_of[slot] = slot, block_hash
+        self._touch(slot, retain_until)
+        self.stores = [(b, s) for b, s in self.stores if s != slot] + [(block, slot)]
+        return True
+
+    def take_stores(self) -> list[tuple[int, int]]:
+        """The copies queued since the last call, oldest first."""
+        stores, self.stores = self.stores, []
+        return stores
+
+    def _touch(self, slot: int, retain_until: float | None) -> None:
+        if retain_until is not None or slot in self.retained:
+            deadline = max(retain_until or 0.0, self.retained.pop(slot, 0.0))
+            self.lru.pop(slot, None)
+            self.retained[slot] = deadline
+        else:
+            self.lru.pop(slot, None)
+            self.lru[slot] = None
+
+    def _evict(self, now: float) -> int | None:
+        """The least recent unpinned slot, emptied: plain ones first, then retained ones (expired first)."""
+        for slot, deadline in list(self.retained.items()):
+            if deadline <= now:
+                del self.retained[slot]
+                self.lru[slot] = None
+                self.lru.move_to_end(slot, last=False)
+        victim = next((s for s in (*self.lru, *self.retained) if s not in self.pinned), None)
+        if victim is None:
+            return None
+        self.lru.pop(victim, None)
+        self.retained.pop(victim, None)
+        h = self.hash_of.pop(victim)
+        del self.index[h]
+        self.evictions += 1
+        return victim
+
+    def clear(self) -> None:
+        """Forgets every slot (``FlushCache``); queued stores go too."""
+        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.index.clear()
+        self.hash_of.clear()
+        self.lru.clear()
+        self.retained.clear()
+        self.pinned.clear()
+        self.stores.clear()
+
+    def consistent(self) -> bool:
+        """Every slot free or holding exactly one hash, in exactly one of LRU and retained (the tests' check)."""
+        held = [*self.lru, *self.retained]
+        return (len(set(held)) == len(held) == len(self.index) == len(self.hash_of)
+                and len(self.free) + len(held) == self.num_slots and not set(self.free) & set(held)
+                and all(self.index[h] == s for s, h in self.hash_of.items()))
