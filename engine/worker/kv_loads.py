@@ -13,6 +13,7 @@ writes it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -84,6 +85,18 @@ class RankLoads:
         self._pending: dict[int, Future] = {}
         self._stores: list[Future] = []
         self.seconds = {"load": 0.0, "store": 0.0}
+        # on CUDA the copies run on a side stream of their own (not the step's), synchronized before a job ends
+        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def _copying(self, direction: str):
+        """One copy job's body: on the side stream (CUDA), waited for before the job ends; its seconds counted."""
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            yield
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.seconds[direction] += time.perf_counter() - t0
 
     def start(self, load_id: int, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
         """Reads ``source_blocks`` of this rank's share of ``source`` and writes them into ``blocks``, off the step
@@ -91,11 +104,8 @@ class RankLoads:
         self._pending[load_id] = self._pool.submit(self._load, blocks, source_blocks, source)
 
     def _load(self, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
-        t0 = time.perf_counter()
-        self.cache.write_blocks(blocks, source.read(self, source_blocks))
-        if self.cache.device.type == "cuda":
-            torch.cuda.synchronize(self.cache.device)
-        self.seconds["load"] += time.perf_counter() - t0
+        with self._copying("load"):
+            self.cache.write_blocks(blocks, source.read(self, source_blocks))
 
     def store(self, blocks: list[int], slots: list[int]) -> None:
         """Copies device ``blocks`` into host-tier ``slots``, after every copy queued before it (the next step
@@ -105,9 +115,8 @@ class RankLoads:
         self._stores.append(self._pool.submit(self._store, blocks, slots))
 
     def _store(self, blocks: list[int], slots: list[int]) -> None:
-        t0 = time.perf_counter()
-        self.host.slots[slots] = self.cache.read_blocks(blocks)
-        self.seconds["store"] += time.perf_counter() - t0
+        with self._copying("store"):
+            self.host.slots[slots] = self.cache.read_blocks(blocks)
 
     def wait_stores(self) -> None:
         """Blocks until every store queued so far is done (a step may then write their blocks); raises the first
