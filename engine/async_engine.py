@@ -42,6 +42,7 @@ from engine.messages import (
     EngineSnapshot,
     FlushCache,
     FlushResult,
+    KVTier,
     Precompile,
     SetDraining,
     StartProfile,
@@ -84,6 +85,7 @@ class Loads:
     kv_block_size: int = 1  # tokens per KV-cache block
     gen_tokens_per_s: tuple[float, ...] = (0.0,)
     steps: int = 0
+    tiers: tuple[KVTier, ...] = ()  # the KV tiers since start (device, then host when on)
 
     @property
     def running(self) -> int:
@@ -409,7 +411,7 @@ class EngineThread:
             engine.scheduler.stats().per_dp
         gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(len(per_dp))]
         self.loads = Loads(per_dp=per_dp, kv_block_size=self.front.engine_facts.kv_block_size,
-                           gen_tokens_per_s=tuple(gen), steps=engine.stats.steps)
+                           gen_tokens_per_s=tuple(gen), steps=engine.stats.steps, tiers=engine.transfers.tiers())
 
     # ---- watchdog ------------------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from engine.config import RequestError
 from engine.core.scheduler import Scheduler
+from engine.messages import KVTier
 from engine.worker.control import ControlPlane, LoadKV, RankState, ReadKV, StoreKV
 from engine.worker.kv_loads import HostKV, HostTierKV, KVSource
 
@@ -36,8 +37,9 @@ class KVTransfers:
     def start_stores(self) -> None:
         """Sends the host tier's copies the last admission pass and plan queued (blocks they evicted, or committed
         blocks with ``host_kv_write=through``), before that pass's loads and step: each rank runs them first."""
-        for dp in range(self.scheduler.dp_size):
-            stores = self.scheduler.kv.take_stores(dp)
+        host = self.scheduler.kv.host
+        for dp in range(self.scheduler.dp_size if host is not None else 0):
+            stores = host.take_stores(dp)
             if stores:
                 blocks, slots = zip(*stores, strict=True)
                 self.control.send(StoreKV(dp, blocks, slots), self.rank)
@@ -61,6 +63,22 @@ class KVTransfers:
         """A step with nothing to launch: wait briefly for a load's rank-0 share (if any) rather than spin."""
         if self.loading:
             self.rank.runner.loads.wait_any(tuple(self.loading), timeout_s=IDLE_WAIT_S)
+
+    def tiers(self) -> tuple[KVTier, ...]:
+        """The device pool and (when on) the host tier since start."""
+        kv = self.scheduler.kv
+        s = kv.stats()
+        device = KVTier(tier="device", hit_tokens=s.cached_tokens, queried_tokens=s.prompt_tokens,
+                        blocks=sum(p.blocks_cached for p in s.per_dp))
+        if s.host is None:
+            return (device,)
+        runner = self.rank.runner
+        block = runner.cache.block_bytes() * runner.model.groups.attn_tp.size
+        seconds = runner.loads.seconds
+        return device, KVTier(tier="host", hit_tokens=s.host.hit_tokens, queried_tokens=s.host.queried_tokens,
+                              blocks=s.host.blocks, load_bytes=s.host.load_blocks * block,
+                              store_bytes=s.host.store_blocks * block, load_s=seconds["load"],
+                              store_s=seconds["store"])
 
     def read_prefix(self, tokens: list[int], dp_rank: int = 0) -> HostKV:
         """The KV of the leading full blocks of ``tokens`` that attention-DP rank ``dp_rank``'s prefix cache holds,

@@ -50,6 +50,23 @@ class FlushResult:
     busy: int  # requests in the engine (running + waiting) when it was tried
 
 
+@dataclass(frozen=True, kw_only=True)
+class KVTier:
+    """One KV tier since start (``KVTransfers.tiers``): ``tier`` "device" or "host"; ``hit_tokens``: prompt tokens
+    admissions took from it; ``blocks``: blocks it holds now (cached); ``load_*``: copied from it into the device pool,
+    ``store_*``: copied into it out of the device pool (bytes over every rank of the DP groups, seconds of rank 0's
+    copy thread). ``queried_tokens``: prompt tokens it was asked for (host: past the device pool's hit)."""
+
+    tier: str
+    hit_tokens: int
+    queried_tokens: int
+    blocks: int
+    load_bytes: int = 0
+    store_bytes: int = 0
+    load_s: float = 0.0
+    store_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class TakeSnapshot:
     """Replies the :class:`EngineSnapshot` of this moment."""

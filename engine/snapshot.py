@@ -44,7 +44,8 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
 
 def _kv(engine: Engine) -> dict:
     """Settings, prefix-cache counters, and per attention-DP rank blocks used (referenced), cached (indexed) and free
-    (empty or evictable), with a digest of the index's block hashes."""
+    (empty or evictable), with a digest of the index's block hashes; ``tiers``: each KV tier's hits, blocks and copies
+    (``KVTransfers.tiers``; ``cached_tokens`` counts the device pool's hits, ``tiers`` both)."""
     cfg, s, kv = engine.scheduler.cfg, engine.scheduler.stats(), engine.scheduler.kv.stats()
     used, total = sum(p.blocks_used for p in kv.per_dp), sum(p.blocks_total for p in kv.per_dp)
     return {"prefix_caching": cfg.cache.prefix_caching, "allocation": cfg.scheduler.kv_allocation,
@@ -52,7 +53,9 @@ def _kv(engine: Engine) -> dict:
             "prompt_tokens": kv.prompt_tokens, "cached_tokens": kv.cached_tokens,
             "hit_rate": kv.hit_rate, "evictions": kv.evictions, "preemptions": s.preemptions,
             "blocks_used": used, "blocks_total": total, "usage": used / total, "index_digest": kv.index_digest,
-            "requests_loading": s.loading,
+            "requests_loading": s.loading, "host_kv_cache_gb": cfg.cache.host_kv_cache_gb,
+            "host_kv_write": cfg.cache.host_kv_write, "host_slots": kv.host.slots if kv.host else 0,
+            "tiers": [asdict(t) for t in engine.transfers.tiers()],
             "per_dp": [{"running": s.per_dp[dp].running, "blocks_used": p.blocks_used, "blocks_cached": p.blocks_cached,
                         "blocks_free": p.blocks_free, "index_digest": p.index_digest}
                        for dp, p in enumerate(kv.per_dp)]}

@@ -27,7 +27,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.utils import floatToGoString
 
-from engine.api import HOST_PHASES, IDLE_REASONS, LAUNCH_PARTS, THROTTLE_REASONS, EngineFacts, StepRecord
+from engine.api import (
+    HOST_PHASES,
+    IDLE_REASONS,
+    LAUNCH_PARTS,
+    THROTTLE_REASONS,
+    EngineFacts,
+    KVTier,
+    Loads,
+    StepRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,10 @@ FAMILIES = _families(
     Family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
     Family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens."),
     Family("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    Family("vllm:external_prefix_cache_queries", "counter", "External prefix cache queries (the host KV tier), in "
+           "terms of number of queried tokens."),
+    Family("vllm:external_prefix_cache_hits", "counter", "External prefix cache hits (the host KV tier), in terms "
+           "of number of cached tokens."),
     Family("vllm:prompt_tokens_cached", "counter", "Number of cached prompt tokens."),
     Family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
     Family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
@@ -109,6 +122,12 @@ FAMILIES = _families(
     Family("switchyard:comm_bytes", "counter", "Bytes rank 0 contributed to collectives, by group and op.",
            ("group", "op")),
     Family("switchyard:comm_calls", "counter", "Collectives rank 0 entered, by group and op.", ("group", "op")),
+    Family("switchyard:kv_tier_hit_tokens", "counter", "Prompt tokens admissions took from a KV tier.", ("tier",)),
+    Family("switchyard:kv_tier_blocks", "gauge", "Blocks a KV tier holds (cached).", ("tier",)),
+    Family("switchyard:kv_tier_bytes", "counter", "Bytes copied into the device pool from a tier (load) and out of "
+           "it into the tier (store), over every rank.", ("tier", "direction")),
+    Family("switchyard:kv_tier_seconds", "counter", "Seconds rank 0's copy thread spent on a tier's loads and "
+           "stores.", ("tier", "direction")),
     Family("switchyard:kv_blocks", "gauge", "KV blocks per attention-DP rank: used (referenced), cached (in the "
            "prefix index), free (empty or evictable).", ("dp_rank", "state")),
     Family("switchyard:acceptance_length", "histogram", "Committed tokens per speculative request per step (tau, "
@@ -152,7 +171,7 @@ class MetricsExporter:
         self.base = (model_name, "0")
         self.draft_positions, self.drafted_per_step = draft_positions, drafted_per_step
         self._lock = threading.Lock()
-        self._live: Callable[[], tuple] | None = None  # follow()
+        self._live: Callable[[], Loads] | None = None  # follow()
         # family → {extra label values: value}; a histogram's value: [count per bucket..., +Inf count, sum]
         self._data: dict[str, dict[tuple, float | list]] = {name: {} for name in FAMILIES}
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "switchyard:num_requests_loading",
@@ -195,9 +214,9 @@ class MetricsExporter:
             if r.kind is not None:
                 self._step(d, r)
 
-    def follow(self, loads: Callable[[], tuple]) -> None:
-        """Read the scheduler gauges (running, waiting, loading, KV usage and blocks) from ``loads()`` — per-rank
-        ``RankLoad`` figures the engine publishes after every request it runs (an add, an abort, a flush) and every
+    def follow(self, loads: Callable[[], Loads]) -> None:
+        """Read the scheduler gauges (running, waiting, loading, KV usage and blocks) and the KV tiers' figures from
+        ``loads()`` — what the engine publishes after every request it runs (an add, an abort, a flush) and every
         step — at each scrape, so they move with the engine rather than at the next step record."""
         self._live = loads
 
@@ -228,6 +247,21 @@ class MetricsExporter:
         by_reason[("capacity",)], by_reason[("deferred",)] = waiting - deferred - loading, deferred
         d["switchyard:num_requests_loading"][()] = loading
         d["vllm:kv_cache_usage_perc"][()] = used / total if total else 0.0
+
+    @staticmethod
+    def _tiers(d: dict, tiers: tuple[KVTier, ...]) -> None:
+        """The KV tiers' totals (``Loads.tiers``): hits and blocks per tier, the host tier's copies and vLLM's
+        external prefix cache counters from it."""
+        for t in tiers:
+            d["switchyard:kv_tier_hit_tokens"][(t.tier,)] = t.hit_tokens
+            d["switchyard:kv_tier_blocks"][(t.tier,)] = t.blocks
+            if t.tier == "device":
+                continue
+            d["vllm:external_prefix_cache_queries"][()] = t.queried_tokens
+            d["vllm:external_prefix_cache_hits"][()] = t.hit_tokens
+            for direction, nbytes, seconds in (("load", t.load_bytes, t.load_s), ("store", t.store_bytes, t.store_s)):
+                d["switchyard:kv_tier_bytes"][(t.tier, direction)] = nbytes
+                d["switchyard:kv_tier_seconds"][(t.tier, direction)] = seconds
 
     def _requests(self, r: StepRecord) -> None:
         q, d = r.requests, self._data
@@ -319,7 +353,8 @@ class MetricsExporter:
         live = self._live() if self._live is not None else None
         with self._lock:
             if live is not None:
-                self._gauges(self._data, live)
+                self._gauges(self._data, live.per_dp)
+                self._tiers(self._data, live.tiers)
             snapshot = {name: {k: list(v) if isinstance(v, list) else v for k, v in series.items()}
                         for name, series in self._data.items() if series}
         for name, series in snapshot.items():

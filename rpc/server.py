@@ -153,7 +153,7 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
             await aengine.stop()
             raise
         aengine.subscribe(exporter.observe)
-        exporter.follow(lambda: aengine.loads.per_dp)
+        exporter.follow(lambda: aengine.loads)
         log.info("metrics: Prometheus text format on http://%s:%d/metrics (server.metrics_port; null turns it off)",
                  cfg.host, metrics.port)
     await health.starting()

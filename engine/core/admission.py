@@ -68,9 +68,9 @@ class Admission:
                     req.deferred = True
                     self.prefix_waits += 1
                     continue
-            dp = max(ranks, key=lambda r: (self.kv.reusable_blocks(r, hashes), self.kv.num_free(r), -r))
-            device = self.kv.cached_blocks(dp, hashes)
-            slots = self.kv.host_prefix(dp, hashes, device) if not req.kv_tokens else []
+            dp = max(ranks, key=lambda r: (self._reusable_blocks(r, hashes), self.kv.num_free(r), -r))
+            device, host = self.kv.cached_blocks(dp, hashes), self.kv.host
+            slots = host.prefix(dp, hashes[device:]) if host is not None and not req.kv_tokens else []
             if slots:  # the host tier's blocks arrive like KV from elsewhere
                 req.kv_tokens = (device + len(slots)) * self.cfg.cache.block_size
             cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots))
@@ -89,6 +89,11 @@ class Admission:
                 req.admitted, req.num_cached = next(self._order), cached + len(slots) * self.cfg.cache.block_size
             table.place(req, dp)
         return blocked
+
+    def _reusable_blocks(self, dp: int, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` that ``dp`` holds in its device pool or, past them, in its host tier."""
+        device = self.kv.cached_blocks(dp, hashes)
+        return device + (self.kv.host.held(dp, hashes[device:]) if self.kv.host is not None else 0)
 
     def _reserve(self, req: Request, dp: int, hashes: list[int]) -> int:
         """Token slots ``req`` takes at admission on ``dp`` (cached prefix and KV to load included)."""

@@ -14,6 +14,8 @@ slots to evict, and the copies (device block → host slot) the ranks must make 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 
 class HostTier:
@@ -113,3 +115,72 @@ class HostTier:
         return (len(set(held)) == len(held) == len(self.index) == len(self.hash_of)
                 and len(self.free) + len(held) == self.num_slots and not set(self.free) & set(held)
                 and all(self.index[h] == s for s, h in self.hash_of.items()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostStats:
+    """The host tier over every attention-DP rank: slots held and total, tokens asked for (prompt tokens past the
+    device pool's hit) and served, blocks copied into the device pool (``load``) and out of it (``store``)."""
+
+    blocks: int
+    slots: int
+    queried_tokens: int
+    hit_tokens: int
+    load_blocks: int
+    store_blocks: int
+    evictions: int
+
+
+class HostTiers:
+    """Every attention-DP rank's host tier (the KV manager's ``host``) and its counters since start."""
+
+    def __init__(self, num_slots: int, dp_size: int, write: str, clock: Callable[[], float]):
+        """``write``: "evict" (a block enters as the device pool evicts it) or "through" (once committed)."""
+        self.tiers = [HostTier(num_slots) for _ in range(dp_size)]
+        self.write, self.clock = write, clock
+        self.queried = self.hits = self.loads = self.stores = 0  # tokens, tokens, blocks, blocks
+
+    def spiller(self, dp: int) -> Callable[[int, int, float | None], None]:
+        """The device pool's eviction hook on ``dp`` (``BlockPool.spill``): the evicted block goes to host."""
+        return lambda block, block_hash, until: self.tiers[dp].put(block, block_hash, self.clock(), until)
+
+    def committed(self, dp: int, blocks: list[int], hashes: list[int]) -> None:
+        """Full blocks ``dp`` just indexed (``write=through``: each goes to host now)."""
+        if self.write == "through":
+            now = self.clock()
+            for block, block_hash in zip(blocks, hashes, strict=True):
+                self.tiers[dp].put(block, block_hash, now)
+
+    def prefix(self, dp: int, hashes: list[int]) -> list[int]:
+        """The slots of ``dp`` holding the longest prefix of ``hashes`` (those past the device pool's hit), pinned
+        until :meth:`take_stores`."""
+        return self.tiers[dp].prefix(hashes)
+
+    def held(self, dp: int, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` that ``dp``'s tier holds (a peek: nothing pinned or touched)."""
+        index = self.tiers[dp].index
+        return next((i for i, h in enumerate(hashes) if h not in index), len(hashes))
+
+    def admitted(self, queried_tokens: int, hit_tokens: int, hit_blocks: int) -> None:
+        """An admission asked for ``queried_tokens`` past the device hit and loads ``hit_blocks`` from host."""
+        self.queried += queried_tokens
+        self.hits += hit_tokens
+        self.loads += hit_blocks
+
+    def take_stores(self, dp: int) -> list[tuple[int, int]]:
+        """The copies ``(device block, host slot)`` queued on ``dp`` since the last call, for the ranks to run before
+        the next step; the admission pass's pins end here."""
+        tier = self.tiers[dp]
+        tier.unpin_all()
+        stores = tier.take_stores()
+        self.stores += len(stores)
+        return stores
+
+    def clear(self) -> None:
+        for tier in self.tiers:
+            tier.clear()
+
+    def stats(self) -> HostStats:
+        return HostStats(blocks=sum(len(t) for t in self.tiers), slots=sum(t.num_slots for t in self.tiers),
+                         queried_tokens=self.queried, hit_tokens=self.hits, load_blocks=self.loads,
+                         store_blocks=self.stores, evictions=sum(t.evictions for t in self.tiers))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.blocks import blocks_for
-from engine.core.host_tier import HostTier
+from engine.core.host_tier import HostStats, HostTiers
 
 NO_PARENT = 0
 
@@ -221,20 +221,6 @@ class KVStats:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HostStats:
-    """The host tier over every attention-DP rank: slots held and total, tokens asked for (prompt tokens past the
-    device pool's hit) and served, blocks copied into the device pool (``load``) and out of it (``store``)."""
-
-    blocks: int
-    slots: int
-    queried_tokens: int
-    hit_tokens: int
-    load_blocks: int
-    store_blocks: int
-    evictions: int
-
-
-@dataclass(frozen=True, kw_only=True)
 class KVManagerConfig:
     num_blocks: int
     kv_block_size: int
@@ -310,17 +296,13 @@ class KVManager:
         self.recording = False  # keep events for a publisher (the server's SubscribeKvEvents) to drain
         self.events: list[KvEvent] = []
         on = cfg.host_slots > 0 and cfg.prefix_caching
-        self.host = [HostTier(cfg.host_slots) for _ in range(cfg.dp_size)] if on else []
+        self.host = HostTiers(cfg.host_slots, cfg.dp_size, cfg.host_write, clock) if on else None
         spill = on and cfg.host_write == "evict"
         self.pools = [BlockPool(cfg.num_blocks, cfg.kv_block_size, dp, self._record,
-                                self._spiller(dp) if spill else None) for dp in range(cfg.dp_size)]
+                                self.host.spiller(dp) if spill else None) for dp in range(cfg.dp_size)]
         self.requests: dict[str, RequestBlocks] = {}
         self.prompt_tokens = self.cached_tokens = 0  # admissions' prompt tokens, and those served from the cache
         self.prompt_by_dp, self.cached_by_dp = [0] * cfg.dp_size, [0] * cfg.dp_size  # the same per pool
-        self.host_queried = self.host_hits = self.host_loads = self.host_stores = 0  # tokens, tokens, blocks, blocks
-
-    def _spiller(self, dp: int) -> Callable[[int, int, float | None], None]:
-        return lambda block, block_hash, until: self.host[dp].put(block, block_hash, self.clock(), until)
 
     def _record(self, event: KvEvent) -> None:
         if self.recording:
@@ -341,31 +323,6 @@ class KVManager:
         """The blocks of ``dp``'s pool that hold the leading full blocks of ``tokens``, from the first (none with
         prefix caching off)."""
         return self.pools[dp].cached_prefix(self.index.hashes(tokens))
-
-    def host_prefix(self, dp: int, hashes: list[int], device_blocks: int) -> list[int]:
-        """The host slots of ``dp`` that continue a device hit of ``device_blocks`` blocks of ``hashes``, pinned until
-        :meth:`take_stores` (none with the tier off)."""
-        return self.host[dp].prefix(hashes[device_blocks:]) if self.host else []
-
-    def reusable_blocks(self, dp: int, hashes: list[int]) -> int:
-        """Leading blocks of ``hashes`` that ``dp`` holds in its device pool or, past it, in its host tier (a peek:
-        nothing pinned)."""
-        device = self.cached_blocks(dp, hashes)
-        if not self.host:
-            return device
-        index = self.host[dp].index
-        return device + next((i for i, h in enumerate(hashes[device:]) if h not in index), len(hashes) - device)
-
-    def take_stores(self, dp: int) -> list[tuple[int, int]]:
-        """The host tier's copies ``(device block, host slot)`` queued on ``dp`` since the last call, for the ranks to
-        run before the next step; the admission pass's pins end here."""
-        if not self.host:
-            return []
-        tier = self.host[dp]
-        tier.unpin_all()
-        stores = tier.take_stores()
-        self.host_stores += len(stores)
-        return stores
 
     def num_free(self, dp: int) -> int:
         """Blocks ``dp``'s pool can hand out now (empty or cached unreferenced)."""
@@ -390,10 +347,8 @@ class KVManager:
         self.cached_tokens += cached
         self.prompt_by_dp[dp] += len(tokens)
         self.cached_by_dp[dp] += cached
-        if self.host:
-            self.host_queried += len(tokens) - cached
-            self.host_hits += host_blocks * self.cfg.kv_block_size
-            self.host_loads += host_blocks
+        if self.host is not None:
+            self.host.admitted(len(tokens) - cached, host_blocks * self.cfg.kv_block_size, host_blocks)
         return cached
 
     def allocate(self, req: KVRequest, slots: int) -> bool:
@@ -435,10 +390,8 @@ class KVManager:
             return
         done = len(blocks.hashes)
         self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed)
-        if self.host and self.cfg.host_write == "through":
-            tier, now = self.host[req.dp_rank], self.clock()
-            for i in range(done, len(blocks.hashes)):
-                tier.put(blocks.table[i], blocks.hashes[i], now)
+        if self.host is not None:
+            self.host.committed(req.dp_rank, blocks.table[done:len(blocks.hashes)], blocks.hashes[done:])
 
     def free(self, req: KVRequest) -> None:
         """Drops ``req``'s blocks (end, abort, preemption): committed full blocks stay cached."""
@@ -466,8 +419,8 @@ class KVManager:
             return False
         for pool in self.pools:
             pool.clear()
-        for tier in self.host:
-            tier.clear()
+        if self.host is not None:
+            self.host.clear()
         return True
 
     def drain_events(self) -> list[KvEvent]:
@@ -491,15 +444,7 @@ class KVManager:
         return KVStats(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, hit_rate=self.hit_rate,
                        evictions=sum(p.evictions for p in pools),
                        index_digest=index_digest(wire_hash(h) for p in pools for h in p.index), per_dp=per_dp,
-                       host=self.host_stats())
-
-    def host_stats(self) -> HostStats | None:
-        """The host tier now (None: off)."""
-        if not self.host:
-            return None
-        return HostStats(blocks=sum(len(t) for t in self.host), slots=sum(t.num_slots for t in self.host),
-                         queried_tokens=self.host_queried, hit_tokens=self.host_hits, load_blocks=self.host_loads,
-                         store_blocks=self.host_stores, evictions=sum(t.evictions for t in self.host))
+                       host=self.host.stats() if self.host is not None else None)
 
     def blocks_in_use(self) -> int:
         """Referenced blocks over every pool (cached unreferenced ones count as free)."""

@@ -75,9 +75,9 @@ def _host_hit_job(ctx, lay, arms, prompt, fillers):
             after = engine.read_prefix_kv(prompt)
             same = after.num_tokens == before.num_tokens and all(
                 torch.equal(after.per_rank[r], before.per_rank[r]) for r in before.per_rank)
-            out.append(((method, write), cold, warm, engine.scheduler.kv.host_stats(), left,
+            out.append(((method, write), cold, warm, engine.scheduler.kv.host.stats(), left,
                         engine.stats.prefill_tokens - prefilled, same, engine.scheduler.blocks_in_use()))
-            assert engine.flush_cache().flushed and engine.scheduler.kv.host_stats().blocks == 0
+            assert engine.flush_cache().flushed and engine.scheduler.kv.host.stats().blocks == 0
         finally:
             engine.shutdown()
     return out

@@ -276,6 +276,39 @@ def test_gauges_move_with_the_engine_not_with_the_next_record(tiny_ckpts, tmp_pa
         srv.close()
 
 
+def test_host_tier_hits_reach_metrics_and_engine_info(tiny_ckpts, tmp_path):
+    """A 12-block device pool with a host tier: a 70-token prompt, three others that evict it, then the prompt again.
+    Its second turn reports 64 cached tokens (four blocks from host), and /metrics and GetEngineInfo say where they
+    came from: host hits and bytes loaded and stored; the device pool's own counter saw none of them."""
+    args = ["engine.max_model_len=128", "engine.num_blocks=12", "engine.block_size=16", "engine.max_num_seqs=2",
+            "engine.host_kv_cache_gb=0.01"]
+    srv = ServerProcess(tiny_ckpts["tiny_deepseek"], args, tmp_path / "server.log")
+    try:
+        client = srv.wait_ready()
+        prompt, *others = [[(7 * i + 13 * k) % 200 + 1 for k in range(70)] for i in range(4)]
+        first = client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+        for other in others:
+            client.generate(other, max_tokens=2, temperature=0.0, ignore_eos=True)
+        again = client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+        assert again.token_ids == first.token_ids and again.cached_tokens == 64
+        m = samples(scrape(srv.metrics_url))
+        assert m[("switchyard:kv_tier_hit_tokens_total", (("tier", "host"),))] == 64
+        assert m[("vllm:external_prefix_cache_hits_total", ())] == 64
+        assert m[("vllm:external_prefix_cache_queries_total", ())] >= 64
+        loaded = m[("switchyard:kv_tier_bytes_total", (("direction", "load"), ("tier", "host")))]
+        stored = m[("switchyard:kv_tier_bytes_total", (("direction", "store"), ("tier", "host")))]
+        assert loaded > 0 and stored >= loaded and stored % (loaded // 4) == 0  # whole blocks, four loaded
+        assert m[("switchyard:kv_tier_seconds_total", (("direction", "load"), ("tier", "host")))] > 0
+        assert m[("vllm:prefix_cache_hits_total", ())] == m[("switchyard:kv_tier_hit_tokens_total",
+                                                              (("tier", "device"),))]
+        tiers = {t["tier"]: t for t in client.engine_info()["kv"]["tiers"]}
+        assert tiers["host"]["hit_tokens"] == 64 and tiers["host"]["load_bytes"] == loaded
+        assert client.flush_cache()[0]
+        assert samples(scrape(srv.metrics_url))[("switchyard:kv_tier_blocks", (("tier", "host"),))] == 0
+    finally:
+        srv.close()
+
+
 def test_idle_seconds_hand_worked():
     from engine.core.step_record import idle_seconds
 

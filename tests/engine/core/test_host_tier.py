@@ -57,24 +57,25 @@ def test_evicted_blocks_go_to_host_and_a_later_prompt_hits_them_there():
     kv.commit(a, 12)
     table = list(kv.table(a))
     kv.free(a)
-    assert kv.take_stores(0) == []  # nothing evicted yet
+    assert kv.host.take_stores(0) == []  # nothing evicted yet
     b = request("b", [100 + t for t in range(13)])
     assert kv.admit(b, 0, 13) == 0  # all four blocks: the three cached ones of "a" are evicted to host
-    stores = kv.take_stores(0)
-    assert sorted(block for block, _ in stores) == sorted(table[:3]) and kv.host_stats().store_blocks == 3
+    stores = kv.host.take_stores(0)
+    assert sorted(block for block, _ in stores) == sorted(table[:3]) and kv.host.stats().store_blocks == 3
     kv.free(b)
     c = request("c", tokens)
     hashes = kv.hashes(c)
-    assert kv.cached_blocks(0, hashes) == 0 and kv.reusable_blocks(0, hashes) == 3
-    slots = kv.host_prefix(0, hashes, 0)
-    assert [kv.host[0].hash_of[s] for s in slots] == hashes and set(slots) <= kv.host[0].pinned
+    assert kv.cached_blocks(0, hashes) == 0 and kv.host.held(0, hashes) == 3
+    slots = kv.host.prefix(0, hashes)
+    assert [kv.host.tiers[0].hash_of[s] for s in slots] == hashes and set(slots) <= kv.host.tiers[0].pinned
     assert kv.admit(c, 0, 13, host_blocks=len(slots)) == 0
-    host = kv.host_stats()
-    assert (host.hit_tokens, host.load_blocks, host.queried_tokens) == (12, 3, 39) and kv.cached_tokens == 0  # 3 admissions asked
-    kv.take_stores(0)
-    assert not kv.host[0].pinned  # the pass's pins end when its copies are taken
+    host = kv.host.stats()
+    # every admission asked the host tier for its tokens past the device hit: 13 each
+    assert (host.hit_tokens, host.load_blocks, host.queried_tokens) == (12, 3, 39) and kv.cached_tokens == 0
+    kv.host.take_stores(0)
+    assert not kv.host.tiers[0].pinned  # the pass's pins end when its copies are taken
     kv.free(c)
-    assert kv.clear() and kv.host_stats().blocks == 0 and kv.host[0].consistent()
+    assert kv.clear() and kv.host.stats().blocks == 0 and kv.host.tiers[0].consistent()
 
 
 def test_write_through_copies_committed_blocks_once_and_eviction_copies_nothing_more():
@@ -82,12 +83,12 @@ def test_write_through_copies_committed_blocks_once_and_eviction_copies_nothing_
     a = request("a", list(range(13)))
     kv.admit(a, 0, 13)
     kv.commit(a, 8)
-    assert [b for b, _ in kv.take_stores(0)] == kv.table(a)[:2]
+    assert [b for b, _ in kv.host.take_stores(0)] == kv.table(a)[:2]
     kv.commit(a, 12)
-    assert [b for b, _ in kv.take_stores(0)] == [kv.table(a)[2]]
+    assert [b for b, _ in kv.host.take_stores(0)] == [kv.table(a)[2]]
     kv.free(a)
     kv.admit(request("b", [100 + t for t in range(13)]), 0, 13)  # evicts "a"'s blocks: already in host
-    assert kv.take_stores(0) == [] and kv.host_stats().blocks == 3
+    assert kv.host.take_stores(0) == [] and kv.host.stats().blocks == 3
 
 
 def test_a_retained_turn_outlives_plain_blocks_in_the_host_tier():
@@ -103,5 +104,5 @@ def test_a_retained_turn_outlives_plain_blocks_in_the_host_tier():
         assert kv.admit(r, 0, 24) is not None
         kv.commit(r, 24)
         kv.free(r)
-    assert kv.cached_blocks(0, agent_hashes) == 0 and kv.host[0].evictions > 0
-    assert all(h in kv.host[0].index for h in agent_hashes) and kv.host[0].consistent()
+    assert kv.cached_blocks(0, agent_hashes) == 0 and kv.host.tiers[0].evictions > 0
+    assert all(h in kv.host.tiers[0].index for h in agent_hashes) and kv.host.tiers[0].consistent()

@@ -44,7 +44,8 @@ def figures(engine) -> dict:
     doc = asdict(take_snapshot(engine))
     steps = {k: v for k, v in doc["steps"].items() if k in ("total", "kinds", "prefill_tokens", "decode_tokens")}
     spec = {k: doc["spec_decode"][k] for k in ("acceptance_length", "request_steps", "committed_tokens")}
-    kv = {k: v for k, v in doc["kv"].items() if k not in ("index_digest", "requests_loading")}  # the latter is newer
+    newer = ("requests_loading", "host_kv_cache_gb", "host_kv_write", "host_slots", "tiers")  # than the figures
+    kv = {k: v for k, v in doc["kv"].items() if k != "index_digest" and k not in newer}
     kv["per_dp"] = [{k: v for k, v in r.items() if k != "index_digest"} for r in kv["per_dp"]]
     return {"steps": steps, "cuda_graphs": doc["cuda_graphs"], "spec_decode": spec, "kv": kv, "comm": doc["comm"]}
 
