@@ -149,6 +149,71 @@ def compare(on: dict, off: dict, from_turn: int = 5) -> dict:
             "max_ttft_p50_ratio": max((a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in late), default=None)}
 
 
+def run_rounds(client: Client, w: Workload) -> list[TurnRecord]:
+    """Every session's turn t, ``w.concurrency`` at a time, before any session's turn t + 1: each session waits (on
+    a tool, a user) while every other session takes its turn, so a small pool evicts it in between. Greedy outputs of
+    ``w.output_tokens``; ``w.think_s`` between rounds."""
+    plan, records, lock = segments(w), [], threading.Lock()
+    histories: list[list[int]] = [[] for _ in range(w.sessions)]
+    seen = [0] * w.sessions
+
+    def turn(s: int, t: int) -> None:
+        prompt = histories[s] + plan[s][t]
+        send = time.perf_counter()
+        stream = client.stream(prompt, temperature=0.0, max_tokens=w.output_tokens, ignore_eos=True, timeout=600)
+        first, output = None, []
+        for delta in stream:
+            if delta and first is None:
+                first = time.perf_counter()
+            output += delta
+        end = time.perf_counter()
+        with lock:
+            records.append(TurnRecord(s, t, len(prompt), stream.result.cached_tokens,
+                                      ideal_cached(len(prompt), seen[s], w.block_size), (first or end) - send,
+                                      end - send, len(output)))
+        histories[s], seen[s] = prompt + output, len(prompt) + len(output) - 1
+
+    for t in range(w.turns):
+        pending = list(range(w.sessions))
+
+        def worker(t=t, pending=pending) -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    s = pending.pop(0)
+                turn(s, t)
+        threads = [threading.Thread(target=worker) for _ in range(min(w.concurrency, w.sessions))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        time.sleep(w.think_s)
+    return sorted(records, key=lambda r: (r.session, r.turn))
+
+
+def tier_comparison(arms: dict[str, list[TurnRecord]], host: str = "host", cold: str = "no_tier") -> dict:
+    """Per arm the token-weighted hit rate (cached over prompt tokens) and prompt tokens computed; then the turns the
+    ``host`` arm served mostly from cache (≥ half the ideal) against the same (session, turn) pairs in the ``cold``
+    arm: TTFT p50/p99 of each and their ratio."""
+    out = {}
+    for name, records in arms.items():
+        prompt, cached = sum(r.prompt_tokens for r in records), sum(r.cached_tokens for r in records)
+        out[name] = {"hit_rate": cached / prompt, "cached_tokens": cached, "prompt_tokens": prompt,
+                     "computed_tokens": prompt - cached,
+                     "ideal_hit_rate": sum(r.ideal_cached for r in records) / prompt}
+    warm = {(r.session, r.turn): r for r in arms[host] if r.turn > 0 and 2 * r.cached_tokens >= r.ideal_cached > 0}
+    same = [r for r in arms[cold] if (r.session, r.turn) in warm]
+    hot, base = [warm[(r.session, r.turn)].ttft_s for r in same], [r.ttft_s for r in same]
+    out["host_hit_turns"] = {
+        "turns": len(same), "cold_cached_tokens": sum(r.cached_tokens for r in same),
+        "ttft_p50_s": percentile(hot, 50) if hot else None, "ttft_p99_s": percentile(hot, 99) if hot else None,
+        "cold_ttft_p50_s": percentile(base, 50) if base else None,
+        "cold_ttft_p99_s": percentile(base, 99) if base else None,
+        "ttft_p50_ratio": percentile(hot, 50) / percentile(base, 50) if hot else None}
+    return out
+
+
 # ---- side experiments ----------------------------------------------------------------------------------------
 
 

@@ -7,11 +7,15 @@
    is unset and outputs are short;
 3. retention: agent turns that wait on a tool while other traffic churns the pool, with ``retain_kv`` and without;
 4. two workers behind ``smg --policy cache_aware``: which worker each session's turns land on, and where the sessions
-   of a worker go after its ``FlushCache``.
+   of a worker go after its ``FlushCache``;
+5. KV tiers: many sessions taking turns in rounds on a device pool capped under 20 % of their context — no tier, a
+   host tier (``engine.host_kv_cache_gb``), and an unlimited pool (the ideal): token-weighted hit rate, prompt tokens
+   computed, TTFT of the turns served from host against the same turns cold, bytes and seconds moved.
 
     python scripts/bench_agentic.py --out outputs/agentic [--sessions 4 --turns 6 ...] [--skip smg,retention]
+    python scripts/bench_agentic.py --out outputs/agentic_tiers --skip sessions,allocation,retention,smg
 
-Writes ``agentic.json`` and ``agentic.png`` under ``--out``.
+Writes ``agentic.json`` and ``agentic.png`` (``agentic_tiers.png`` with the tiers) under ``--out``.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from bench.agentic import (  # noqa: E402
     compare,
     peak_running,
     retention_probe,
+    run_rounds,
     run_sessions,
     smg_sessions,
     summarize,
+    tier_comparison,
 )
 from bench.run import Server  # noqa: E402
 from model.tiny import preset_dir  # noqa: E402
@@ -100,6 +106,61 @@ def retention(out: Path, w: Workload) -> dict:
     res["pool"] = ("320 blocks of 16 tokens (max_model_len 4096); 4 sessions' first turns (~55 blocks each), "
                    "then 16 unrelated 700-token prompts")
     return res
+
+
+# the tiers experiment: 12 sessions of ~1.7K tokens (~20K live) on a 240-block pool (3840 tokens: 19 %)
+TIER_WORKLOAD = Workload(sessions=12, turns=4, system_tokens=200, tenants=12, first_user_tokens=1200,
+                         new_tokens_per_turn=64, output_tokens=16, think_s=0.0, concurrency=2)
+TIER_ARMS = {"no_tier": ["engine.num_blocks=240"],
+             "host": ["engine.num_blocks=240", "engine.host_kv_cache_gb=1", "engine.host_kv_write=evict"],
+             "host_through": ["engine.num_blocks=240", "engine.host_kv_cache_gb=1", "engine.host_kv_write=through"],
+             "unlimited": ["engine.num_blocks=4096"]}
+
+
+def tiers(out: Path, w: Workload = TIER_WORKLOAD) -> dict:
+    records, engines = {}, {}
+    for arm, overrides in TIER_ARMS.items():
+        srv = serve(out, f"tiers_{arm}", "engine.max_model_len=3072", f"engine.max_num_seqs={w.concurrency}",
+                    *overrides)
+        try:
+            t0 = time.perf_counter()
+            records[arm] = run_rounds(srv.client, w)
+            kv = srv.client.engine_info()["kv"]
+            engines[arm] = {"seconds": time.perf_counter() - t0, "preemptions": kv["preemptions"],
+                            "evictions": kv["evictions"], "tiers": kv["tiers"]}
+            log.info("tiers %s: %.1f s, %s", arm, engines[arm]["seconds"], kv["tiers"])
+        finally:
+            srv.stop()
+    doc = tier_comparison(records)
+    for arm, engine in engines.items():
+        doc[arm].update(engine)
+    doc["host_vs_unlimited_hit_rate"] = doc["host"]["hit_rate"] / doc["unlimited"]["hit_rate"]
+    doc["workload"] = asdict(w)
+    doc["pool"] = "240 blocks of 16 tokens (max_model_len 3072); unlimited: 4096 blocks; host tier 1 GiB"
+    doc["records"] = {arm: [asdict(r) for r in rs] for arm, rs in records.items()}
+    return doc
+
+
+def plot_tiers(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(TIER_ARMS)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.bar(arms, [doc[arm]["hit_rate"] for arm in arms], color=["#999", "#4a7", "#7b5", "#47a"])
+    a.set(ylabel="cached / prompt tokens", title="token-weighted hit rate")
+    for arm, style in zip(arms, ("--s", "-o", "-^", ":d"), strict=True):
+        turns = sorted({r["turn"] for r in doc["records"][arm]})
+        ttft = [sorted(r["ttft_s"] for r in doc["records"][arm] if r["turn"] == t) for t in turns]
+        b.plot([t + 1 for t in turns], [1e3 * v[len(v) // 2] for v in ttft], style, label=arm)
+    b.set(xlabel="turn", ylabel="TTFT p50 (ms)", yscale="log", title="time to first token per turn")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def two_workers(out: Path, w: Workload) -> dict:
@@ -166,7 +227,7 @@ def main() -> None:
         parser.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Workload(), f))
     parser.add_argument("--think-s", type=float, default=Workload().think_s)
     parser.add_argument("--alloc-requests", type=int, default=32)
-    parser.add_argument("--skip", default="", help="comma list of: sessions, allocation, retention, smg")
+    parser.add_argument("--skip", default="", help="comma list of: sessions, allocation, retention, smg, tiers")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
@@ -184,9 +245,13 @@ def main() -> None:
         doc["retention"] = retention(out, w)
     if "smg" not in skip:
         doc["two_workers_smg"] = two_workers(out, w)
+    if "tiers" not in skip:
+        doc["tiers"] = tiers(out)
     (out / "agentic.json").write_text(json.dumps(doc, indent=1))
     if "sessions" in doc:
         plot(doc, out / "agentic.png")
+    if "tiers" in doc:
+        plot_tiers(doc["tiers"], out / "agentic_tiers.png")
     slim = {k: ({kk: vv for kk, vv in v.items() if kk != "records"} if isinstance(v, dict) else v)
             for k, v in doc.items()}
     print(json.dumps({k: v for k, v in slim.items() if k != "sessions"}, indent=1))
