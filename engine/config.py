@@ -59,6 +59,12 @@ class CacheConfig:
     host_kv_cache_gb: float = 0.0
     # when a block is copied to the host tier: "evict" (as the device pool evicts it) or "through" (once committed)
     host_kv_write: str = "evict"
+    # the KV store shared by workers under the host tier (docs/kv_cache.md, "The shared store"): "none" or "mooncake"
+    kv_store: str = "none"
+    kv_store_master: str | None = None  # HOST:PORT of mooncake_master
+    kv_store_metadata: str | None = None  # the transfer metadata server, e.g. http://HOST:PORT/metadata
+    kv_store_gb: float = 1.0  # this worker's contribution to the store's memory, GiB per rank
+    kv_store_timeout_s: float = 1.0  # a store call waited for longer is given up (the store is then left alone a while)
 
     def __post_init__(self) -> None:
         _at_least_one(self, "block_size", "num_blocks")
@@ -71,6 +77,14 @@ class CacheConfig:
             raise RequestError(f"engine.host_kv_cache_gb must be >= 0 (0: no host tier), got {self.host_kv_cache_gb}")
         if self.host_kv_write not in ("evict", "through"):
             raise RequestError(f"engine.host_kv_write must be evict or through, got {self.host_kv_write!r}")
+        if self.kv_store not in ("none", "mooncake"):
+            raise RequestError(f"engine.kv_store must be none or mooncake, got {self.kv_store!r}")
+        if self.kv_store == "mooncake" and not (self.kv_store_master and self.kv_store_metadata):
+            raise RequestError("engine.kv_store=mooncake needs engine.kv_store_master (HOST:PORT of mooncake_master) "
+                               "and engine.kv_store_metadata (e.g. http://HOST:PORT/metadata)")
+        if self.kv_store_gb <= 0 or self.kv_store_timeout_s <= 0:
+            raise RequestError(f"engine.kv_store_gb and engine.kv_store_timeout_s must be > 0, got "
+                               f"{self.kv_store_gb} and {self.kv_store_timeout_s}")
 
 
 @dataclass(frozen=True)

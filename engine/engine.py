@@ -49,6 +49,7 @@ from engine.worker.control import (
     WarmUpShape,
 )
 from engine.worker.cuda_graphs import StepShape
+from engine.worker.kv_budget import cache_namespace
 from engine.worker.kv_loads import HostKV, KVSource
 from engine.worker.loop import control_plane, make_runner
 from engine.worker.runner import Launched
@@ -88,7 +89,8 @@ class Engine:
                                    spec_reserve_slots=speculation.facts.spec_reserve_slots if speculation else 0,
                                    namespace=cache_namespace(model, speculation),
                                    retain_after=retain_after_ids(tokenizer),
-                                   host_slots=self.runner.loads.host.slots.shape[0] if self.runner.loads.host else 0)
+                                   host_slots=self.runner.loads.host.slots.shape[0] if self.runner.loads.host else 0,
+                                   store_lookup=self.runner.loads.store.held if self.runner.loads.store else None)
         self.stops = StopChecks(tokenizer)  # stop strings: matched here, between the readback and the core's update
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
@@ -330,17 +332,6 @@ class Engine:
                                              self.draining))
         self.profiling.close()
         self.control.send(Shutdown())
-
-
-def cache_namespace(model: CausalLM, speculation: Speculation | None) -> bytes:
-    """What a prefix-cache hash is computed under, so KV made one way never serves another: the model (its parsed
-    config), the drafter (its context K/V sits in the same blocks), the KV dtype, the numerics mode (batch-invariant
-    or not, kernel backend) and the attention layout."""
-    lay = model.groups.layout
-    parts = (repr(model.cfg), repr(speculation.facts) if speculation is not None else "no drafter", str(model.dtype),
-             f"batch_invariant={model.kernels.batch_invariant} backend={model.kernels.backend}",
-             f"attn_tp={lay.attn_tp} attn_dp={lay.attn_dp}")
-    return "|".join(parts).encode()
 
 
 RETAIN_AFTER = ("<|tool_calls_section_end|>", "<|tool_call_end|>")  # Kimi K2's tool-call markers

@@ -8,14 +8,17 @@ step, and every rank waits for its share before that step (``StepPlan.loads``)."
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.config import RequestError
 from engine.core.scheduler import Scheduler
 from engine.messages import KVTier
-from engine.worker.control import ControlPlane, LoadKV, RankState, ReadKV, StoreKV
-from engine.worker.kv_loads import HostKV, HostTierKV, KVSource
+from engine.worker.control import ControlPlane, LoadKV, LoadOutcomes, PutKV, RankState, ReadKV, StoreKV
+from engine.worker.kv_loads import HostKV, KVSource, TierKV
 
+log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # an engine with only loads to wait for blocks this long on rank 0's share instead of spinning
 
 
@@ -24,6 +27,7 @@ class KVTransfers:
         self.control, self.rank, self.scheduler = control, rank, scheduler
         self.sources: dict[str, KVSource] = {}  # requests whose KV arrives from elsewhere, until their load starts
         self.loading: set[int] = set()  # loads started whose rank-0 share is not done
+        self.failed_loads = 0  # loads whose source failed on some rank (their requests computed the tokens)
 
     def check(self, kv: KVSource) -> None:
         """Refuses a source whose rank-0 blocks do not fit this cache (another model, dtype or layout)."""
@@ -37,27 +41,44 @@ class KVTransfers:
     def start_stores(self) -> None:
         """Sends the host tier's copies the last admission pass and plan queued (blocks they evicted, or committed
         blocks with ``host_kv_write=through``), before that pass's loads and step: each rank runs them first."""
-        host = self.scheduler.kv.host
-        for dp in range(self.scheduler.dp_size if host is not None else 0):
-            stores = host.take_stores(dp)
+        kv = self.scheduler.kv
+        for dp in range(self.scheduler.dp_size if kv.host is not None else 0):
+            stores = kv.host.take_stores(dp)
             if stores:
                 blocks, slots = zip(*stores, strict=True)
                 self.control.send(StoreKV(dp, blocks, slots), self.rank)
+        for dp, writes in enumerate(kv.store_writes or ()):
+            if writes:
+                blocks, hashes = zip(*writes, strict=True)
+                writes.clear()
+                self.control.send(PutKV(dp, blocks, hashes), self.rank)
 
     def start_loads(self) -> None:
         """Sends the loads admission started to the ranks (each starts its share on its copy thread)."""
         bs = self.scheduler.cfg.cache.block_size
         for load in self.scheduler.take_loads():
-            source = HostTierKV(len(load.source_blocks) * bs) if load.from_host else self.sources.pop(load.request_id)
+            source = (TierKV(len(load.source_blocks) * bs, load.host_slots, load.store_hashes) if load.from_tiers
+                      else self.sources.pop(load.request_id))
             self.control.send(LoadKV(load.load_id, load.dp_rank, load.blocks, load.source_blocks, source), self.rank)
             self.loading.add(load.load_id)
 
     def finish_loads(self) -> None:
-        """Loads whose rank-0 share is written: their requests join the next step."""
+        """Loads whose rank-0 share is written (or that are not its own): every rank's share is waited for and
+        whether its source failed there gathered (``LoadOutcomes``); their requests join the next step, those whose
+        load failed somewhere to compute the tokens themselves."""
         loads = self.rank.runner.loads
-        for load_id in sorted(i for i in self.loading if loads.done(i)):
+        done = tuple(sorted(i for i in self.loading if loads.done(i)))
+        if not done:
+            return
+        failed: dict[int, str] = {}
+        for reply in self.control.send(LoadOutcomes(done), self.rank):
+            failed.update(reply)
+        for load_id in done:
             self.loading.discard(load_id)
-            self.scheduler.loaded(load_id)
+            if load_id in failed:
+                self.failed_loads += 1
+                log.warning("KV load %d failed (%s): its request computes those tokens", load_id, failed[load_id])
+            self.scheduler.loaded(load_id, failed=load_id in failed)
 
     def idle(self) -> None:
         """A step with nothing to launch: wait briefly for a load's rank-0 share (if any) rather than spin."""
@@ -65,20 +86,28 @@ class KVTransfers:
             self.rank.runner.loads.wait_any(tuple(self.loading), timeout_s=IDLE_WAIT_S)
 
     def tiers(self) -> tuple[KVTier, ...]:
-        """The device pool and (when on) the host tier since start."""
+        """The device pool, and (when on) the host tier and the shared store, since start. The store's ``blocks`` is
+        not known here (0); its ``store_bytes`` are rank 0's puts times the DP group's ranks."""
         kv = self.scheduler.kv
         s = kv.stats()
-        device = KVTier(tier="device", hit_tokens=s.cached_tokens, queried_tokens=s.prompt_tokens,
-                        blocks=sum(p.blocks_cached for p in s.per_dp))
-        if s.host is None:
-            return (device,)
+        tiers = [KVTier(tier="device", hit_tokens=s.cached_tokens, queried_tokens=s.prompt_tokens,
+                        blocks=sum(p.blocks_cached for p in s.per_dp))]
         runner = self.rank.runner
-        block = runner.cache.block_bytes() * runner.model.groups.attn_tp.size
+        group = runner.model.groups.attn_tp.size
+        block = runner.cache.block_bytes() * group
         seconds = runner.loads.seconds
-        return device, KVTier(tier="host", hit_tokens=s.host.hit_tokens, queried_tokens=s.host.queried_tokens,
-                              blocks=s.host.blocks, load_bytes=s.host.load_blocks * block,
-                              store_bytes=s.host.store_blocks * block, load_s=seconds["load"],
-                              store_s=seconds["store"])
+        if s.host is not None:
+            tiers.append(KVTier(tier="host", hit_tokens=s.host.hit_tokens, queried_tokens=s.host.queried_tokens,
+                                blocks=s.host.blocks, load_bytes=s.host.load_blocks * block,
+                                store_bytes=s.host.store_blocks * block, load_s=seconds["load"],
+                                store_s=seconds["store"]))
+        store = runner.loads.store
+        if store is not None:
+            counts = kv.store_counts
+            tiers.append(KVTier(tier="store", hit_tokens=counts.hit_tokens, queried_tokens=counts.queried_tokens,
+                                blocks=0, load_bytes=counts.hit_blocks * block, store_bytes=store.put_bytes * group,
+                                errors=dict(store.errors) | {"load_failed": self.failed_loads}))
+        return tuple(tiers)
 
     def read_prefix(self, tokens: list[int], dp_rank: int = 0) -> HostKV:
         """The KV of the leading full blocks of ``tokens`` that attention-DP rank ``dp_rank``'s prefix cache holds,

@@ -5,7 +5,7 @@ besides request outputs and step records: the engine's fixed facts and one froze
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.params import Constraint, SamplingParams
@@ -65,6 +65,7 @@ class KVTier:
     store_bytes: int = 0
     load_s: float = 0.0
     store_s: float = 0.0
+    errors: Mapping[str, int] = field(default_factory=dict)  # the shared store's failed calls by reason (rank 0's)
 
 
 @dataclass(frozen=True)

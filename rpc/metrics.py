@@ -128,6 +128,8 @@ FAMILIES = _families(
            "it into the tier (store), over every rank.", ("tier", "direction")),
     Family("switchyard:kv_tier_seconds", "counter", "Seconds rank 0's copy thread spent on a tier's loads and "
            "stores.", ("tier", "direction")),
+    Family("switchyard:kv_store_errors", "counter", "The shared KV store's failed calls on rank 0 by reason "
+           "(timeout, unreachable, checksum, missing) and loads that failed on some rank (load_failed).", ("reason",)),
     Family("switchyard:kv_blocks", "gauge", "KV blocks per attention-DP rank: used (referenced), cached (in the "
            "prefix index), free (empty or evictable).", ("dp_rank", "state")),
     Family("switchyard:acceptance_length", "histogram", "Committed tokens per speculative request per step (tau, "
@@ -252,16 +254,20 @@ class MetricsExporter:
     def _tiers(d: dict, tiers: tuple[KVTier, ...]) -> None:
         """The KV tiers' totals (``Loads.tiers``): hits and blocks per tier, the host tier's copies and vLLM's
         external prefix cache counters from it."""
+        external = [t for t in tiers if t.tier != "device"]
+        if external:  # asked for: what the first tier below the device pool was asked; hit: what any served
+            d["vllm:external_prefix_cache_queries"][()] = external[0].queried_tokens
+            d["vllm:external_prefix_cache_hits"][()] = sum(t.hit_tokens for t in external)
         for t in tiers:
             d["switchyard:kv_tier_hit_tokens"][(t.tier,)] = t.hit_tokens
             d["switchyard:kv_tier_blocks"][(t.tier,)] = t.blocks
             if t.tier == "device":
                 continue
-            d["vllm:external_prefix_cache_queries"][()] = t.queried_tokens
-            d["vllm:external_prefix_cache_hits"][()] = t.hit_tokens
             for direction, nbytes, seconds in (("load", t.load_bytes, t.load_s), ("store", t.store_bytes, t.store_s)):
                 d["switchyard:kv_tier_bytes"][(t.tier, direction)] = nbytes
                 d["switchyard:kv_tier_seconds"][(t.tier, direction)] = seconds
+            for reason, n in t.errors.items():
+                d["switchyard:kv_store_errors"][(reason,)] = n
 
     def _requests(self, r: StepRecord) -> None:
         q, d = r.requests, self._data

@@ -7,8 +7,9 @@
   max_tokens capped at max_model_len, plus the speculative scratch); the cached prefix needs none.
 - KV from elsewhere (``Request.kv_tokens``): the reserve covers it; the blocks the prefix cache does not hold are
   loaded (:meth:`take_loads`) and the request is placed but not fed until the load is done (``Request.loading``).
-- The host tier: a prefix that continues past the device pool's hit in the rank's host tier is KV from elsewhere
-  too (``KVLoad.from_host``: its source blocks are host slots); placement counts both tiers' blocks.
+- The host tier and the shared store: a prefix that continues past the device pool's hit in the rank's host tier,
+  then in the shared store, is KV from elsewhere too (``KVLoad.host_slots``, ``KVLoad.store_hashes``); placement
+  counts the device's and host's blocks (the store is every rank's).
 - ``share_inflight_prefix``: a request whose next uncached block a running request is computing now waits (without
   holding up the others) and hits that block once it is committed, rather than computing the shared prefix again.
 """
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -33,13 +35,21 @@ class KVLoad:
     request_id: str
     dp_rank: int
     blocks: tuple[int, ...]
-    source_blocks: tuple[int, ...]  # the source's blocks; host slots when ``from_host``
-    from_host: bool = False
+    source_blocks: tuple[int, ...]  # the source's blocks (with tier blocks: their index in host then store order)
+    host_slots: tuple[int, ...] = ()  # from the rank's host tier
+    store_hashes: tuple[int, ...] = ()  # from the shared store
+
+    @property
+    def from_tiers(self) -> bool:
+        return bool(self.host_slots or self.store_hashes)
 
 
 class Admission:
-    def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, journal: RankJournal):
+    def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, journal: RankJournal,
+                 store_lookup: Callable[[list[int]], int] | None = None):
+        """``store_lookup(hashes)``: leading blocks of ``hashes`` the shared store holds (None: no store)."""
         self.cfg, self.table, self.kv, self.journal = cfg, table, kv, journal
+        self.store_lookup = store_lookup
         self._order = itertools.count()
         self.prefix_waits = 0  # admission passes that put a request off for a block another is prefilling
         self._load_ids = itertools.count()
@@ -69,26 +79,38 @@ class Admission:
                     self.prefix_waits += 1
                     continue
             dp = max(ranks, key=lambda r: (self._reusable_blocks(r, hashes), self.kv.num_free(r), -r))
-            device, host = self.kv.cached_blocks(dp, hashes), self.kv.host
-            slots = host.prefix(dp, hashes[device:]) if host is not None and not req.kv_tokens else []
-            if slots:  # the host tier's blocks arrive like KV from elsewhere
-                req.kv_tokens = (device + len(slots)) * self.cfg.cache.block_size
-            cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots))
+            device = self.kv.cached_blocks(dp, hashes)
+            slots, stored = self._tier_prefix(req, dp, hashes, device)
+            if slots or stored:  # the tiers' blocks arrive like KV from elsewhere
+                req.kv_tokens = (device + len(slots) + len(stored)) * self.cfg.cache.block_size
+            cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots), len(stored))
             if cached is None:
-                if slots:
+                if slots or stored:
                     req.kv_tokens = 0
                 return "kv"
             table.waiting.remove(req)
             req.dp_rank, req.num_computed = dp, cached
             if req.kv_tokens > cached:
-                self._start_load(req, cached, tuple(slots))
+                self._start_load(req, cached, tuple(slots), tuple(stored))
             if prefilling is not None:  # admitted now: those behind it wait for what it will compute
                 prefilling[dp].update(hashes[cached // self.cfg.cache.block_size:])
             self.journal.joined(req)
             if req.admitted < 0:
-                req.admitted, req.num_cached = next(self._order), cached + len(slots) * self.cfg.cache.block_size
+                req.admitted = next(self._order)
+                req.num_cached = cached + (len(slots) + len(stored)) * self.cfg.cache.block_size
             table.place(req, dp)
         return blocked
+
+    def _tier_prefix(self, req: Request, dp: int, hashes: list[int], device: int) -> tuple[list[int], list[int]]:
+        """The host slots, then the store's block hashes, that continue ``req``'s device hit of ``device`` blocks on
+        ``dp`` (none for a request with its own KV source)."""
+        if req.kv_tokens:
+            return [], []
+        host = self.kv.host
+        slots = host.prefix(dp, hashes[device:]) if host is not None else []
+        rest = hashes[device + len(slots):]
+        held = self.store_lookup(rest) if self.store_lookup is not None and rest else 0
+        return slots, rest[:held]
 
     def _reusable_blocks(self, dp: int, hashes: list[int]) -> int:
         """Leading blocks of ``hashes`` that ``dp`` holds in its device pool or, past them, in its host tier."""
@@ -102,15 +124,18 @@ class Admission:
         hit = max(self.kv.cached_blocks(dp, hashes) * self.cfg.cache.block_size, req.kv_tokens)
         return hit + min(len(req.feed_tokens) - hit, self.cfg.scheduler.max_num_batched_tokens)
 
-    def _start_load(self, req: Request, cached: int, host_slots: tuple[int, ...]) -> None:
-        """``req``'s blocks past its ``cached`` prefix up to ``kv_tokens`` come from its source (``host_slots``, when
-        given: from the host tier)."""
+    def _start_load(self, req: Request, cached: int, host_slots: tuple[int, ...],
+                    store_hashes: tuple[int, ...]) -> None:
+        """``req``'s blocks past its ``cached`` prefix up to ``kv_tokens`` come from its source, or from the tiers
+        (``host_slots``, then ``store_hashes``)."""
         bs = self.cfg.cache.block_size
         first, end = cached // bs, req.kv_tokens // bs
+        tiers = len(host_slots) + len(store_hashes)
         req.loading = next(self._load_ids)
         self._loads.append(KVLoad(load_id=req.loading, request_id=req.request_id, dp_rank=req.dp_rank,
                                   blocks=tuple(self.kv.table(req)[first:end]),
-                                  source_blocks=host_slots or tuple(range(first, end)), from_host=bool(host_slots)))
+                                  source_blocks=tuple(range(tiers)) if tiers else tuple(range(first, end)),
+                                  host_slots=host_slots, store_hashes=store_hashes))
 
     def take_loads(self) -> list[KVLoad]:
         """The loads admission started since the last call, for the engine to send to the ranks."""

@@ -117,6 +117,21 @@ class HostTier:
                 and all(self.index[h] == s for s, h in self.hash_of.items()))
 
 
+@dataclass
+class TierCounts:
+    """A lower tier's admissions since start: prompt tokens asked for (past the tiers above it), tokens and blocks it
+    served."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+
+    def add(self, queried_tokens: int, hit_tokens: int, hit_blocks: int) -> None:
+        self.queried_tokens += queried_tokens
+        self.hit_tokens += hit_tokens
+        self.hit_blocks += hit_blocks
+
+
 @dataclass(frozen=True, kw_only=True)
 class HostStats:
     """The host tier over every attention-DP rank: slots held and total, tokens asked for (prompt tokens past the

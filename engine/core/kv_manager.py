@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.blocks import blocks_for
-from engine.core.host_tier import HostStats, HostTiers
+from engine.core.host_tier import HostStats, HostTiers, TierCounts
 
 NO_PARENT = 0
 
@@ -230,6 +230,7 @@ class KVManagerConfig:
     namespace: bytes = b""
     host_slots: int = 0  # per attention-DP rank: the host tier's blocks (0: no host tier)
     host_write: str = "evict"  # when a block enters the host tier: "evict" (leaving the device) or "through"
+    store: bool = False  # a shared KV store: every committed full block is written to it
 
 
 class KVRequest(Protocol):
@@ -303,6 +304,9 @@ class KVManager:
         self.requests: dict[str, RequestBlocks] = {}
         self.prompt_tokens = self.cached_tokens = 0  # admissions' prompt tokens, and those served from the cache
         self.prompt_by_dp, self.cached_by_dp = [0] * cfg.dp_size, [0] * cfg.dp_size  # the same per pool
+        # the shared store: per DP rank, committed (block, hash) to write; and its admissions' figures
+        self.store_writes = [[] for _ in range(cfg.dp_size)] if cfg.store and cfg.prefix_caching else None
+        self.store_counts = TierCounts()
 
     def _record(self, event: KvEvent) -> None:
         if self.recording:
@@ -329,10 +333,11 @@ class KVManager:
         return self.pools[dp].num_free
 
     # ---- admission and growth ------------------------------------------------------------------------------
-    def admit(self, req: KVRequest, dp: int, reserve: int, host_blocks: int = 0) -> int | None:
+    def admit(self, req: KVRequest, dp: int, reserve: int, host_blocks: int = 0, store_blocks: int = 0) -> int | None:
         """Starts ``req`` on ``dp``: takes its cached prefix and allocates what makes ``reserve`` token slots
-        (``host_blocks`` of them past the device hit to be loaded from the host tier). Returns the tokens served from
-        the device pool, or None (nothing taken) when the blocks are not free."""
+        (``host_blocks`` of them past the device hit to be loaded from the host tier, then ``store_blocks`` from the
+        shared store). Returns the tokens served from the device pool, or None (nothing taken) when the blocks are not
+        free."""
         pool, hashes, tokens = self.pools[dp], self.hashes(req), req.feed_tokens
         hit = pool.cached_prefix(hashes)
         need = max(blocks_for(reserve, self.cfg.kv_block_size) - len(hit), 0)
@@ -347,8 +352,11 @@ class KVManager:
         self.cached_tokens += cached
         self.prompt_by_dp[dp] += len(tokens)
         self.cached_by_dp[dp] += cached
+        bs = self.cfg.kv_block_size
         if self.host is not None:
-            self.host.admitted(len(tokens) - cached, host_blocks * self.cfg.kv_block_size, host_blocks)
+            self.host.admitted(len(tokens) - cached, host_blocks * bs, host_blocks)
+        if self.store_writes is not None:
+            self.store_counts.add(len(tokens) - cached - host_blocks * bs, store_blocks * bs, store_blocks)
         return cached
 
     def allocate(self, req: KVRequest, slots: int) -> bool:
@@ -392,6 +400,9 @@ class KVManager:
         self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed)
         if self.host is not None:
             self.host.committed(req.dp_rank, blocks.table[done:len(blocks.hashes)], blocks.hashes[done:])
+        if self.store_writes is not None:
+            self.store_writes[req.dp_rank] += zip(blocks.table[done:len(blocks.hashes)], blocks.hashes[done:],
+                                                  strict=True)
 
     def free(self, req: KVRequest) -> None:
         """Drops ``req``'s blocks (end, abort, preemption): committed full blocks stay cached."""

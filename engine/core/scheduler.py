@@ -23,7 +23,7 @@ and the journal of what the ranks must learn (``journal.py``). Blocks are the KV
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.blocks import blocks_for
@@ -64,11 +64,12 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, cfg: EngineConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  spec_reserve_slots: int = 0, namespace: bytes = b"", retain_after: frozenset[int] = frozenset(),
-                 host_slots: int = 0):
+                 host_slots: int = 0, store_lookup: Callable[[list[int]], int] | None = None):
         """``spec_reserve_slots`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing
         that many KV slots (its tree). ``namespace``: what the prefix cache's hashes are computed under (model,
         drafter, KV dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV.
-        ``host_slots``: the host KV tier's blocks per attention-DP rank (0: none)."""
+        ``host_slots``: the host KV tier's blocks per attention-DP rank (0: none). ``store_lookup(hashes)``: leading
+        blocks of ``hashes`` the shared KV store holds (None: no store)."""
         length, cache = cfg.scheduler.max_model_len, cfg.cache
         if length is None:
             raise ValueError("engine.max_model_len is unset: resolve it with EngineConfig.for_model first")
@@ -83,10 +84,11 @@ class Scheduler:
         self.kv = KVManager(KVManagerConfig(num_blocks=cache.num_blocks, kv_block_size=cache.block_size,
                                             dp_size=dp_size, prefix_caching=cache.prefix_caching,
                                             retention_s=cache.kv_retention_s, namespace=namespace,
-                                            host_slots=host_slots, host_write=cache.host_kv_write))
+                                            host_slots=host_slots, host_write=cache.host_kv_write,
+                                            store=store_lookup is not None))
         self.table = RequestTable(cfg, dp_size, vocab_size, spec_reserve_slots)
         self.journal = RankJournal()
-        self.admission = Admission(cfg, self.table, self.kv, self.journal)
+        self.admission = Admission(cfg, self.table, self.kv, self.journal, store_lookup)
         self.planner = StepPlanner(cfg, self.table, self.kv, self.journal, spec_reserve_slots, self.overlap)
         self.outputs = OutputProcessor(cfg, self.kv, eos_token_ids, self.overlap, retain_after, self._finish,
                                        self._fork)
@@ -103,14 +105,18 @@ class Scheduler:
         """The KV loads admission started since the last call (:meth:`Admission.take_loads`)."""
         return self.admission.take_loads()
 
-    def loaded(self, load_id: int) -> None:
-        """Load ``load_id`` is done on rank 0: its request (if it still runs) has its loaded tokens computed and
-        committed, and is fed from the next step; every rank waits for the load before that step."""
+    def loaded(self, load_id: int, failed: bool = False) -> None:
+        """Load ``load_id`` is done: its request (if it still runs) has its loaded tokens computed and committed, and
+        is fed from the next step; every rank waits for the load before that step. ``failed`` (a store error on some
+        rank): the request computes those tokens itself instead, in the blocks it holds."""
         self.journal.loaded(load_id)
         for req in self.table.requests.values():
             if req.loading == load_id:
-                req.num_computed, req.kv_tokens, req.loading = req.kv_tokens, 0, -1
-                self.kv.commit(req, req.num_computed)
+                if not failed:
+                    req.num_computed = req.kv_tokens
+                    self.kv.commit(req, req.num_computed)
+                req.num_cached = min(req.num_cached, req.num_computed)
+                req.kv_tokens, req.loading = 0, -1
                 return
 
     def has_work(self) -> bool:

@@ -7,7 +7,8 @@ match. A new cross-rank action is a new message type, not a branch in two loops 
 
 KV moves: :class:`ReadKV` reads given blocks out of every layer group into host memory, :class:`LoadKV` starts
 writing a source's blocks into given blocks off the step thread (the plan that first uses them waits for it:
-``StepPlan.loads``), :class:`StoreKV` copies device blocks into the rank's host-tier slots before the next step.
+``StepPlan.loads``), :class:`StoreKV` copies device blocks into the rank's host-tier slots before the next step,
+:class:`PutKV` writes committed blocks to the shared store, :class:`LoadOutcomes` gathers which loads failed softly.
 Shapes the next features take (not built yet): a weight move (``MoveExpertWeights``: layer, slots and their new
 experts; runs in the background on each rank and replies when staged, then ``SwapExpertMaps`` switches a layer's
 maps on every rank between two steps) and a lease release (``ReleaseLease``: blocks a peer read may reuse).
@@ -179,7 +180,33 @@ class StoreKV(RankMessage):
 
     def run(self, rank: RankState) -> None:
         if rank.runner.requests.dp_rank == self.dp_rank:
-            rank.runner.loads.store(list(self.blocks), list(self.slots))
+            rank.runner.loads.offload(list(self.blocks), list(self.slots))
+
+
+@dataclass(frozen=True)
+class PutKV(RankMessage):
+    """On the ranks of attention-DP group ``dp_rank``, write committed device ``blocks`` to the shared KV store under
+    ``hashes`` (each rank its shard; read before the next step, put in the background)."""
+
+    dp_rank: int
+    blocks: tuple[int, ...]
+    hashes: tuple[int, ...]
+
+    def run(self, rank: RankState) -> None:
+        if rank.runner.requests.dp_rank == self.dp_rank:
+            rank.runner.loads.put(list(self.blocks), list(self.hashes))
+
+
+@dataclass(frozen=True)
+class LoadOutcomes(RankMessage):
+    """Loads ``load_ids`` are done on rank 0 (or not its own): every rank waits for its share and replies those whose
+    source failed there (id → why), so rank 0 has the requests recompute them."""
+
+    load_ids: tuple[int, ...]
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> dict[int, str]:
+        return rank.runner.loads.outcome(self.load_ids)
 
 
 @dataclass(frozen=True)

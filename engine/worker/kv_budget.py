@@ -66,3 +66,14 @@ def size_kv_cache(model: CausalLM, cfg: EngineConfig, speculation: Speculation |
                  cfg.cache.num_blocks * per_block / 2**20, per_block, how, cfg.scheduler.max_model_len,
                  max_concurrency(cfg.cache.num_blocks, cfg))
     return cfg
+
+
+def cache_namespace(model: CausalLM, speculation: Speculation | None) -> bytes:
+    """What a prefix-cache hash is computed under, so KV made one way never serves another: the model (its parsed
+    config), the drafter (its context K/V sits in the same blocks), the KV dtype, the numerics mode (batch-invariant
+    or not, kernel backend) and the attention layout."""
+    lay = model.groups.layout
+    parts = (repr(model.cfg), repr(speculation.facts) if speculation is not None else "no drafter", str(model.dtype),
+             f"batch_invariant={model.kernels.batch_invariant} backend={model.kernels.backend}",
+             f"attn_tp={lay.attn_tp} attn_dp={lay.attn_dp}")
+    return "|".join(parts).encode()

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from engine.worker.kv_cache import PagedKVCache
+from engine.worker.kv_store import KVStore, StoreError
 
 
 class KVSource(Protocol):
@@ -49,15 +50,22 @@ class HostKV:
 
 
 @dataclass(frozen=True)
-class HostTierKV:
-    """Blocks in the loading rank's own host tier: the source blocks are its slots."""
+class TierKV:
+    """Blocks in the loading rank's own tiers: host slots ``host_slots``, then blocks of the shared store by hash
+    (``store_hashes``); source block ``i`` is the ``i``-th of them in that order."""
 
     num_tokens: int
+    host_slots: tuple[int, ...] = ()
+    store_hashes: tuple[int, ...] = ()
 
     def read(self, at: RankLoads, blocks: list[int]) -> torch.Tensor:
-        if at.host is None:
-            raise RuntimeError(f"rank {at.rank} has no host KV tier to load slots {blocks[:4]} from")
-        return at.host.slots[blocks]
+        n = len(self.host_slots)
+        slots = [self.host_slots[b] for b in blocks if b < n]
+        hashes = [self.store_hashes[b - n] for b in blocks if b >= n]
+        if (slots and at.host is None) or (hashes and at.store is None):
+            raise RuntimeError(f"rank {at.rank} has no {'host KV tier' if slots else 'KV store'} to load from")
+        parts = ([at.host.slots[slots]] if slots else []) + ([at.store.get(hashes)] if hashes else [])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 class HostPool:
@@ -79,8 +87,9 @@ class RankLoads:
     :meth:`wait` before a step that names a load (a load that failed raises there, naming it), :meth:`wait_stores`
     before every step. ``seconds[direction]``: time the thread spent copying (``load``, ``store``)."""
 
-    def __init__(self, cache: PagedKVCache, rank: int, host: HostPool | None = None):
-        self.cache, self.rank, self.host = cache, rank, host
+    def __init__(self, cache: PagedKVCache, rank: int, host: HostPool | None = None, store: KVStore | None = None):
+        self.cache, self.rank, self.host, self.store = cache, rank, host, store
+        self.failed: dict[int, str] = {}  # loads whose source failed softly (a store error): id → why
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-copy-{rank}")
         self._pending: dict[int, Future] = {}
         self._stores: list[Future] = []
@@ -101,13 +110,32 @@ class RankLoads:
     def start(self, load_id: int, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
         """Reads ``source_blocks`` of this rank's share of ``source`` and writes them into ``blocks``, off the step
         thread."""
-        self._pending[load_id] = self._pool.submit(self._load, blocks, source_blocks, source)
+        self._pending[load_id] = self._pool.submit(self._load_or_fail, load_id, blocks, source_blocks, source)
 
     def _load(self, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
         with self._copying("load"):
             self.cache.write_blocks(blocks, source.read(self, source_blocks))
 
-    def store(self, blocks: list[int], slots: list[int]) -> None:
+    def _load_or_fail(self, load_id: int, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
+        """:meth:`_load`; a store error is kept (:attr:`failed`): the request recomputes those tokens."""
+        try:
+            self._load(blocks, source_blocks, source)
+        except StoreError as e:
+            self.failed[load_id] = str(e)
+
+    def put(self, blocks: list[int], hashes: list[int]) -> None:
+        """Writes device ``blocks`` to the shared store under ``hashes``: read into host memory on the copy thread
+        (the next step waits for the read), put in the background by the store client."""
+        if self.store is None:
+            raise RuntimeError(f"rank {self.rank} has no KV store to put blocks {blocks[:4]} in")
+        self._stores.append(self._pool.submit(lambda: self.store.put(hashes, self.cache.read_blocks(blocks))))
+
+    def outcome(self, load_ids: tuple[int, ...]) -> dict[int, str]:
+        """Waits for this rank's share of ``load_ids``; returns those whose source failed here, with why."""
+        self.wait(load_ids)
+        return {i: self.failed.pop(i) for i in load_ids if i in self.failed}
+
+    def offload(self, blocks: list[int], slots: list[int]) -> None:
         """Copies device ``blocks`` into host-tier ``slots``, after every copy queued before it (the next step
         waits for it: :meth:`wait_stores`)."""
         if self.host is None:

@@ -7,6 +7,8 @@ from engine.profiling import RankProfiler
 from engine.sampling.grammar import GrammarBackend
 from engine.worker.capture import eager_reason
 from engine.worker.control import ControlPlane, RankState
+from engine.worker.kv_budget import cache_namespace
+from engine.worker.kv_store import StoreSettings
 from engine.worker.runner import ModelRunner
 from engine.worker.spec_contract import Speculation
 from engine.worker.telemetry import TelemetrySampler
@@ -40,7 +42,20 @@ def make_runner(model: CausalLM, cfg: EngineConfig, speculation: Speculation | N
                        max_model_len=cfg.scheduler.max_model_len,
                        eager_reason="" if sizes else eager_reason(model, cfg.runner.static_steps),
                        overlap=cfg.runner.overlap == "on" and speculation is None, expert_tally=cfg.runner.expert_tally,
-                       grammar=grammar, host_kv_cache_gb=cfg.cache.host_kv_cache_gb)
+                       grammar=grammar, host_kv_cache_gb=cfg.cache.host_kv_cache_gb,
+                       kv_store=store_settings(model, cfg, speculation))
+
+
+def store_settings(model: CausalLM, cfg: EngineConfig, speculation: Speculation | None) -> StoreSettings | None:
+    """The shared KV store's settings for this rank (``engine.kv_store``; None: no store): keys under the cache
+    namespace and this rank's attention-TP shard."""
+    c = cfg.cache
+    if c.kv_store == "none":
+        return None
+    tp = model.groups.attn_tp
+    return StoreSettings(master=c.kv_store_master, metadata=c.kv_store_metadata, segment_gb=c.kv_store_gb,
+                         timeout_s=c.kv_store_timeout_s, namespace=cache_namespace(model, speculation),
+                         shard=f"tp{tp.rank}of{tp.size}")
 
 
 def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) -> None:

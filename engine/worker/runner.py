@@ -26,6 +26,7 @@ from engine.worker.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepSha
 from engine.worker.kv_budget import cache_spec
 from engine.worker.kv_cache import PagedKV, PagedKVCache, SeqSlots
 from engine.worker.kv_loads import HostPool, RankLoads, host_slots
+from engine.worker.kv_store import KVStore, StoreSettings
 from engine.worker.rank_requests import RankRequests
 from engine.worker.spec_contract import Speculation, StaticLayout, TreeRows
 from model.batch import ForwardBatch
@@ -51,7 +52,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, kv_block_size: int, speculation: Speculation | None = None,
                  static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0,
                  eager_reason: str = "static steps off", overlap: bool = False, expert_tally: bool = False,
-                 grammar: GrammarBackend | None = None, host_kv_cache_gb: float = 0.0):
+                 grammar: GrammarBackend | None = None, host_kv_cache_gb: float = 0.0,
+                 kv_store: StoreSettings | None = None):
         """``speculation`` (from spec_decode) builds the rank's speculator when spec decoding is on.
         ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
         the ``num_blocks`` the scheduler hands out, enough for a padding sequence of ``spec_reserve_slots``
@@ -59,7 +61,8 @@ class ModelRunner:
         every attention-TP rank samples, so the next step's inputs can take tokens from this one on the device.
         ``expert_tally`` (``engine.expert_tally``): :attr:`tally` counts the experts of decode and verify steps.
         ``grammar``: structured output's xgrammar backend (None: constraints refused upstream).
-        ``host_kv_cache_gb`` (``engine.host_kv_cache_gb``): the host KV tier's GiB per attention-DP group (0: none)."""
+        ``host_kv_cache_gb`` (``engine.host_kv_cache_gb``): the host KV tier's GiB per attention-DP group (0: none).
+        ``kv_store``: the shared KV store's settings (None: no store)."""
         self.model, self.overlap = model, overlap
         self.tally = ExpertTally(model) if expert_tally else None  # before any capture: graphs then hold its ops
         self.reports = model.groups.attn_tp.rank == 0  # holds the group's results (the others: None)
@@ -90,7 +93,8 @@ class ModelRunner:
         self.requests = RankRequests(model.groups.coords.attn_dp_rank, self.sampling)
         slots = host_slots(host_kv_cache_gb, self.cache.block_bytes(), model.groups.attn_tp.size)
         host = HostPool(slots, self.cache.block_bytes(), pin=device.type == "cuda") if slots else None
-        self.loads = RankLoads(self.cache, model.groups.rank, host)  # KV copies in and out (engine/worker/kv_loads.py)
+        store = KVStore(kv_store, self.cache.block_bytes()) if kv_store is not None else None
+        self.loads = RankLoads(self.cache, model.groups.rank, host, store)  # KV copies in and out (kv_loads.py)
 
     @property
     def tree_size(self) -> int:
