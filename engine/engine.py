@@ -331,7 +331,7 @@ class Engine:
             self._publish(self.recorder.step(d.plan, *self._complete(d), d.span.ms() if d.span else None,
                                              self.draining))
         self.profiling.close()
-        self.control.send(Shutdown())
+        self.control.send(Shutdown(), self.rank)
 
 
 RETAIN_AFTER = ("<|tool_calls_section_end|>", "<|tool_call_end|>")  # Kimi K2's tool-call markers

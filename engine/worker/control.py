@@ -211,10 +211,10 @@ class LoadOutcomes(RankMessage):
 
 @dataclass(frozen=True)
 class Shutdown(RankMessage):
-    """The job ends: the ranks leave their loop."""
+    """The job ends: the ranks leave the shared store and their loop."""
 
     def run(self, rank: RankState) -> None:
-        return None
+        rank.runner.loads.close()
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,11 @@ class RankLoads:
             except Exception as e:
                 raise RuntimeError(f"rank {self.rank}: host KV tier store failed: {e}") from e
 
+    def close(self) -> None:
+        """Leaves the shared store (this rank's share of its memory goes with it)."""
+        if self.store is not None:
+            self.store.close()
+
     def done(self, load_id: int) -> bool:
         """Whether load ``load_id`` finished here (or never ran here: this rank is not in its DP group)."""
         f = self._pending.get(load_id)

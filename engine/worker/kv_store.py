@@ -173,7 +173,11 @@ class KVStore:
             self._backlog -= 1
 
     def close(self) -> None:
-        self._puts.shutdown(wait=True)
-        self._calls.shutdown(wait=True)
+        """Leaves the store (bounded like any call: a store that hangs does not hold up the engine's exit)."""
+        self._puts.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
-            self._client.close()
+            try:
+                self._call("close", lambda c: c.close())
+            except StoreError:
+                pass
+        self._calls.shutdown(wait=False, cancel_futures=True)
