@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
+from engine.worker.loop import make_runner, worker_loop
 from model.loader import load_model
 from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
@@ -112,6 +113,42 @@ def test_a_prefix_written_by_one_worker_hits_on_another_through_the_store(pool, 
     else:
         assert warm[2] == 64 and hit_tokens == 64, (warm[2], hit_tokens)  # the store tier served four blocks
         assert prefilled == len(prompt) - 64 and not errors and failed_loads == 0, errors
+
+
+def _cross_dp_job(ctx, store: dict, prompt: list[int]):
+    """dp8_ep8: the prompt on attention-DP rank 0, then (once its blocks are in the store) on rank 5, whose device
+    pool never saw it. Rank 0 returns both runs, the store tier's hit tokens and the failed loads."""
+    model = load_model(ZOO / "target", ctx.groups(layout("dp8_ep8")), torch.bfloat16)
+    cfg = EngineConfig.flat(**BASE, **store)
+    if ctx.rank != 0:
+        worker_loop(make_runner(model, cfg))
+        return None
+    engine = Engine(model, cfg)
+    try:
+        runs = []
+        for rid, dp in (("first", 0), ("second", 5)):
+            engine.add_request(rid, prompt, GREEDY, dp_rank=dp)
+            tokens, lps, cached = [], [], 0
+            while engine.has_work():
+                for o in engine.step():
+                    tokens, lps, cached = tokens + o.new_tokens, lps + o.new_logprobs, o.num_cached_tokens
+            runs.append((tokens, lps, cached))
+            client, hashes = engine.runner.loads.store, engine.scheduler.kv.index.hashes(prompt)
+            deadline = time.monotonic() + 30
+            while client.held(hashes) < len(hashes):
+                assert time.monotonic() < deadline, "the prompt's blocks never reached the store"
+                time.sleep(0.05)
+        return runs, engine.scheduler.kv.store_counts.hit_tokens, engine.transfers.failed_loads
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.engine
+def test_a_prefix_computed_on_one_dp_rank_hits_on_another_through_the_store(pool, master):
+    prompt = _prompt()
+    (first, second), hit_tokens, failed = pool.run(_cross_dp_job, master.overrides(gb=0.05), prompt)[0]
+    assert second[:2] == first[:2] and first[2] == 0 and second[2] == 64
+    assert hit_tokens == 64 and failed == 0
 
 
 def test_a_store_killed_mid_stream_fails_no_request(tmp_path):
