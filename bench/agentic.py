@@ -328,3 +328,85 @@ def smg_sessions(base_url: str, metrics_url: str, workers: list[Client], w: Work
             "turns_on_prefix_worker_before_flush": sum(stayed) / len(stayed) if stayed else None,
             "flushed_sessions_next_turn_on": after,
             "flushed_sessions_left_it": sum(a != flushed for a in after) / len(after) if after else None}
+
+
+def smg_rounds(base_url: str, workers: list[Client], w: Workload, decode, between_rounds=None) -> list[dict]:
+    """Every session's turn t, one request at a time, through smg's streaming OpenAI completions (text prompts),
+    before any turn t + 1; ``between_rounds(t)`` after round t. Per turn: the worker it landed on (whose prompt-token
+    counter moved), prompt and cached tokens (``usage``), TTFT, and the error if it failed."""
+    plan = segments(w)
+    histories = [""] * w.sessions
+    out = []
+
+    def counters():
+        return [c.engine_info()["kv"]["prompt_tokens"] for c in workers]
+
+    for t in range(w.turns):
+        for s in range(w.sessions):
+            prompt = histories[s] + decode(plan[s][t])
+            before = counters()
+            body = json.dumps({"model": "tiny_agent", "prompt": prompt, "max_tokens": w.output_tokens,
+                               "temperature": 0, "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True}}).encode()
+            req = urllib.request.Request(f"{base_url}/v1/completions", body, {"Content-Type": "application/json"})
+            rec = {"session": s, "turn": t, "prompt_tokens": 0, "cached_tokens": 0, "ttft_s": None, "error": None}
+            text, send = "", time.perf_counter()
+            try:
+                with urllib.request.urlopen(req, timeout=600) as resp:
+                    for line in resp:
+                        line = line.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices", []):
+                            if choice.get("text") and rec["ttft_s"] is None:
+                                rec["ttft_s"] = time.perf_counter() - send
+                            text += choice.get("text") or ""
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                            rec["prompt_tokens"] = usage["prompt_tokens"]
+                            rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            except OSError as e:
+                rec["error"] = str(e)
+            moved = [a - b for a, b in zip(counters(), before, strict=True)]
+            rec["worker"] = max(range(len(workers)), key=lambda i: moved[i])
+            out.append(rec)
+            histories[s] = prompt + text
+        if between_rounds is not None:
+            between_rounds(t)
+    return out
+
+
+def moved_turns(records: list[dict]) -> list[dict]:
+    """The turns that landed on another worker than the session's previous turn."""
+    last = {}
+    moved = []
+    for r in sorted(records, key=lambda r: (r["turn"], r["session"])):
+        if r["session"] in last and last[r["session"]] != r["worker"]:
+            moved.append(r)
+        last[r["session"]] = r["worker"]
+    return moved
+
+
+def store_comparison(arms: dict[str, list[dict]], store: str = "store", cold: str = "no_store") -> dict:
+    """Per arm: turns that changed worker, the token-weighted hit rate over them, failed requests; then the moved
+    turns the ``store`` arm served at least half from cache against the same (session, turn) in the ``cold`` arm:
+    TTFT."""
+    out = {}
+    for name, records in arms.items():
+        moved = moved_turns(records)
+        prompt = sum(r["prompt_tokens"] for r in moved)
+        out[name] = {"turns": len(records), "moved_turns": len(moved),
+                     "moved_hit_rate": sum(r["cached_tokens"] for r in moved) / prompt if prompt else None,
+                     "failed": sum(r["error"] is not None for r in records)}
+    hot = {(r["session"], r["turn"]): r for r in moved_turns(arms[store])
+           if r["error"] is None and 2 * r["cached_tokens"] >= r["prompt_tokens"]}
+    pairs = [(hot[(r["session"], r["turn"])]["ttft_s"], r["ttft_s"]) for r in arms[cold]
+             if (r["session"], r["turn"]) in hot and r["ttft_s"] is not None]
+    if pairs:
+        warm, base = [a for a, _ in pairs], [b for _, b in pairs]
+        out["store_hit_turns"] = {"turns": len(pairs), "ttft_p50_s": percentile(warm, 50),
+                                  "cold_ttft_p50_s": percentile(base, 50),
+                                  "ttft_p50_ratio": percentile(warm, 50) / percentile(base, 50)}
+    return out
+

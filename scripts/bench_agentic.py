@@ -10,10 +10,14 @@
    of a worker go after its ``FlushCache``;
 5. KV tiers: many sessions taking turns in rounds on a device pool capped under 20 % of their context — no tier, a
    host tier (``engine.host_kv_cache_gb``), and an unlimited pool (the ideal): token-weighted hit rate, prompt tokens
-   computed, TTFT of the turns served from host against the same turns cold, bytes and seconds moved.
+   computed, TTFT of the turns served from host against the same turns cold, bytes and seconds moved;
+6. the shared store: two workers behind ``smg --policy round_robin`` (so turns move) with one Mooncake store, against
+   the same two without it, then with the store's master killed after turn 2: the hit rate of the turns that changed
+   worker, TTFT of store hits against the same turns cold, failed requests.
 
     python scripts/bench_agentic.py --out outputs/agentic [--sessions 4 --turns 6 ...] [--skip smg,retention]
-    python scripts/bench_agentic.py --out outputs/agentic_tiers --skip sessions,allocation,retention,smg
+    python scripts/bench_agentic.py --out outputs/agentic_tiers --skip sessions,allocation,retention,smg,store
+    python scripts/bench_agentic.py --out outputs/agentic_store --skip sessions,allocation,retention,smg,tiers
 
 Writes ``agentic.json`` and ``agentic.png`` (``agentic_tiers.png`` with the tiers) under ``--out``.
 """
@@ -41,10 +45,13 @@ from bench.agentic import (  # noqa: E402
     retention_probe,
     run_rounds,
     run_sessions,
+    smg_rounds,
     smg_sessions,
+    store_comparison,
     summarize,
     tier_comparison,
 )
+from bench.mooncake import MooncakeMaster, installed_master  # noqa: E402
 from bench.run import Server  # noqa: E402
 from model.tiny import preset_dir  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
@@ -163,36 +170,89 @@ def plot_tiers(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def two_workers(out: Path, w: Workload) -> dict:
-    ckpt = preset_dir("tiny_agent")
-    tok = load_tokenizer(ckpt)
-    workers = [serve(out, f"worker{i}", "engine.num_blocks=4096") for i in range(2)]
-    port, metrics = free_port(), free_port()
-    smg = subprocess.Popen([str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
-                            *[f"grpc://127.0.0.1:{s.port}" for s in workers], "--model-path", str(ckpt),
-                            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                            "--prometheus-port", str(metrics), "--policy", "cache_aware", "--block-size", "16",
-                            "--log-level", "warn"], stdout=open(out / "smg.log", "w"), stderr=subprocess.STDOUT,
-                           cwd=REPO)
-    try:
+# the store experiment: 7 sessions (odd, so round-robin moves every session's next turn to the other worker)
+STORE_WORKLOAD = Workload(sessions=7, turns=4, system_tokens=200, tenants=7, first_user_tokens=1200,
+                          new_tokens_per_turn=64, output_tokens=16, think_s=0.0, concurrency=1)
+
+
+class Gateway:
+    """``smg launch`` over gRPC workers on loopback, with ``policy``."""
+
+    def __init__(self, out: Path, name: str, workers: list[Server], policy: str):
+        self.port, metrics = free_port(), free_port()
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
+             *[f"grpc://127.0.0.1:{s.port}" for s in workers], "--model-path", str(preset_dir("tiny_agent")),
+             "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+             str(metrics), "--policy", policy, "--block-size", "16", "--log-level", "warn"],
+            stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT, cwd=REPO)
+        self.url, self.metrics_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{metrics}/metrics"
         import urllib.request
         deadline = time.monotonic() + 120
         while True:
             try:
-                if json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)).get("data"):
-                    break
+                if json.load(urllib.request.urlopen(f"{self.url}/v1/models", timeout=2)).get("data"):
+                    return
             except OSError:
                 pass
-            if time.monotonic() > deadline or smg.poll() is not None:
-                raise RuntimeError(f"smg did not come up; see {out / 'smg.log'}")
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"smg did not come up; see {out / f'{name}.log'}")
             time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def shared_store(out: Path, w: Workload = STORE_WORKLOAD) -> dict:
+    tok = load_tokenizer(preset_dir("tiny_agent"))
+    binary = installed_master()
+    if binary is None:
+        raise RuntimeError("mooncake_master is not installed: pip install -e '.[test]' (make test does)")
+    records, tiers = {}, {}
+    for arm in ("no_store", "store", "store_master_killed"):
+        master = MooncakeMaster(binary, out / f"master_{arm}.log") if arm != "no_store" else None
+        store = ([f"engine.{k}={v}" for k, v in master.overrides(gb=0.5).items()] if master else [])
+        workers = [serve(out, f"store_{arm}_worker{i}", "engine.num_blocks=4096", "engine.max_model_len=3072",
+                         *store) for i in range(2)]
+        gateway = Gateway(out, f"smg_{arm}", workers, "round_robin")
+        kill = (lambda t, m=master: m.kill() if t == 1 else None) if arm == "store_master_killed" else None
+        try:
+            t0 = time.perf_counter()
+            records[arm] = smg_rounds(gateway.url, [s.client for s in workers], w, tok.decode, between_rounds=kill)
+            tiers[arm] = {"seconds": time.perf_counter() - t0,
+                          "tiers": [s.client.engine_info()["kv"]["tiers"] for s in workers]}
+            log.info("store %s: %.1f s", arm, tiers[arm]["seconds"])
+        finally:
+            gateway.stop()
+            for s in workers:
+                s.stop()
+            if master is not None:
+                master.kill()
+    doc = store_comparison(records)
+    for arm, extra in tiers.items():
+        doc[arm].update(extra)
+    doc["workload"] = asdict(w)
+    doc["setup"] = ("two workers (tiny_agent, one rank each, 4096 blocks) behind smg --policy round_robin; the store "
+                    "arms share one mooncake_master (0.5 GiB per worker); store_master_killed: killed after turn 2")
+    doc["records"] = records
+    return doc
+
+
+def two_workers(out: Path, w: Workload) -> dict:
+    ckpt = preset_dir("tiny_agent")
+    tok = load_tokenizer(ckpt)
+    workers = [serve(out, f"worker{i}", "engine.num_blocks=4096") for i in range(2)]
+    gateway = None
+    try:
+        gateway = Gateway(out, "smg", workers, "cache_aware")
         time.sleep(2.0)  # the KV event subscriptions open
-        return smg_sessions(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics",
-                            [s.client for s in workers], replace(w, tenants=max(w.tenants, 2)),
-                            flush_after_turn=w.turns // 2, decode=tok.decode)
+        return smg_sessions(gateway.url, gateway.metrics_url, [s.client for s in workers],
+                            replace(w, tenants=max(w.tenants, 2)), flush_after_turn=w.turns // 2, decode=tok.decode)
     finally:
-        smg.kill()
-        smg.wait()
+        if gateway is not None:
+            gateway.stop()
         for s in workers:
             s.stop()
 
@@ -227,7 +287,8 @@ def main() -> None:
         parser.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Workload(), f))
     parser.add_argument("--think-s", type=float, default=Workload().think_s)
     parser.add_argument("--alloc-requests", type=int, default=32)
-    parser.add_argument("--skip", default="", help="comma list of: sessions, allocation, retention, smg, tiers")
+    parser.add_argument("--skip", default="",
+                        help="comma list of: sessions, allocation, retention, smg, tiers, store")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
@@ -247,6 +308,8 @@ def main() -> None:
         doc["two_workers_smg"] = two_workers(out, w)
     if "tiers" not in skip:
         doc["tiers"] = tiers(out)
+    if "store" not in skip:
+        doc["store"] = shared_store(out)
     (out / "agentic.json").write_text(json.dumps(doc, indent=1))
     if "sessions" in doc:
         plot(doc, out / "agentic.png")

@@ -21,7 +21,7 @@ from parallelism.comm import build_groups
 from spec_decode.config import SpecConfig
 from spec_decode.speculation import load_speculation
 from tests.support.layouts import layout
-from tests.support.mooncake import MooncakeMaster
+from tests.support.mooncake import start_master
 from tests.support.paths import REPO_ROOT
 
 ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(),
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log")
+    m = start_master(tmp_path_factory.mktemp("mooncake") / "master.log")
     yield m
     m.kill()
 
@@ -154,7 +154,7 @@ def test_a_prefix_computed_on_one_dp_rank_hits_on_another_through_the_store(pool
 def test_a_store_killed_mid_stream_fails_no_request(tmp_path):
     """One worker, its own master: a stream runs, the master is killed, the stream and a new request complete; the new
     request's lookup gave up within the timeout and the outage is counted."""
-    own = MooncakeMaster(tmp_path / "master.log")
+    own = start_master(tmp_path / "master.log")
     engine = _engine("none", own.overrides(timeout_s=0.5))
     try:
         prompt = _prompt()
