@@ -19,7 +19,8 @@
     python scripts/bench_agentic.py --out outputs/agentic_tiers --skip sessions,allocation,retention,smg,store
     python scripts/bench_agentic.py --out outputs/agentic_store --skip sessions,allocation,retention,smg,tiers
 
-Writes ``agentic.json`` and ``agentic.png`` (``agentic_tiers.png`` with the tiers) under ``--out``.
+Writes ``agentic.json`` and ``agentic.png`` (``agentic_tiers.png`` with the tiers, ``agentic_store.png`` with the
+store) under ``--out``.
 """
 
 from __future__ import annotations
@@ -240,6 +241,29 @@ def shared_store(out: Path, w: Workload = STORE_WORKLOAD) -> dict:
     return doc
 
 
+def plot_store(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = ("no_store", "store", "store_master_killed")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.bar(arms, [doc[arm]["moved_hit_rate"] for arm in arms], color=["#999", "#4a7", "#c84"])
+    a.set(ylabel="cached / prompt tokens", title="turns that changed worker: hit rate")
+    for arm, style in zip(arms, ("--s", "-o", ":^"), strict=True):
+        rs = doc["records"][arm]
+        turns = sorted({r["turn"] for r in rs})
+        ttft = [sorted(r["ttft_s"] for r in rs if r["turn"] == t and r["ttft_s"] is not None) for t in turns]
+        b.plot([t + 1 for t in turns], [1e3 * v[len(v) // 2] for v in ttft], style, label=arm)
+    b.set(xlabel="turn", ylabel="TTFT p50 (ms)", yscale="log", title="time to first token per turn (through smg)")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def two_workers(out: Path, w: Workload) -> dict:
     ckpt = preset_dir("tiny_agent")
     tok = load_tokenizer(ckpt)
@@ -315,6 +339,8 @@ def main() -> None:
         plot(doc, out / "agentic.png")
     if "tiers" in doc:
         plot_tiers(doc["tiers"], out / "agentic_tiers.png")
+    if "store" in doc:
+        plot_store(doc["store"], out / "agentic_store.png")
     slim = {k: ({kk: vv for kk, vv in v.items() if kk != "records"} if isinstance(v, dict) else v)
             for k, v in doc.items()}
     print(json.dumps({k: v for k, v in slim.items() if k != "sessions"}, indent=1))
