@@ -209,11 +209,12 @@ class Engine:
         for dp in range(sched.dp_size):
             self.add_request(f"warm-up prefill {dp}", [0] * tokens, params, dp_rank=dp)
         subscribers, self._subscribers = self._subscribers, []
+        writes, sched.kv.store_writes = sched.kv.store_writes, None  # its blocks are not for the shared store
         try:
             while self.has_work():
                 self.step()
         finally:
-            self._subscribers = subscribers
+            self._subscribers, sched.kv.store_writes = subscribers, writes
         sched.kv.clear()  # its blocks are nobody's prefix
         self.stats, self.last_record = EngineStats(warmup_shapes=warm.warmup_shapes), None
         self.recorder = StepRecorder(sched.stats, self.groups.counter)
@@ -264,6 +265,7 @@ class Engine:
         finished = [(d, *self._complete(d)) for d in done if d is not None]
         for d, *parts in finished:  # the calls' time goes to the first (overlap: one carries to the next)
             self._publish(self.recorder.step(d.plan, *parts, d.span.ms() if d.span else None, self.draining))
+        self.transfers.start_stores()  # what this step committed leaves now, even if no step follows
         self.profiling.after_step(self.stats.steps)
         return [o for *_, outputs in finished for o in outputs]
 
@@ -331,7 +333,8 @@ class Engine:
             self._publish(self.recorder.step(d.plan, *self._complete(d), d.span.ms() if d.span else None,
                                              self.draining))
         self.profiling.close()
-        self.control.send(Shutdown(), self.rank)
+        self.control.send(Shutdown())
+        self.runner.loads.close()
 
 
 RETAIN_AFTER = ("<|tool_calls_section_end|>", "<|tool_call_end|>")  # Kimi K2's tool-call markers

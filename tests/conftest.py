@@ -1,5 +1,11 @@
-import pytest
-import torch
+import os
+
+# Triton's interpreter on a CPU box (tests/support/interpret_triton.py): set before anything imports triton, since
+# the installed triton (3.9.0) decides at import whether tl.zeros and the other builtins run interpreted
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 

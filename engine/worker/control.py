@@ -211,10 +211,10 @@ class LoadOutcomes(RankMessage):
 
 @dataclass(frozen=True)
 class Shutdown(RankMessage):
-    """The job ends: the ranks leave the shared store and their loop."""
+    """The job ends: the ranks leave their loop (``worker_loop`` then closes what the rank holds)."""
 
     def run(self, rank: RankState) -> None:
-        rank.runner.loads.close()
+        return None
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,4 @@ def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) 
         ControlPlane(control_plane(groups))
     while plane.serve(rank):
         pass
+    runner.loads.close()

@@ -309,6 +309,35 @@ def test_host_tier_hits_reach_metrics_and_engine_info(tiny_ckpts, tmp_path):
         srv.close()
 
 
+def test_store_hits_reach_metrics_and_flush_leaves_the_store(tiny_ckpts, tmp_path):
+    """One worker with the shared store (a real mooncake_master on loopback): a prompt, FlushCache (the device pool
+    empties; the store keeps the blocks), the prompt again — 64 cached tokens, on the store tier."""
+    from tests.support.mooncake import start_master
+
+    master = start_master(tmp_path / "master.log")
+    args = ["engine.max_model_len=128", "engine.num_blocks=12", "engine.block_size=16", "engine.max_num_seqs=2",
+            *[f"engine.{k}={v}" for k, v in master.overrides(gb=0.05).items()]]
+    srv = ServerProcess(tiny_ckpts["tiny_deepseek"], args, tmp_path / "server.log")
+    try:
+        client = srv.wait_ready()
+        prompt = [(11 * k) % 200 + 1 for k in range(70)]
+        first = client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+        assert client.flush_cache()[0]
+        again = client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+        assert again.token_ids == first.token_ids and again.cached_tokens == 64
+        m = samples(scrape(srv.metrics_url))
+        assert m[("switchyard:kv_tier_hit_tokens_total", (("tier", "store"),))] == 64
+        assert m[("vllm:external_prefix_cache_hits_total", ())] == 64
+        assert m[("switchyard:kv_tier_bytes_total", (("direction", "load"), ("tier", "store")))] > 0
+        assert m[("switchyard:kv_tier_bytes_total", (("direction", "store"), ("tier", "store")))] > 0
+        assert m[("switchyard:kv_store_errors_total", (("reason", "load_failed"),))] == 0
+        tiers = {t["tier"]: t for t in client.engine_info()["kv"]["tiers"]}
+        assert tiers["store"]["hit_tokens"] == 64
+    finally:
+        srv.close()
+        master.kill()
+
+
 def test_idle_seconds_hand_worked():
     from engine.core.step_record import idle_seconds
 
