@@ -88,18 +88,18 @@ class KVTransfers:
     def tiers(self) -> tuple[KVTier, ...]:
         """The device pool, and (when on) the host tier and the shared store, since start. The store's ``blocks`` is
         not known here (0); its ``store_bytes`` are rank 0's puts times the DP group's ranks."""
-        kv = self.scheduler.kv
-        s = kv.stats()
-        tiers = [KVTier(tier="device", hit_tokens=s.cached_tokens, queried_tokens=s.prompt_tokens,
-                        blocks=sum(p.blocks_cached for p in s.per_dp))]
+        kv = self.scheduler.kv  # its counters, not kv.stats(): this runs after every step (no index digests)
+        tiers = [KVTier(tier="device", hit_tokens=kv.cached_tokens, queried_tokens=kv.prompt_tokens,
+                        blocks=sum(p.num_cached for p in kv.pools))]
         runner = self.rank.runner
         group = runner.model.groups.attn_tp.size
         block = runner.cache.block_bytes() * group
         seconds = runner.loads.seconds
-        if s.host is not None:
-            tiers.append(KVTier(tier="host", hit_tokens=s.host.hit_tokens, queried_tokens=s.host.queried_tokens,
-                                blocks=s.host.blocks, load_bytes=s.host.load_blocks * block,
-                                store_bytes=s.host.store_blocks * block, load_s=seconds["load"],
+        if kv.host is not None:
+            host = kv.host.stats()
+            tiers.append(KVTier(tier="host", hit_tokens=host.hit_tokens, queried_tokens=host.queried_tokens,
+                                blocks=host.blocks, load_bytes=host.load_blocks * block,
+                                store_bytes=host.store_blocks * block, load_s=seconds["load"],
                                 store_s=seconds["store"]))
         store = runner.loads.store
         if store is not None:

@@ -29,7 +29,7 @@ class HostTier:
         self.lru: OrderedDict[int, None] = OrderedDict()  # next to evict first
         self.retained: OrderedDict[int, float] = OrderedDict()  # slot → deadline; after every plain slot
         self.pinned: set[int] = set()
-        self.stores: list[tuple[int, int]] = []  # (device block, slot) queued for the ranks, in order
+        self.stores: dict[int, int] = {}  # slot → device block queued for the ranks, in order (a slot's last copy)
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -65,12 +65,13 @@ class HostTier:
             return False
         self.index[block_hash], self.hash_of[slot] = slot, block_hash
         self._touch(slot, retain_until)
-        self.stores = [(b, s) for b, s in self.stores if s != slot] + [(block, slot)]
+        self.stores.pop(slot, None)  # a slot taken again before the ranks copied into it keeps only its last copy
+        self.stores[slot] = block
         return True
 
     def take_stores(self) -> list[tuple[int, int]]:
         """The copies queued since the last call, oldest first."""
-        stores, self.stores = self.stores, []
+        stores, self.stores = [(b, s) for s, b in self.stores.items()], {}
         return stores
 
     def _touch(self, slot: int, retain_until: float | None) -> None:

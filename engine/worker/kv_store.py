@@ -21,6 +21,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -112,9 +113,8 @@ class KVStore:
             self._failed(e)
         except Exception as e:  # noqa: BLE001 - the library raises what it raises; the engine goes on
             self._failed(StoreError("unreachable", f"{what}: {e}"))
-        return None
 
-    def _failed(self, error: StoreError) -> None:
+    def _failed(self, error: StoreError) -> NoReturn:
         self.errors[error.reason] += 1
         if error.reason != "checksum":
             if self.up:
