@@ -87,7 +87,7 @@ class KVTransfers:
 
     def tiers(self) -> tuple[KVTier, ...]:
         """The device pool, and (when on) the host tier and the shared store, since start. The store's ``blocks`` is
-        not known here (0); its ``store_bytes`` are rank 0's puts times the DP group's ranks."""
+        not known here (None); its ``store_bytes`` are what rank 0's attention-TP group wrote, from rank 0's puts."""
         kv = self.scheduler.kv  # its counters, not kv.stats(): this runs after every step (no index digests)
         tiers = [KVTier(tier="device", hit_tokens=kv.cached_tokens, queried_tokens=kv.prompt_tokens,
                         blocks=sum(p.num_cached for p in kv.pools))]
@@ -105,7 +105,7 @@ class KVTransfers:
         if store is not None:
             counts = kv.store_counts
             tiers.append(KVTier(tier="store", hit_tokens=counts.hit_tokens, queried_tokens=counts.queried_tokens,
-                                blocks=0, load_bytes=counts.hit_blocks * block, store_bytes=store.put_bytes * group,
+                                blocks=None, load_bytes=counts.hit_blocks * block, store_bytes=store.group_put_bytes,
                                 errors=dict(store.errors) | {"load_failed": self.failed_loads}))
         return tuple(tiers)
 

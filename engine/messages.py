@@ -52,15 +52,16 @@ class FlushResult:
 
 @dataclass(frozen=True, kw_only=True)
 class KVTier:
-    """One KV tier since start (``KVTransfers.tiers``): ``tier`` "device" or "host"; ``hit_tokens``: prompt tokens
-    admissions took from it; ``blocks``: blocks it holds now (cached); ``load_*``: copied from it into the device pool,
+    """One KV tier since start (``KVTransfers.tiers``): ``tier`` "device", "host" or "store"; ``hit_tokens``: prompt
+    tokens admissions took from it; ``blocks``: blocks it holds now (cached; None for the shared store, whose size is
+    its master's to report); ``load_*``: copied from it into the device pool,
     ``store_*``: copied into it out of the device pool (bytes over every rank of the DP groups, seconds of rank 0's
     copy thread). ``queried_tokens``: prompt tokens it was asked for (host: past the device pool's hit)."""
 
     tier: str
     hit_tokens: int
     queried_tokens: int
-    blocks: int
+    blocks: int | None
     load_bytes: int = 0
     store_bytes: int = 0
     load_s: float = 0.0

@@ -10,6 +10,11 @@ cache-aware routing) follows what each worker really holds.
   restarted), ``DATA_LOSS`` when the log no longer reaches back to it (smg then resubscribes from 0).
 - ``KvBlock.block_hash`` carries the low 64 bits of the engine's 128-bit chained hash; smg indexes blocks by their
   token ids and uses the hashes only to link parents and removals.
+- Every stored and removed event names its tier: the device pool's blocks are ``KV_CACHE_TIER_DEVICE``, locality
+  ``LOCAL``; blocks this worker wrote
+  to the shared store (``engine.kv_store``) are ``KV_CACHE_TIER_EXTERNAL``, locality ``REMOTE``, medium the store's
+  name, announced as the writes are sent and never removed (the store evicts without telling; any worker reads
+  them). Only device blocks are in a new subscriber's first batch.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ LOG_BATCHES = 10_000
 class KvEventHub:
     """Lives on the server's event loop: :meth:`publish` takes the engine's events, :meth:`subscribe` streams them."""
 
-    def __init__(self, kv_block_size: int, loads: Callable[[], Loads], max_running: int, heartbeat_s: float = 2.0):
+    def __init__(self, kv_block_size: int, loads: Callable[[], Loads], max_running: int, heartbeat_s: float = 2.0,
+                 store_medium: str = "mooncake"):
         self.kv_block_size, self.loads, self.max_running = kv_block_size, loads, max_running
+        self.store_medium = store_medium
         self.heartbeat_s = heartbeat_s
         self.seq = 0
         self.log: deque[cpb.KvEventBatch] = deque(maxlen=LOG_BATCHES)
@@ -61,17 +68,27 @@ class KvEventHub:
         if e.kind == "removed":
             for h in hashes:
                 self.index.pop(h, None)
-            return cpb.KvCacheEvent(event_id=self.seq + 1, removed=cpb.KvBlocksRemoved(block_hashes=hashes))
+            return cpb.KvCacheEvent(event_id=self.seq + 1,
+                                    removed=cpb.KvBlocksRemoved(block_hashes=hashes, **self._where(e.tier)))
         parent = wire_hash(e.parent) if e.parent != NO_PARENT else None
-        for h, tokens in zip(hashes, e.tokens, strict=True):
-            self.index[h] = (parent, tokens)
-            parent = h
-        return self._stored(hashes, e.tokens, wire_hash(e.parent) if e.parent != NO_PARENT else None)
+        if e.tier == "device":
+            for h, tokens in zip(hashes, e.tokens, strict=True):
+                self.index[h] = (parent, tokens)
+                parent = h
+        return self._stored(hashes, e.tokens, wire_hash(e.parent) if e.parent != NO_PARENT else None, e.tier)
 
-    def _stored(self, hashes: list[int], tokens, parent: int | None) -> cpb.KvCacheEvent:
+    def _where(self, tier: str) -> dict:
+        """The tier, medium and locality fields of an event about ``tier``'s blocks."""
+        if tier == "store":
+            return dict(tier=cpb.KV_CACHE_TIER_EXTERNAL, medium=self.store_medium,
+                        locality=cpb.KV_CACHE_LOCALITY_REMOTE)
+        return dict(tier=cpb.KV_CACHE_TIER_DEVICE, locality=cpb.KV_CACHE_LOCALITY_LOCAL)
+
+    def _stored(self, hashes: list[int], tokens, parent: int | None, tier: str = "device") -> cpb.KvCacheEvent:
         blocks = [cpb.KvBlock(block_hash=h, token_ids=list(t), block_size=self.kv_block_size)
                   for h, t in zip(hashes, tokens, strict=True)]
-        stored = cpb.KvBlocksStored(blocks=blocks, **({"parent_block_hash": parent} if parent is not None else {}))
+        stored = cpb.KvBlocksStored(blocks=blocks, **({"parent_block_hash": parent} if parent is not None else {}),
+                                    **self._where(tier))
         return cpb.KvCacheEvent(event_id=self.seq + 1, stored=stored)
 
     def load(self, load_only: bool = False) -> cpb.EngineLoad:

@@ -123,7 +123,8 @@ FAMILIES = _families(
            ("group", "op")),
     Family("switchyard:comm_calls", "counter", "Collectives rank 0 entered, by group and op.", ("group", "op")),
     Family("switchyard:kv_tier_hit_tokens", "counter", "Prompt tokens admissions took from a KV tier.", ("tier",)),
-    Family("switchyard:kv_tier_blocks", "gauge", "Blocks a KV tier holds (cached).", ("tier",)),
+    Family("switchyard:kv_tier_blocks", "gauge", "Blocks a KV tier of this worker holds (cached): device and "
+           "host; the shared store's size is its master's to report.", ("tier",)),
     Family("switchyard:kv_tier_bytes", "counter", "Bytes copied into the device pool from a tier (load) and out of "
            "it into the tier (store), over every rank.", ("tier", "direction")),
     Family("switchyard:kv_tier_seconds", "counter", "Seconds rank 0's copy thread spent on a tier's loads and "
@@ -260,7 +261,8 @@ class MetricsExporter:
             d["vllm:external_prefix_cache_hits"][()] = sum(t.hit_tokens for t in external)
         for t in tiers:
             d["switchyard:kv_tier_hit_tokens"][(t.tier,)] = t.hit_tokens
-            d["switchyard:kv_tier_blocks"][(t.tier,)] = t.blocks
+            if t.blocks is not None:  # the shared store's size is its master's to report
+                d["switchyard:kv_tier_blocks"][(t.tier,)] = t.blocks
             if t.tier == "device":
                 continue
             for direction, nbytes, seconds in (("load", t.load_bytes, t.load_s), ("store", t.store_bytes, t.store_s)):

@@ -61,9 +61,10 @@ def check_drafter_fits(drafter, target, path: str | None) -> None:
 
 def drafter_kv_spec(drafter: DFlashDrafter) -> KVSpec:
     """The drafter context's per-token entries: K and V ``[kv_heads, head_dim]`` per draft layer, in the drafter's
-    dtype (its layer group of the KV cache: ``SpeculationFacts.context_kv``)."""
+    dtype (its layer group of the KV cache: ``SpeculationFacts.context_kv``). The drafter is not sharded: every
+    attention-TP rank holds the same entries."""
     c = drafter.c
-    return KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers, next(drafter.parameters()).dtype)
+    return KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers, next(drafter.parameters()).dtype, True)
 
 
 class SpeculativeDecoder:

@@ -53,13 +53,15 @@ def wire_hash(block_hash: int) -> int:
 @dataclass(frozen=True)
 class KvEvent:
     """One change of a pool's index: ``kind`` "stored" (``hashes`` with their ``parent`` and ``tokens``), "removed"
-    (``hashes``) or "cleared"."""
+    (``hashes``) or "cleared". ``tier`` "device" (this worker's pool) or "store" (blocks written to the shared store,
+    announced when their writes are sent to the ranks; the store drops blocks without telling, so none is removed)."""
 
     kind: str
     dp_rank: int
     hashes: tuple[int, ...] = ()
     parent: int = NO_PARENT
     tokens: tuple[tuple[int, ...], ...] = ()
+    tier: str = "device"
 
 
 @dataclass
@@ -400,9 +402,13 @@ class KVManager:
         self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed)
         if self.host is not None:
             self.host.committed(req.dp_rank, blocks.table[done:len(blocks.hashes)], blocks.hashes[done:])
-        if self.store_writes is not None:
-            self.store_writes[req.dp_rank] += zip(blocks.table[done:len(blocks.hashes)], blocks.hashes[done:],
-                                                  strict=True)
+        if self.store_writes is not None and len(blocks.hashes) > done:
+            new = blocks.hashes[done:]
+            self.store_writes[req.dp_rank] += zip(blocks.table[done:len(blocks.hashes)], new, strict=True)
+            bs = self.cfg.kv_block_size
+            self._record(KvEvent("stored", req.dp_rank, tuple(new), blocks.hashes[done - 1] if done else NO_PARENT,
+                                 tuple(tuple(req.tokens[i * bs:(i + 1) * bs]) for i in range(done, done + len(new))),
+                                 tier="store"))
 
     def free(self, req: KVRequest) -> None:
         """Drops ``req``'s blocks (end, abort, preemption): committed full blocks stay cached."""

@@ -32,22 +32,22 @@ TARGET, DRAFTER = "target", "drafter"
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Per-token entry shapes of every layer of one layer group, for one rank."""
+    """Per-token entry shapes of every layer of one layer group, for one rank. ``replicated``: the group's entries
+    are the same on every attention-TP rank (MLA's latent, the unsharded drafter), so one rank's copy serves all."""
 
     entry_shapes: tuple[tuple[int, ...], ...]
     num_layers: int
     dtype: torch.dtype = torch.float32
+    replicated: bool = False
 
     @staticmethod
     def for_model(model: CausalLM) -> KVSpec:
         cfg = model.cfg
         dtype = model.dtype
         if cfg.mla is not None:
-            shapes = ((cfg.mla.kv_lora_rank,), (cfg.mla.qk_rope_head_dim,))
-        else:
-            kv_heads = model.model.layers[0].self_attn.kv_heads
-            shapes = ((kv_heads, cfg.head_dim), (kv_heads, cfg.head_dim))
-        return KVSpec(shapes, cfg.num_layers, dtype)
+            return KVSpec(((cfg.mla.kv_lora_rank,), (cfg.mla.qk_rope_head_dim,)), cfg.num_layers, dtype, True)
+        kv_heads = model.model.layers[0].self_attn.kv_heads  # this rank's (sharded, or some heads repeated)
+        return KVSpec(((kv_heads, cfg.head_dim), (kv_heads, cfg.head_dim)), cfg.num_layers, dtype)
 
     def bytes_per_token(self) -> int:
         per_layer = sum(int(torch.tensor(s).prod()) for s in self.entry_shapes)
@@ -156,6 +156,12 @@ class PagedKVCache:
     def _block_view(self, store: torch.Tensor) -> torch.Tensor:
         """``store`` as raw bytes, one row per block: ``[num_blocks, kv_block_size * entry bytes]`` uint8 (a view)."""
         return store.view(torch.uint8).view(self.num_blocks, -1)
+
+    def replicated_bytes(self) -> torch.Tensor:
+        """``[block_bytes()]`` bool: which bytes of a :meth:`read_blocks` row belong to a replicated group
+        (:attr:`KVSpec.replicated`), the same on every attention-TP rank."""
+        return torch.cat([torch.full((self._block_view(store).shape[1],), g.spec.replicated)
+                          for g in self.groups.values() for store in g.stores()])
 
     def regions(self, block_ids: list[int]) -> list[list[ByteRegion]]:
         """Per block of ``block_ids``, its byte regions on the cache's device in :meth:`read_blocks`' order (groups,

@@ -1,11 +1,15 @@
 """The shared KV store as one rank sees it (``engine.kv_store=mooncake``): full blocks put and got by key in a Mooncake
 store that every worker of the same model and configuration shares (``docs/kv_cache.md``, "The shared store").
 
+- A block is stored in up to two parts, each a key and a value: the bytes of its replicated layer groups (MLA's
+  latent, the drafter: the same on every attention-TP rank, ``KVSpec.replicated``), written by attention-TP rank 0
+  alone and read by every rank (key suffix ``rep``), and the bytes of its sharded groups, one value per rank (suffix
+  ``tp{rank}of{size}``). Without attention TP a block is one value.
 - A key is the block's chained prefix hash under a digest of the cache namespace (model and drafter identity, dtype,
-  numerics mode, attention layout), and the rank's attention-TP shard: workers of one configuration read what any of
-  them wrote; no two configurations share a key.
-- A value is the block's bytes over every layer group (``PagedKVCache.read_blocks``' row) followed by a BLAKE2b-128
-  digest of them; a block whose digest does not match is refused (:class:`StoreError` "checksum").
+  numerics mode, attention layout) and the part's suffix: workers of one configuration read what any of them wrote;
+  no two configurations share a key.
+- A value is the part's bytes (``PagedKVCache.read_blocks``' row, those columns) followed by a BLAKE2b-128 digest of
+  them; a part whose digest does not match is refused (:class:`StoreError` "checksum").
 - Every call runs on a thread of this client and is waited for at most ``timeout_s``; a call that times out or finds
   the master unreachable marks the store down for :data:`RETRY_S` (lookups then answer "nothing held" at once, puts
   are dropped), with one warning per outage and a count per reason. Puts never block the caller.
@@ -48,7 +52,28 @@ class StoreSettings:
     segment_gb: float  # this client's contribution to the store's memory
     timeout_s: float
     namespace: bytes  # the prefix cache's namespace
-    shard: str  # this rank's attention-TP shard, e.g. "tp0of2"
+    tp_rank: int = 0  # this rank's place in its attention-TP group
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stored part of a block: key suffix ``suffix``, the row's ``columns`` ``[bytes]`` int64, and whether this
+    rank writes it (``writer``)."""
+
+    suffix: str
+    columns: torch.Tensor
+    writer: bool
+
+
+def block_parts(replicated: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[Part, ...]:
+    """How a block row whose replicated bytes are ``replicated [block_bytes]`` bool is stored by this rank: its
+    replicated part (written by TP rank 0), then its own shard (module docstring)."""
+    own = f"tp{tp_rank}of{tp_size}"
+    if tp_size == 1:
+        return (Part(own, torch.arange(len(replicated)), True),)
+    rep, sharded = replicated.nonzero().flatten(), (~replicated).nonzero().flatten()
+    return tuple(p for p in (Part("rep", rep, tp_rank == 0), Part(own, sharded, True)) if len(p.columns))
 
 
 def seal(data: torch.Tensor) -> bytes:
@@ -68,8 +93,11 @@ def unseal(value: bytes, block_bytes: int, key: str) -> torch.Tensor:
 class KVStore:
     """One rank's client of the shared store (connected on first use)."""
 
-    def __init__(self, settings: StoreSettings, block_bytes: int):
-        self.settings, self.block_bytes = settings, block_bytes
+    def __init__(self, settings: StoreSettings, replicated: torch.Tensor):
+        """``replicated [block_bytes]`` bool: the block bytes of replicated layer groups
+        (``PagedKVCache.replicated_bytes``)."""
+        self.settings, self.block_bytes = settings, len(replicated)
+        self.parts = block_parts(replicated, settings.tp_rank, settings.tp_size)
         self.space = hashlib.blake2b(settings.namespace, digest_size=8).hexdigest()
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store")
         self._puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store-put")
@@ -77,10 +105,16 @@ class KVStore:
         self._client = None
         self.errors: Counter[str] = Counter()
         self.down_until = 0.0
-        self.puts = self.put_bytes = 0
+        self.puts = 0  # blocks this client wrote its parts of
+        self.group_put_bytes = 0  # bytes its attention-TP group wrote with them (its shards × ranks, replicas once)
 
-    def key(self, block_hash: int) -> str:
-        return f"switchyard/{self.space}/{block_hash:032x}/{self.settings.shard}"
+    def key(self, block_hash: int, part: Part | None = None) -> str:
+        """The store key of ``part`` (default: the first, the replicated one under attention TP) of a block."""
+        return f"switchyard/{self.space}/{block_hash:032x}/{(part or self.parts[0]).suffix}"
+
+    def _keys(self, hashes: list[int]) -> list[str]:
+        """Every part's key of each block, block by block."""
+        return [self.key(h, p) for h in hashes for p in self.parts]
 
     @property
     def up(self) -> bool:
@@ -123,30 +157,33 @@ class KVStore:
         raise error
 
     def held(self, hashes: list[int]) -> int:
-        """Leading blocks of ``hashes`` the store holds (this rank's shard); 0 while the store is down or on failure."""
+        """Leading blocks of ``hashes`` the store holds (every part this rank reads); 0 while the store is down or on
+        failure."""
         if not hashes or not self.up:
             return 0
         try:
-            found = self._call("lookup", lambda c: c.batch_is_exist([self.key(h) for h in hashes]))
+            found = self._call("lookup", lambda c: c.batch_is_exist(self._keys(hashes)))
         except StoreError:
             return 0
-        return next((i for i, f in enumerate(found) if f != 1), len(hashes))  # -1: an error, not held
+        first_missing = next((i for i, f in enumerate(found) if f != 1), len(found))  # -1: an error, not held
+        return first_missing // len(self.parts)
 
     def get(self, hashes: list[int]) -> torch.Tensor:
-        """The blocks of ``hashes``: ``[len(hashes), block_bytes]`` uint8, each checked; raises :class:`StoreError`
-        ("missing" for a block the store dropped since it was looked up)."""
-        keys = [self.key(h) for h in hashes]
+        """The blocks of ``hashes``: ``[len(hashes), block_bytes]`` uint8, every part checked; raises
+        :class:`StoreError` ("missing" for a part the store dropped since it was looked up)."""
+        keys = self._keys(hashes)
         values = self._call("get", lambda c: c.get_batch(keys))
-        rows = []
-        for key, value in zip(keys, values, strict=True):
+        rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            part = self.parts[i % len(self.parts)]
             try:
                 if not value:
                     raise StoreError("missing", f"{key} is no longer in the store")
-                rows.append(unseal(value, self.block_bytes, key))
+                rows[i // len(self.parts), part.columns] = unseal(value, len(part.columns), key)
             except StoreError as e:
                 self.errors[e.reason] += 1
                 raise
-        return torch.stack(rows)
+        return rows
 
     def put(self, hashes: list[int], data: torch.Tensor) -> None:
         """Writes blocks ``data [len(hashes), block_bytes]`` uint8 (host memory) under ``hashes``, in the background;
@@ -156,17 +193,22 @@ class KVStore:
         if self._backlog >= MAX_PUT_BACKLOG:
             self.errors["timeout"] += 1
             return
-        values = [seal(row) for row in data]
+        mine = [p for p in self.parts if p.writer]
+        if not mine:  # another rank of the group writes every part of this rank's blocks
+            return
+        keys = [self.key(h, p) for h in hashes for p in mine]
+        values = [seal(row[p.columns]) for row in data for p in mine]
+        group_bytes = len(hashes) * sum(
+            (len(p.columns) + DIGEST) * (1 if p.suffix == "rep" else self.settings.tp_size) for p in mine)
         self._backlog += 1
-        self._puts.submit(self._put, hashes, values)
+        self._puts.submit(self._put, keys, values, len(hashes), group_bytes)
 
-    def _put(self, hashes: list[int], values: list[bytes]) -> None:
+    def _put(self, keys: list[str], values: list[bytes], blocks: int, group_bytes: int) -> None:
         try:
-            keys = [self.key(h) for h in hashes]
             rc = self._call("put", lambda c: c.put_batch(keys, values))
             if rc == 0:
-                self.puts += len(keys)
-                self.put_bytes += sum(len(v) for v in values)
+                self.puts += blocks
+                self.group_put_bytes += group_bytes
         except StoreError:
             pass
         finally:

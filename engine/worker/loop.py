@@ -48,14 +48,14 @@ def make_runner(model: CausalLM, cfg: EngineConfig, speculation: Speculation | N
 
 def store_settings(model: CausalLM, cfg: EngineConfig, speculation: Speculation | None) -> StoreSettings | None:
     """The shared KV store's settings for this rank (``engine.kv_store``; None: no store): keys under the cache
-    namespace and this rank's attention-TP shard."""
+    namespace, as this rank's place in its attention-TP group stores its share."""
     c = cfg.cache
     if c.kv_store == "none":
         return None
     tp = model.groups.attn_tp
     return StoreSettings(master=c.kv_store_master, metadata=c.kv_store_metadata, segment_gb=c.kv_store_gb,
                          timeout_s=c.kv_store_timeout_s, namespace=cache_namespace(model, speculation),
-                         shard=f"tp{tp.rank}of{tp.size}")
+                         tp_rank=tp.rank, tp_size=tp.size)
 
 
 def worker_loop(runner: ModelRunner, telemetry: TelemetrySampler | None = None) -> None:

@@ -93,7 +93,7 @@ class ModelRunner:
         self.requests = RankRequests(model.groups.coords.attn_dp_rank, self.sampling)
         slots = host_slots(host_kv_cache_gb, self.cache.block_bytes(), model.groups.attn_tp.size)
         host = HostPool(slots, self.cache.block_bytes(), pin=device.type == "cuda") if slots else None
-        store = KVStore(kv_store, self.cache.block_bytes()) if kv_store is not None else None
+        store = KVStore(kv_store, self.cache.replicated_bytes()) if kv_store is not None else None
         self.loads = RankLoads(self.cache, model.groups.rank, host, store)  # KV copies in and out (kv_loads.py)
 
     @property

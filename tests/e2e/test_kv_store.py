@@ -1,8 +1,9 @@
 """The shared KV store (``engine.kv_store=mooncake``) against a real ``mooncake_master`` on loopback: a prompt one
 worker process computed hits on a second worker process through the store and decodes the cold run's tokens and
 log-probs bit for bit (``engine.batch_invariant=true``; plain and DDTree), counted on the store tier; a block whose
-bytes were changed in the store fails its checksum and the request computes the tokens instead; with the master killed
-mid-stream every request completes and later lookups give up within ``engine.kv_store_timeout_s``.
+bytes were changed in the store fails its checksum and the request computes the tokens instead; under attention TP 2 ×
+DP 4 a prefix computed on one DP rank hits on another (MLA's latent written once per block, by TP rank 0); with the
+master killed mid-stream every request completes and later lookups give up within ``engine.kv_store_timeout_s``.
 """
 
 import json
@@ -116,9 +117,10 @@ def test_a_prefix_written_by_one_worker_hits_on_another_through_the_store(pool, 
 
 
 def _cross_dp_job(ctx, store: dict, prompt: list[int]):
-    """dp8_ep8: the prompt on attention-DP rank 0, then (once its blocks are in the store) on rank 5, whose device
-    pool never saw it. Rank 0 returns both runs, the store tier's hit tokens and the failed loads."""
-    model = load_model(ZOO / "target", ctx.groups(layout("dp8_ep8")), torch.bfloat16)
+    """tp2xdp4_ep8: the prompt on attention-DP rank 0, then (once its blocks are in the store) on rank 3, whose device
+    pool never saw it. MLA's latent is the same on both TP ranks of a DP group, so only TP rank 0 writes it and both
+    read it. Rank 0 returns both runs, the store tier's hit tokens and the failed loads."""
+    model = load_model(ZOO / "target", ctx.groups(layout("tp2xdp4_ep8")), torch.bfloat16)
     cfg = EngineConfig.flat(**BASE, **store)
     if ctx.rank != 0:
         worker_loop(make_runner(model, cfg))
@@ -126,7 +128,7 @@ def _cross_dp_job(ctx, store: dict, prompt: list[int]):
     engine = Engine(model, cfg)
     try:
         runs = []
-        for rid, dp in (("first", 0), ("second", 5)):
+        for rid, dp in (("first", 0), ("second", 3)):
             engine.add_request(rid, prompt, GREEDY, dp_rank=dp)
             tokens, lps, cached = [], [], 0
             while engine.has_work():
@@ -138,7 +140,9 @@ def _cross_dp_job(ctx, store: dict, prompt: list[int]):
             while client.held(hashes) < len(hashes):
                 assert time.monotonic() < deadline, "the prompt's blocks never reached the store"
                 time.sleep(0.05)
-        return runs, engine.scheduler.kv.store_counts.hit_tokens, engine.transfers.failed_loads
+        store = engine.runner.loads.store
+        return runs, engine.scheduler.kv.store_counts.hit_tokens, engine.transfers.failed_loads, \
+            [p.suffix for p in store.parts], store.puts
     finally:
         engine.shutdown()
 
@@ -146,9 +150,10 @@ def _cross_dp_job(ctx, store: dict, prompt: list[int]):
 @pytest.mark.engine
 def test_a_prefix_computed_on_one_dp_rank_hits_on_another_through_the_store(pool, master):
     prompt = _prompt()
-    (first, second), hit_tokens, failed = pool.run(_cross_dp_job, master.overrides(gb=0.05), prompt)[0]
+    (first, second), hit_tokens, failed, parts, puts = pool.run(_cross_dp_job, master.overrides(gb=0.05), prompt)[0]
     assert second[:2] == first[:2] and first[2] == 0 and second[2] == 64
     assert hit_tokens == 64 and failed == 0
+    assert parts == ["rep"] and puts >= 4  # MLA without a drafter: one value per block, written by TP rank 0
 
 
 def test_a_store_killed_mid_stream_fails_no_request(tmp_path):

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -20,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from smg_grpc_proto.generated import common_pb2
 
 from tests.support.paths import REPO_ROOT
 from tests.support.patience import patience
@@ -309,9 +311,27 @@ def test_host_tier_hits_reach_metrics_and_engine_info(tiny_ckpts, tmp_path):
         srv.close()
 
 
+def _stored_events(client) -> tuple[list, threading.Thread]:
+    """Every ``KvBlocksStored`` a SubscribeKvEvents stream delivers, collected by a thread until the call ends."""
+    call = client.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0))
+    stored = []
+
+    def collect():
+        try:
+            for batch in call:
+                stored.extend(e.stored for e in batch.events if e.WhichOneof("data") == "stored")
+        except grpc.RpcError:
+            pass
+    thread = threading.Thread(target=collect, daemon=True)
+    thread.start()
+    return stored, call
+
+
 def test_store_hits_reach_metrics_and_flush_leaves_the_store(tiny_ckpts, tmp_path):
     """One worker with the shared store (a real mooncake_master on loopback): a prompt, FlushCache (the device pool
-    empties; the store keeps the blocks), the prompt again — 64 cached tokens, on the store tier."""
+    empties; the store keeps the blocks), the prompt again — 64 cached tokens, on the store tier. KV events name the
+    device pool's blocks DEVICE/LOCAL and the blocks written to the store EXTERNAL/REMOTE; the store's size is not
+    this worker's to report."""
     from tests.support.mooncake import start_master
 
     master = start_master(tmp_path / "master.log")
@@ -320,8 +340,20 @@ def test_store_hits_reach_metrics_and_flush_leaves_the_store(tiny_ckpts, tmp_pat
     srv = ServerProcess(tiny_ckpts["tiny_deepseek"], args, tmp_path / "server.log")
     try:
         client = srv.wait_ready()
+        stored, call = _stored_events(client)
         prompt = [(11 * k) % 200 + 1 for k in range(70)]
         first = client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+        deadline = time.monotonic() + 10
+        while not any(s.tier == common_pb2.KV_CACHE_TIER_EXTERNAL for s in stored):
+            assert time.monotonic() < deadline, stored
+            time.sleep(0.05)
+        call.cancel()
+        by_tier = {t: [list(b.token_ids) for s in stored if s.tier == t for b in s.blocks]
+                   for t in (common_pb2.KV_CACHE_TIER_DEVICE, common_pb2.KV_CACHE_TIER_EXTERNAL)}
+        blocks = [prompt[i:i + 16] for i in range(0, 64, 16)]
+        assert by_tier[common_pb2.KV_CACHE_TIER_DEVICE] == blocks == by_tier[common_pb2.KV_CACHE_TIER_EXTERNAL]
+        assert all(s.locality == (common_pb2.KV_CACHE_LOCALITY_REMOTE if s.tier == common_pb2.KV_CACHE_TIER_EXTERNAL
+                                  else common_pb2.KV_CACHE_LOCALITY_LOCAL) for s in stored)
         assert client.flush_cache()[0]
         again = client.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
         assert again.token_ids == first.token_ids and again.cached_tokens == 64
@@ -331,8 +363,9 @@ def test_store_hits_reach_metrics_and_flush_leaves_the_store(tiny_ckpts, tmp_pat
         assert m[("switchyard:kv_tier_bytes_total", (("direction", "load"), ("tier", "store")))] > 0
         assert m[("switchyard:kv_tier_bytes_total", (("direction", "store"), ("tier", "store")))] > 0
         assert m[("switchyard:kv_store_errors_total", (("reason", "load_failed"),))] == 0
+        assert ("switchyard:kv_tier_blocks", (("tier", "store"),)) not in m
         tiers = {t["tier"]: t for t in client.engine_info()["kv"]["tiers"]}
-        assert tiers["store"]["hit_tokens"] == 64
+        assert tiers["store"]["hit_tokens"] == 64 and tiers["store"]["blocks"] is None
     finally:
         srv.close()
         master.kill()
