@@ -35,6 +35,7 @@ from engine.config import RequestError
 from engine.core.kv_manager import KvEvent
 from engine.core.step_record import RankLoad, StepRecord
 from engine.engine import Engine
+from engine.kv_transfers import PeerLease
 from engine.messages import (
     AbortRequest,
     AddRequest,
@@ -42,6 +43,7 @@ from engine.messages import (
     EngineSnapshot,
     FlushCache,
     FlushResult,
+    HandOffs,
     KVTier,
     Precompile,
     SetDraining,
@@ -54,6 +56,7 @@ from engine.params import Constraint, SamplingParams
 from engine.profiling import ProfilePlan
 from engine.snapshot import engine_facts, take_snapshot
 from engine.step import RequestOutput
+from engine.worker.kv_loads import KVSource
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class Loads:
     gen_tokens_per_s: tuple[float, ...] = (0.0,)
     steps: int = 0
     tiers: tuple[KVTier, ...] = ()  # the KV tiers since start (device, then host when on)
+    hand_offs: HandOffs = HandOffs()  # prefill/decode hand-offs since start
 
     @property
     def running(self) -> int:
@@ -165,16 +169,17 @@ class AsyncEngine:
         self._thread.start()
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
-                     retain_kv: bool = False) -> RequestStream:
+                     retain_kv: bool = False, kv: KVSource | None = None,
+                     lease: PeerLease | None = None) -> RequestStream:
         """Adds a request; raises RequestError/SamplingError (bad input), Overloaded or EngineDead. ``dp_rank``,
-        ``retain_kv``: as :meth:`Engine.add_request`."""
+        ``retain_kv``, ``kv``, ``lease``: as :meth:`Engine.add_request`."""
         if request_id in self._streams:
             raise RequestError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id, params.n)
         self._streams[request_id] = stream
         try:
             await self._call(AddRequest(request_id=request_id, prompt=tuple(prompt), params=params, dp_rank=dp_rank,
-                                        retain_kv=retain_kv, arrival=time.monotonic()))
+                                        retain_kv=retain_kv, arrival=time.monotonic(), kv=kv, lease=lease))
         except BaseException:  # bad input, overload, or the caller went away while the add was queued
             self._streams.pop(request_id, None)
             stream.finished = True
@@ -322,11 +327,14 @@ class EngineThread:
         if s.running + s.waiting >= self.front.capacity:
             raise Overloaded(f"server at capacity: {s.running} running + {s.waiting} waiting (server.max_num_seqs * "
                              f"attn_dp + server.max_queue = {self.front.capacity})")
-        self.engine.add_request(r.request_id, list(r.prompt), r.params, r.dp_rank, r.retain_kv, r.arrival)
+        self.engine.add_request(r.request_id, list(r.prompt), r.params, r.dp_rank, r.retain_kv, r.arrival, r.kv,
+                                r.lease)
 
     def _abort(self, r: AbortRequest) -> None:
+        """Ends the request if it runs; ends its leases (a prefill's, by request id or lease key) either way."""
         if self.engine.scheduler.knows(r.request_id):
             self._emit(self.engine.abort_all(r.request_id))
+        self.engine.scheduler.leases.release(r.request_id)
 
     def _set_draining(self, r: SetDraining) -> None:
         self.engine.draining = True
@@ -411,7 +419,8 @@ class EngineThread:
             engine.scheduler.stats().per_dp
         gen = [sum(n[dp] for _, n in self._emitted) / self.window_s for dp in range(len(per_dp))]
         self.loads = Loads(per_dp=per_dp, kv_block_size=self.front.engine_facts.kv_block_size,
-                           gen_tokens_per_s=tuple(gen), steps=engine.stats.steps, tiers=engine.transfers.tiers())
+                           gen_tokens_per_s=tuple(gen), steps=engine.stats.steps, tiers=engine.transfers.tiers(),
+                           hand_offs=engine.transfers.hand_offs())
 
     # ---- watchdog ------------------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -30,7 +30,7 @@ from engine.core.kv_manager import KvEvent
 from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.core.scheduler import Scheduler
 from engine.core.step_record import StepRecord
-from engine.kv_transfers import KVTransfers
+from engine.kv_transfers import KVTransfers, PeerLease
 from engine.messages import FlushResult
 from engine.params import Constraint, SamplingParams
 from engine.profiling import ProfileDriver, ProfilePlan, RankProfiler
@@ -129,13 +129,15 @@ class Engine:
             self.control.send(Precompile(constraint))
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
-                    retain_kv: bool = False, arrival: float | None = None, kv: KVSource | None = None) -> None:
+                    retain_kv: bool = False, arrival: float | None = None, kv: KVSource | None = None,
+                    lease: PeerLease | None = None) -> None:
         """``dp_rank``: the attention-DP rank to run on (None: the scheduler places it); ``retain_kv``: keep its blocks
         past plain LRU when it ends (``engine.kv_retention_s``); ``arrival``: when it arrived (``time.monotonic``;
         None: now), where its time to first token and queue time start; ``kv``: where the KV of its leading prompt
         tokens is (``kv.num_tokens`` of them, made by an engine on the same weights and layout): it is loaded into
         the blocks admission reserves, off the step thread, and the request waits for it without holding up the
-        others."""
+        others; ``lease``: when it finishes, keep its prompt's KV for a decode worker to read (its last output's
+        ``kv_transfer_params`` says where)."""
         if kv is not None:
             self.transfers.check(kv)
         if params.constraint is not None:
@@ -148,9 +150,12 @@ class Engine:
                                "(tokenizer.json or tiktoken.model), and this engine was started without one")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv,
-                           kv_tokens=kv.num_tokens if kv is not None else 0)
+                           kv_tokens=kv.num_tokens if kv is not None else 0,
+                           lease_s=lease.seconds if lease is not None else 0.0)
         if kv is not None:
             self.transfers.sources[request_id] = kv
+        if lease is not None:
+            self.transfers.leases[request_id] = lease
         keys = [request_id] if params.n == 1 else [sample_id(request_id, i) for i in range(params.n)]
         self.stops.add(keys, prompt, params)
         self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
@@ -160,6 +165,7 @@ class Engine:
         record (``StepRecorder.aborted``), which ends the request once, at the first (the abort in /metrics)."""
         outs = self.scheduler.abort_all(request_id) or [self.scheduler.abort(request_id)]  # unknown id: RequestError
         self.transfers.sources.pop(request_id, None)
+        self.transfers.leases.pop(request_id, None)
         self.stops.ended(outs)
         now = time.monotonic()
         for out in outs:
@@ -267,7 +273,7 @@ class Engine:
             self._publish(self.recorder.step(d.plan, *parts, d.span.ms() if d.span else None, self.draining))
         self.transfers.start_stores()  # what this step committed leaves now, even if no step follows
         self.profiling.after_step(self.stats.steps)
-        return [o for *_, outputs in finished for o in outputs]
+        return self.transfers.hand_off([o for *_, outputs in finished for o in outputs])
 
     def _complete(self, d: _InFlight) -> tuple[list[RankReport], dict[str, StepResult], list[RequestOutput]]:
         """Reads back rank 0's share of ``d``, gathers every rank's report and applies the results; returns the
@@ -295,6 +301,7 @@ class Engine:
         timeout, surfaces a dead rank without traffic and brings every rank's newest telemetry sample. Runs no
         forward; its record (``kind`` None) counts only idle time."""
         started = time.monotonic()
+        self.scheduler.leases.expire()
         reports = self.control.send(Heartbeat(), self.rank)
         self._publish(self.recorder.heartbeat(reports, started, self.draining))
 

@@ -1,6 +1,8 @@
 """Rank 0's side of KV that moves: sources of requests waiting for admission, the loads admission started (sent to
-the ranks as :class:`~engine.worker.control.LoadKV`, each rank's share written on its loader thread), and blocks
-read out of the ranks' caches (:class:`~engine.worker.control.ReadKV`).
+the ranks as :class:`~engine.worker.control.LoadKV`, each rank's share written on its loader thread), blocks
+read out of the ranks' caches (:class:`~engine.worker.control.ReadKV`), and the prefill/decode hand-off: a prefill
+worker's finished request leaves its KV leased and its output says where it is (:meth:`KVTransfers.hand_off`); a
+decode worker loads it like any source (``engine.worker.kv_peer.PeerKV``), counted (:meth:`KVTransfers.hand_offs`).
 
 A request whose KV arrives from elsewhere is placed with its blocks reserved and is not fed while its load runs; the
 others' steps go on. Rank 0 sees its own share done (:meth:`KVTransfers.finish_loads`), the request joins the next
@@ -8,18 +10,33 @@ step, and every rank waits for its share before that step (``StepPlan.loads``)."
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.config import RequestError
 from engine.core.scheduler import Scheduler
-from engine.messages import KVTier
-from engine.worker.control import ControlPlane, LoadKV, LoadOutcomes, PutKV, RankState, ReadKV, StoreKV
+from engine.messages import HandOffs, KVTier
+from engine.step import RequestOutput
+from engine.worker.control import ControlPlane, LeaseKV, LoadKV, LoadOutcomes, PutKV, RankState, ReadKV, StoreKV
 from engine.worker.kv_loads import HostKV, KVSource, TierKV
+from engine.worker.kv_peer import PeerKV
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # an engine with only loads to wait for blocks this long on rank 0's share instead of spinning
+
+
+@dataclass(frozen=True)
+class PeerLease:
+    """A prefill worker's lease of a request's KV: kept ``seconds`` for a decode worker to read, through the ranks'
+    transfer endpoints on ``host`` over ``protocol``."""
+
+    seconds: float
+    host: str = "127.0.0.1"
+    protocol: str = "tcp"
 
 
 class KVTransfers:
@@ -28,6 +45,14 @@ class KVTransfers:
         self.sources: dict[str, KVSource] = {}  # requests whose KV arrives from elsewhere, until their load starts
         self.loading: set[int] = set()  # loads started whose rank-0 share is not done
         self.failed_loads = 0  # loads whose source failed on some rank (their requests computed the tokens)
+        self.leases: dict[str, PeerLease] = {}  # requests whose KV a decode worker will read, until they finish
+        self.peer_loads: dict[int, tuple[int, int]] = {}  # hand-off loads running: id → (blocks, tokens)
+        self.received = [0, 0]  # hand-off blocks and bytes read
+        self.recomputed = 0  # prompt tokens computed beyond the last of requests handed off to this worker
+        self.hand_off_failures: Counter[str] = Counter()
+        cache = rank.runner.cache
+        space = scheduler.kv.cfg.namespace + f"|{cache.block_bytes()} bytes|{cache.kv_block_size} tokens".encode()
+        self.fingerprint = hashlib.blake2b(space, digest_size=8).hexdigest()
 
     def check(self, kv: KVSource) -> None:
         """Refuses a source whose rank-0 blocks do not fit this cache (another model, dtype or layout)."""
@@ -59,6 +84,10 @@ class KVTransfers:
         for load in self.scheduler.take_loads():
             source = (TierKV(len(load.source_blocks) * bs, load.host_slots, load.store_hashes) if load.from_tiers
                       else self.sources.pop(load.request_id))
+            if isinstance(source, PeerKV):
+                req = self.scheduler.table.requests[load.request_id]
+                self.recomputed += len(req.prompt) - 1 - req.kv_tokens  # what the hand-off did not cover
+                self.peer_loads[load.load_id] = (len(load.blocks), req.kv_tokens - load.source_blocks[0] * bs)
             self.control.send(LoadKV(load.load_id, load.dp_rank, load.blocks, load.source_blocks, source), self.rank)
             self.loading.add(load.load_id)
 
@@ -78,7 +107,48 @@ class KVTransfers:
             if load_id in failed:
                 self.failed_loads += 1
                 log.warning("KV load %d failed (%s): its request computes those tokens", load_id, failed[load_id])
+            self._count_hand_off(load_id, failed.get(load_id))
             self.scheduler.loaded(load_id, failed=load_id in failed)
+        self.scheduler.leases.expire()
+
+    def _count_hand_off(self, load_id: int, failure: str | None) -> None:
+        blocks, tokens = self.peer_loads.pop(load_id, (0, 0))
+        if not blocks:
+            return
+        if failure is not None:  # "KV hand-off <reason>: …"
+            self.hand_off_failures[failure.split(":")[0].split()[-1]] += 1
+            self.recomputed += tokens
+        else:
+            runner = self.rank.runner
+            self.received[0] += blocks
+            self.received[1] += blocks * runner.cache.block_bytes() * runner.model.groups.attn_tp.size
+
+    def hand_off(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs``, where a finished request with a lease (a prefill worker's) gets ``kv_transfer_params``: where
+        its leased blocks are on each rank of its DP group (:class:`~engine.worker.control.LeaseKV`) and how to
+        check them."""
+        return [self._hand_off(out) if out.finished else out for out in outputs]
+
+    def _hand_off(self, out: RequestOutput) -> RequestOutput:
+        policy = self.leases.pop(out.request_id, None)
+        lease = self.scheduler.leases.fresh.pop(out.request_id, None)
+        if policy is None or lease is None:
+            return out
+        replies = self.control.send(LeaseKV(lease.dp_rank, lease.blocks, policy.host, policy.protocol), self.rank)
+        return replace(out, kv_transfer_params={
+            "switchyard_hand_off": 1, "lease": lease.key, "num_tokens": lease.num_tokens,
+            "fingerprint": self.fingerprint, "layout": self.rank.runner.model.groups.layout.describe(),
+            "protocol": policy.protocol, "lease_s": policy.seconds,
+            "shards": [{"session": s.session, "tensors": [list(t) for t in s.tensors], "blocks": list(s.blocks),
+                        "digests": list(s.digests)} for s in replies if s is not None]})
+
+    def hand_offs(self) -> HandOffs:
+        """The hand-offs since start (:class:`~engine.messages.HandOffs`)."""
+        leases = self.scheduler.leases
+        return HandOffs(received_blocks=self.received[0], received_bytes=self.received[1],
+                        seconds=self.rank.runner.loads.seconds.get("hand_off", 0.0), recomputed_tokens=self.recomputed,
+                        failures=dict(self.hand_off_failures), leased_blocks=leases.num_blocks,
+                        leases_released=leases.released, leases_expired=leases.expired)
 
     def idle(self) -> None:
         """A step with nothing to launch: wait briefly for a load's rank-0 share (if any) rather than spin."""

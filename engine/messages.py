@@ -23,6 +23,8 @@ class AddRequest:
     dp_rank: int | None = None
     retain_kv: bool = False
     arrival: float
+    kv: Any = None  # a KVSource its leading prompt tokens' KV is read from (a prefill worker's hand-off)
+    lease: Any = None  # a PeerLease: keep its prompt's KV for a decode worker (this is a prefill worker)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,23 @@ class KVTier:
     load_s: float = 0.0
     store_s: float = 0.0
     errors: Mapping[str, int] = field(default_factory=dict)  # the shared store's failed calls by reason (rank 0's)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandOffs:
+    """Prefill/decode hand-offs since start (``KVTransfers.hand_offs``): on a decode worker the blocks and bytes read
+    from prefill workers, the seconds rank 0's copy thread spent on them, the prompt tokens it computed beyond each
+    request's last one (0 when every hand-off delivered) and its failed reads by reason; on a prefill worker the
+    blocks leased now and the leases that ended."""
+
+    received_blocks: int = 0
+    received_bytes: int = 0
+    seconds: float = 0.0
+    recomputed_tokens: int = 0
+    failures: Mapping[str, int] = field(default_factory=dict)
+    leased_blocks: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,7 @@ class EngineFacts:
     draft_positions: int  # speculation: drafted positions per request step (0: off)
     drafted_per_step: int  # speculation: draft tokens verified per request step (0: off)
     grammar: bool  # structured output is available (the checkpoint has a tokenizer)
+    kv_fingerprint: str = ""  # KV made here loads only where this is equal (cache namespace, block bytes and size)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,8 @@ def engine_facts(engine: Engine) -> EngineFacts:
                        attention="mla" if cfg.mla is not None else "gqa", kv_block_size=cache.block_size,
                        max_num_seqs=sched.max_num_seqs, dp_size=engine.groups.layout.attn_dp,
                        layout=engine.groups.layout.describe(), draft_positions=facts.draft_rows if facts else 0,
-                       drafted_per_step=facts.tree_size - 1 if facts else 0, grammar=engine.grammar is not None)
+                       drafted_per_step=facts.tree_size - 1 if facts else 0, grammar=engine.grammar is not None,
+                       kv_fingerprint=engine.transfers.fingerprint)
 
 
 def take_snapshot(engine: Engine) -> EngineSnapshot:

@@ -150,6 +150,7 @@ class RequestOutput:
     stop_reason: int | str | None = None  # finish_reason "stop": the stop token id or stop string (None: EOS)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     index: int = 0  # which of the request's n samples (n > 1: request_id is the request's, shared by its samples)
+    kv_transfer_params: dict | None = None  # a prefill worker's finished request: where a decode worker reads its KV
 
 
 @dataclass

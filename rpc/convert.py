@@ -111,21 +111,28 @@ def generate_request(req: pb.GenerateRequest, limits: Limits) -> tuple[list[int]
     )
 
 
-def kv_hints(req: pb.GenerateRequest) -> tuple[int | None, bool]:
-    """``(data_parallel_rank or None, retain_kv)``. ``kv_transfer_params_json`` (connector parameters; this engine has
-    no KV connector) may carry Switchyard's one hint, ``{"retain_kv": true}``: keep this request's blocks past plain
-    LRU when it ends, for ``engine.kv_retention_s`` (an agent about to come back after a tool call)."""
-    retain = False
+HAND_OFF_KEY = "switchyard_hand_off"  # marks a prefill worker's hand-off (rpc/hand_off.py)
+
+
+def kv_hints(req: pb.GenerateRequest) -> tuple[int | None, bool, dict | None]:
+    """``(data_parallel_rank or None, retain_kv, hand-off or None)``. ``kv_transfer_params_json`` carries one of two
+    things: Switchyard's hint ``{"retain_kv": true}`` (keep this request's blocks past plain LRU when it ends, for
+    ``engine.kv_retention_s``: an agent about to come back after a tool call), or a prefill worker's hand-off (an
+    object with ``"switchyard_hand_off"``, which smg relays to the decode leg; a decode leg never carries both)."""
+    retain, hand_off = False, None
     if req.HasField("kv_transfer_params_json") and req.kv_transfer_params_json.strip():
         try:
             params = json.loads(req.kv_transfer_params_json)
         except json.JSONDecodeError as err:
             raise InvalidRequest(f"kv_transfer_params_json: not JSON ({err})") from None
-        if not isinstance(params, dict) or set(params) - {"retain_kv"}:
-            raise InvalidRequest(f"kv_transfer_params_json: only {{\"retain_kv\": bool}} is supported (no KV "
-                                 f"connector), got {req.kv_transfer_params_json[:200]!r}")
-        retain = bool(params.get("retain_kv", False))
-    return (req.data_parallel_rank if req.HasField("data_parallel_rank") else None), retain
+        if isinstance(params, dict) and HAND_OFF_KEY in params:
+            hand_off = params
+        elif not isinstance(params, dict) or set(params) - {"retain_kv"}:
+            raise InvalidRequest(f"kv_transfer_params_json: {{\"retain_kv\": bool}} or a Switchyard prefill worker's "
+                                 f"hand-off, got {req.kv_transfer_params_json[:200]!r}")
+        else:
+            retain = bool(params.get("retain_kv", False))
+    return (req.data_parallel_rank if req.HasField("data_parallel_rank") else None), retain, hand_off
 
 
 def output_logprobs(logprobs: list[float], tokens: list[int], top: list[list[tuple[int, float]]]) -> pb.OutputLogProbs:
@@ -148,11 +155,14 @@ def chunk(outs: list[RequestOutput], want_logprobs: bool) -> pb.GenerateResponse
 
 
 def complete(last: RequestOutput, all_tokens: list[int], stream: bool,
-             logprobs: pb.OutputLogProbs | None) -> pb.GenerateResponse:
-    """The final message: finish reason and usage; all ids (and logprobs) unless the tokens were streamed."""
+             logprobs: pb.OutputLogProbs | None, kv_transfer_params_json: str | None = None) -> pb.GenerateResponse:
+    """The final message: finish reason and usage; all ids (and logprobs) unless the tokens were streamed; a prefill
+    worker's hand-off (``kv_transfer_params_json``)."""
     msg = pb.GenerateComplete(output_ids=[] if stream else all_tokens, finish_reason=last.finish_reason or "abort",
                               prompt_tokens=last.num_prompt_tokens, completion_tokens=len(all_tokens),
                               cached_tokens=last.num_cached_tokens, index=last.index)
+    if kv_transfer_params_json is not None:
+        msg.kv_transfer_params_json = kv_transfer_params_json
     if last.finish_reason == "stop" and isinstance(last.stop_reason, str):
         msg.matched_stop_str = last.stop_reason
     elif last.finish_reason == "stop" and all_tokens:

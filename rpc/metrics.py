@@ -33,6 +33,7 @@ from engine.api import (
     LAUNCH_PARTS,
     THROTTLE_REASONS,
     EngineFacts,
+    HandOffs,
     KVTier,
     Loads,
     StepRecord,
@@ -131,6 +132,17 @@ FAMILIES = _families(
            "stores.", ("tier", "direction")),
     Family("switchyard:kv_store_errors", "counter", "The shared KV store's failed calls on rank 0 by reason "
            "(timeout, unreachable, checksum, missing) and loads that failed on some rank (load_failed).", ("reason",)),
+    Family("switchyard:pd_kv_blocks_received", "counter", "KV blocks a decode worker read from prefill workers."),
+    Family("switchyard:pd_kv_bytes", "counter", "Bytes a decode worker read from prefill workers, over every rank.",
+           ("direction",)),
+    Family("switchyard:pd_transfer_seconds", "counter", "Seconds rank 0's copy thread spent reading hand-offs."),
+    Family("switchyard:pd_prompt_tokens_recomputed", "counter", "Prompt tokens a decode worker computed beyond each "
+           "handed-off request's last one (0 while every hand-off delivers)."),
+    Family("switchyard:pd_transfer_failures", "counter", "Hand-off reads that failed, by reason (unreachable, "
+           "checksum, layout); their requests computed the tokens.", ("reason",)),
+    Family("switchyard:pd_leased_blocks", "gauge", "KV blocks a prefill worker holds for decode workers to read."),
+    Family("switchyard:pd_leases_ended", "counter", "Prefill leases ended: released by a decode worker or smg, or "
+           "expired.", ("how",)),
     Family("switchyard:kv_blocks", "gauge", "KV blocks per attention-DP rank: used (referenced), cached (in the "
            "prefix index), free (empty or evictable).", ("dp_rank", "state")),
     Family("switchyard:acceptance_length", "histogram", "Committed tokens per speculative request per step (tau, "
@@ -271,6 +283,19 @@ class MetricsExporter:
             for reason, n in t.errors.items():
                 d["switchyard:kv_store_errors"][(reason,)] = n
 
+    @staticmethod
+    def _hand_offs(d: dict, h: HandOffs) -> None:
+        """The prefill/decode hand-offs' totals (``Loads.hand_offs``)."""
+        d["switchyard:pd_kv_blocks_received"][()] = h.received_blocks
+        d["switchyard:pd_kv_bytes"][("received",)] = h.received_bytes
+        d["switchyard:pd_transfer_seconds"][()] = h.seconds
+        d["switchyard:pd_prompt_tokens_recomputed"][()] = h.recomputed_tokens
+        for reason, n in h.failures.items():
+            d["switchyard:pd_transfer_failures"][(reason,)] = n
+        d["switchyard:pd_leased_blocks"][()] = h.leased_blocks
+        d["switchyard:pd_leases_ended"][("released",)] = h.leases_released
+        d["switchyard:pd_leases_ended"][("expired",)] = h.leases_expired
+
     def _requests(self, r: StepRecord) -> None:
         q, d = r.requests, self._data
         d["vllm:prompt_tokens"][()] += q.first_prompt_tokens
@@ -363,6 +388,7 @@ class MetricsExporter:
             if live is not None:
                 self._gauges(self._data, live.per_dp)
                 self._tiers(self._data, live.tiers)
+                self._hand_offs(self._data, live.hand_offs)
             snapshot = {name: {k: list(v) if isinstance(v, list) else v for k, v in series.items()}
                         for name, series in self._data.items() if series}
         for name, series in snapshot.items():

@@ -30,6 +30,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
 from engine.api import AsyncEngine, Engine, engine_facts
 from rpc import info
+from rpc.hand_off import HandOffRole
 from rpc.health import Health
 from rpc.kv_events import KvEventHub
 from rpc.metrics import MetricsServer, exporter_for
@@ -60,6 +61,10 @@ class ServerConfig:
     metrics_port: int | None = DEFAULT_METRICS_PORT  # /metrics (Prometheus) on host; None: off
     telemetry_interval_s: float = 1.0  # each rank samples its device this often (with metrics on)
     profile_dir: str | None = None  # StartProfile writes traces under it; None: profiling off
+    kv_role: str = "both"  # prefill/decode disaggregation: "prefill", "decode" or "both" (rpc/hand_off.py)
+    kv_connector: str = "SwitchyardConnector"  # the connector name GetServerInfo reports to smg
+    kv_lease_s: float = 30.0  # a prefill's KV waits this long for its decode worker to read it
+    kv_transfer_protocol: str = "tcp"  # the Mooncake transfer engine's protocol ("rdma" where the cluster has it)
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -129,7 +134,10 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
                           on_fatal=_fatal_exit(loop, health, cfg.fatal_grace_s, workers),
                           on_kv_events=kv_events.publish, diagnose=lambda: gone_ranks(ranks, host))
     facts = ModelFacts.read(model_dir, cfg.served_model_name, ef)
-    servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir)
+    hand_off = HandOffRole(cfg.kv_role, cfg.kv_connector, cfg.kv_lease_s, cfg.kv_transfer_protocol,
+                           f"{cfg.host}:{cfg.port}", ef.kv_fingerprint, ef.layout)
+    servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir,
+                        hand_off)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pbg.add_VllmEngineServicer_to_server(servicer, server)

@@ -30,9 +30,22 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 from smg_grpc_proto.generated import common_pb2
 
-from engine.api import AsyncEngine, Constraint, EngineDead, EngineFacts, EngineFailure, Loads, Overloaded, RequestOutput
+from engine.api import (
+    AsyncEngine,
+    Constraint,
+    EngineDead,
+    EngineFacts,
+    EngineFailure,
+    Loads,
+    Overloaded,
+    PeerKV,
+    PeerLease,
+    RequestOutput,
+)
 from model.tokenizer import tiktoken_file
 from rpc import convert, info
+from rpc.convert import InvalidRequest
+from rpc.hand_off import HandOffRole, release
 from rpc.kv_events import KvEventHub
 from rpc.profiling import ProfileRPCs
 from rpc.request_log import RequestLog
@@ -99,10 +112,11 @@ def _snapshot(loads: Loads, dp: int, max_running: int) -> pb.SchedulerLoad:
 
 class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
     def __init__(self, engine: AsyncEngine, facts: ModelFacts, ranks: list[dict], server_facts: dict,
-                 kv_events: KvEventHub, profile_dir: str | None = None):
-        """``profile_dir``: where StartProfile may write traces (``server.profile_dir``; None: profiling off)."""
+                 kv_events: KvEventHub, profile_dir: str | None = None, hand_off: HandOffRole | None = None):
+        """``profile_dir``: where StartProfile may write traces (``server.profile_dir``; None: profiling off);
+        ``hand_off``: the worker's prefill/decode role (None: ``both`` without a connector, as in tests)."""
         self.engine, self.facts, self.ranks, self.server_facts = engine, facts, ranks, server_facts
-        self.kv_events, self.profile_dir = kv_events, profile_dir
+        self.kv_events, self.profile_dir, self.hand_off = kv_events, profile_dir, hand_off
         self.limits = convert.Limits(facts.vocab_size, facts.max_model_len)
         self.draining = False
         self.started = time.time()
@@ -142,9 +156,10 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             try:
                 req.prompt_tokens = len(request.tokenized.input_ids)
                 prompt, params = convert.generate_request(request, self.limits)
-                dp_rank, retain_kv = convert.kv_hints(request)
+                dp_rank, retain_kv, blob = convert.kv_hints(request)
+                kv, lease = self._hand_off(blob)
                 await self._compile(params.constraint)
-                stream = await self.engine.submit(rid, prompt, params, dp_rank, retain_kv)
+                stream = await self.engine.submit(rid, prompt, params, dp_rank, retain_kv, kv, lease)
             except ValueError as err:  # InvalidRequest, SamplingError, RequestError
                 req.reject("INVALID_ARGUMENT", str(err))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -154,7 +169,7 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             except EngineDead as err:
                 req.reject("UNAVAILABLE", f"engine is dead: {err}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine is dead: {err}")
-            async for message in self._responses(request, stream, context, req):
+            async for message in self._responses(request, stream, context, req, blob):
                 yield message
         finally:  # normal end, client cancel, deadline, engine failure
             req.end()
@@ -163,6 +178,14 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             self.inflight -= 1
             if not self.inflight:
                 self.idle.set()
+
+    def _hand_off(self, blob: dict | None) -> tuple[PeerKV | None, PeerLease | None]:
+        """A decode leg's KV source (from the prefill's JSON), or a prefill leg's lease (on a prefill worker)."""
+        if self.hand_off is None:
+            if blob is not None:
+                raise InvalidRequest("kv_transfer_params_json: a hand-off, but this worker has no KV connector")
+            return None, None
+        return (self.hand_off.source(blob) if blob is not None else None), self.hand_off.lease()
 
     async def _compile(self, constraint: Constraint | None) -> None:
         """Compiles a constraint off the engine thread (cached by its text, so the engine's own check finds it
@@ -173,9 +196,10 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
         log.debug("constraint %s: %s", constraint.kind, constraint.text[:4000])
         await self.engine.compile(constraint)
 
-    async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog):
+    async def _responses(self, request: pb.GenerateRequest, stream, context, req: RequestLog, blob: dict | None):
         """Streams the request's outputs: per sample (``index``, n > 1) its chunks and its one Complete; ends after
-        the last sample's Complete."""
+        the last sample's Complete. ``blob``: a decode leg's hand-off, whose lease is released at its first output
+        (its KV has arrived by then)."""
         want_lp = request.sampling_params.HasField("logprobs")
         n = max(request.sampling_params.n, 1)
         tokens: dict[int, list[int]] = {i: [] for i in range(n)}
@@ -187,6 +211,9 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                 items.append(stream.queue.get_nowait())
             failure = next((i for i in items if isinstance(i, EngineFailure)), None)
             outs: list[RequestOutput] = [i for i in items if not isinstance(i, EngineFailure)]
+            if blob is not None and outs:
+                asyncio.get_running_loop().create_task(release(blob))
+                blob = None
             if failure is not None:
                 req.reject("UNAVAILABLE", f"lost: {failure.reason}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {stream.request_id} lost: "
@@ -203,7 +230,8 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                     yield convert.chunk([o for o in mine if o.new_tokens], want_lp)
                 if mine[-1].finished:
                     done.add(index)
-                    yield convert.complete(mine[-1], tokens[index], request.stream, logprobs[index])
+                    kv_params = self.hand_off.params_json(mine[-1]) if self.hand_off is not None else None
+                    yield convert.complete(mine[-1], tokens[index], request.stream, logprobs[index], kv_params)
             req.output_tokens = sum(len(t) for t in tokens.values())
             if len(done) == n:
                 req.complete(outs[-1].finish_reason, req.output_tokens)
@@ -211,13 +239,15 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
 
     # ---- unary RPCs ------------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        unknown = [rid for rid in request.request_ids if rid not in self._seen]
-        for rid in request.request_ids:
-            if rid in self._seen:
-                try:
-                    await self.engine.abort(rid, reply=True)  # its KV is free and the gauges moved when Abort returns
-                except EngineDead:
-                    pass
+        """Ends requests; a request id or a lease key (``<request id>#<nonce>``, a decode worker's release) also ends
+        the prefill leases it names."""
+        known = [rid for rid in request.request_ids if rid in self._seen or rid.split("#")[0] in self._seen]
+        unknown = [rid for rid in request.request_ids if rid not in known]
+        for rid in known:
+            try:
+                await self.engine.abort(rid, reply=True)  # its KV is free and the gauges moved when Abort returns
+            except EngineDead:
+                pass
         if unknown:
             log.info("Abort: INVALID_ARGUMENT — unknown request id(s) %s", unknown[:5])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -244,7 +274,8 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=f.dp_size,
             kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.kv_block_size,
             attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs,
-            constrained_decoding_start="first_token")  # no reasoning parser here: a grammar runs from token one
+            constrained_decoding_start="first_token",  # no reasoning parser here: a grammar runs from token one
+            **(self.hand_off.server_info() if self.hand_off is not None else {}))
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
         """One record per attention-DP rank (or the one ``dp_rank`` asks for)."""

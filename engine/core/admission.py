@@ -129,7 +129,7 @@ class Admission:
         """``req``'s blocks past its ``cached`` prefix up to ``kv_tokens`` come from its source, or from the tiers
         (``host_slots``, then ``store_hashes``)."""
         bs = self.cfg.cache.block_size
-        first, end = cached // bs, req.kv_tokens // bs
+        first, end = cached // bs, -(-req.kv_tokens // bs)  # a source's partial last block too
         tiers = len(host_slots) + len(store_hashes)
         req.loading = next(self._load_ids)
         self._loads.append(KVLoad(load_id=req.loading, request_id=req.request_id, dp_rank=req.dp_rank,

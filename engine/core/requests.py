@@ -41,6 +41,7 @@ class Request:
     fork_n: int = 0  # > 0: it prefills the prompt but its last token, then forks into this many samples
     kv_tokens: int = 0  # leading prompt tokens whose KV arrives from elsewhere (a KV source) at admission
     loading: int = -1  # the id of its KV load while it runs (admitted, blocks reserved, not fed until it is done)
+    lease_s: float = 0.0  # > 0: when it finishes, its prompt's blocks stay leased this long (a prefill worker's)
 
     @property
     def tokens(self) -> list[int]:
@@ -91,18 +92,20 @@ class RequestTable:
             raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}), got {dp_rank}")
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
-            retain_kv: bool = False, kv_tokens: int = 0) -> Request:
+            retain_kv: bool = False, kv_tokens: int = 0, lease_s: float = 0.0) -> Request:
         """Validates and queues a request. ``params.n > 1``: one request prefills the prompt but its last token and
         then forks into n samples (:meth:`samples_of`); a one-token prompt has nothing to share and queues the
-        samples at once. ``kv_tokens``: leading prompt tokens whose KV a source holds (loaded at admission; the
-        full blocks short of the prompt's last token are taken, that token is fed to sample)."""
+        samples at once. ``kv_tokens``: leading prompt tokens whose KV a source holds (loaded at admission, a partial
+        last block included, up to the prompt's last token, which is fed to sample). ``lease_s``: keep its prompt's
+        blocks leased that long when it finishes (``engine.core.leases``)."""
         self.validate(request_id, prompt, params, dp_rank)
-        if kv_tokens and params.n > 1:
-            raise RequestError(f"n={params.n}: a request whose KV arrives from elsewhere runs one sample")
+        if (kv_tokens or lease_s) and params.n > 1:
+            raise RequestError(f"n={params.n}: a request whose KV arrives from elsewhere, or is leased to another "
+                               "worker, runs one sample")
         if params.n == 1:
-            loaded = min(kv_tokens, len(prompt) - 1) // self.cfg.cache.block_size * self.cfg.cache.block_size
             return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,
-                                       retain_kv=retain_kv, kv_tokens=loaded))
+                                       retain_kv=retain_kv, kv_tokens=min(kv_tokens, len(prompt) - 1),
+                                       lease_s=lease_s))
         self.groups[request_id] = set()
         if len(prompt) > 1:
             return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,

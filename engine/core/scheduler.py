@@ -31,6 +31,7 @@ from engine.config import EngineConfig, RequestError
 from engine.core.admission import Admission, KVLoad
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager, KVManagerConfig
+from engine.core.leases import Leases
 from engine.core.outputs import OutputProcessor
 from engine.core.planner import StepPlanner
 from engine.core.requests import Request, RequestTable
@@ -87,6 +88,7 @@ class Scheduler:
                                             host_slots=host_slots, host_write=cache.host_kv_write,
                                             store=store_lookup is not None))
         self.table = RequestTable(cfg, dp_size, vocab_size, spec_reserve_slots)
+        self.leases = Leases(self.kv)  # blocks a prefill keeps for a decode worker to read
         self.journal = RankJournal()
         self.admission = Admission(cfg, self.table, self.kv, self.journal, store_lookup)
         self.planner = StepPlanner(cfg, self.table, self.kv, self.journal, spec_reserve_slots, self.overlap)
@@ -97,9 +99,9 @@ class Scheduler:
         self._blocked = ""
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
-            retain_kv: bool = False, kv_tokens: int = 0) -> Request:
+            retain_kv: bool = False, kv_tokens: int = 0, lease_s: float = 0.0) -> Request:
         """Queues a request (:meth:`RequestTable.add`); raises RequestError naming the field."""
-        return self.table.add(request_id, prompt, params, seed, dp_rank, retain_kv, kv_tokens)
+        return self.table.add(request_id, prompt, params, seed, dp_rank, retain_kv, kv_tokens, lease_s)
 
     def take_loads(self) -> list[KVLoad]:
         """The KV loads admission started since the last call (:meth:`Admission.take_loads`)."""
@@ -167,10 +169,20 @@ class Scheduler:
         req.finish_reason = reason
         if req.loading >= 0:  # its blocks go back now: whoever gets them waits for the load first
             self.journal.loaded(req.loading)
-        if req.dp_rank is not None:
+        if req.dp_rank is not None and req.lease_s > 0 and reason != "abort":
+            self.leases.take(req, self._leasable_tokens(req), req.lease_s)
+        elif req.dp_rank is not None:
             self.kv.free(req)
         self.journal.left(req)
         self.table.remove(req)
+
+    def _leasable_tokens(self, req: Request) -> int:
+        """Prompt tokens of a finished ``req`` whose KV (target and drafter context) is written: all of them
+        without speculation; with it, its committed full blocks (the drafter's context of the prompt's tail waits
+        for the first verify)."""
+        if not self.spec_reserve_slots:
+            return min(req.num_computed, len(req.prompt))
+        return min(self.kv.committed_blocks(req) * self.cfg.cache.block_size, len(req.prompt))
 
     @property
     def blocked(self) -> str:

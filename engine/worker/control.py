@@ -8,10 +8,11 @@ match. A new cross-rank action is a new message type, not a branch in two loops 
 KV moves: :class:`ReadKV` reads given blocks out of every layer group into host memory, :class:`LoadKV` starts
 writing a source's blocks into given blocks off the step thread (the plan that first uses them waits for it:
 ``StepPlan.loads``), :class:`StoreKV` copies device blocks into the rank's host-tier slots before the next step,
-:class:`PutKV` writes committed blocks to the shared store, :class:`LoadOutcomes` gathers which loads failed softly.
-Shapes the next features take (not built yet): a weight move (``MoveExpertWeights``: layer, slots and their new
-experts; runs in the background on each rank and replies when staged, then ``SwapExpertMaps`` switches a layer's
-maps on every rank between two steps) and a lease release (``ReleaseLease``: blocks a peer read may reuse).
+:class:`PutKV` writes committed blocks to the shared store, :class:`LoadOutcomes` gathers which loads failed softly,
+:class:`LeaseKV` gathers where a prefill's leased blocks are for a decode worker to read (a lease ends on rank 0
+alone: the ranks never hold one). Shape the next feature takes (not built yet): a weight move
+(``MoveExpertWeights``: layer, slots and their new experts; runs in the background on each rank and replies when
+staged, then ``SwapExpertMaps`` switches a layer's maps on every rank between two steps).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.params import Constraint
 from engine.profiling import ProfileControl, RankProfiler
 from engine.step import RankReport, StepPlan
 from engine.worker.kv_loads import KVSource
+from engine.worker.kv_peer import PeerShard
 from engine.worker.runner import Launched, ModelRunner
 from engine.worker.telemetry import TelemetrySampler
 from parallelism.comm import Comm
@@ -195,6 +197,24 @@ class PutKV(RankMessage):
     def run(self, rank: RankState) -> None:
         if rank.runner.requests.dp_rank == self.dp_rank:
             rank.runner.loads.put(list(self.blocks), list(self.hashes))
+
+
+@dataclass(frozen=True)
+class LeaseKV(RankMessage):
+    """Blocks ``blocks`` of attention-DP group ``dp_rank`` are leased to a decode worker: each of its ranks replies
+    its :class:`~engine.worker.kv_peer.PeerShard` (its transfer endpoint, started on ``host`` over ``protocol`` on
+    first use), the others None."""
+
+    dp_rank: int
+    blocks: tuple[int, ...]
+    host: str
+    protocol: str
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> PeerShard | None:
+        if rank.runner.requests.dp_rank != self.dp_rank:
+            return None
+        return rank.runner.loads.peer(self.host, self.protocol).shard(list(self.blocks))
 
 
 @dataclass(frozen=True)

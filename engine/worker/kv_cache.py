@@ -153,6 +153,11 @@ class PagedKVCache:
         """Bytes of one block over every group (the row width of :meth:`read_blocks`' buffer)."""
         return sum(self._block_view(store).shape[1] for store in self._stores())
 
+    def block_views(self) -> list[torch.Tensor]:
+        """Every entry tensor as raw bytes, one row per block (:meth:`read_blocks`' order): what a transfer engine
+        registers."""
+        return [self._block_view(store) for store in self._stores()]
+
     def _block_view(self, store: torch.Tensor) -> torch.Tensor:
         """``store`` as raw bytes, one row per block: ``[num_blocks, kv_block_size * entry bytes]`` uint8 (a view)."""
         return store.view(torch.uint8).view(self.num_blocks, -1)

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from engine.worker.kv_cache import PagedKVCache
+from engine.worker.kv_peer import PeerEndpoint, PeerKV
 from engine.worker.kv_store import KVStore, StoreError
 
 
@@ -87,13 +88,15 @@ class RankLoads:
     :meth:`wait` before a step that names a load (a load that failed raises there, naming it), :meth:`wait_stores`
     before every step. ``seconds[direction]``: time the thread spent copying (``load``, ``store``)."""
 
-    def __init__(self, cache: PagedKVCache, rank: int, host: HostPool | None = None, store: KVStore | None = None):
-        self.cache, self.rank, self.host, self.store = cache, rank, host, store
+    def __init__(self, cache: PagedKVCache, rank: int, host: HostPool | None = None, store: KVStore | None = None,
+                 tp_rank: int = 0):
+        self.cache, self.rank, self.host, self.store, self.tp_rank = cache, rank, host, store, tp_rank
+        self._peer: PeerEndpoint | None = None
         self.failed: dict[int, str] = {}  # loads whose source failed softly (a store error): id → why
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-copy-{rank}")
         self._pending: dict[int, Future] = {}
         self._stores: list[Future] = []
-        self.seconds = {"load": 0.0, "store": 0.0}
+        self.seconds = {"load": 0.0, "store": 0.0, "hand_off": 0.0}
         # on CUDA the copies run on a side stream of their own (not the step's), synchronized before a job ends
         self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
 
@@ -113,11 +116,11 @@ class RankLoads:
         self._pending[load_id] = self._pool.submit(self._load_or_fail, load_id, blocks, source_blocks, source)
 
     def _load(self, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
-        with self._copying("load"):
+        with self._copying("hand_off" if isinstance(source, PeerKV) else "load"):
             self.cache.write_blocks(blocks, source.read(self, source_blocks))
 
     def _load_or_fail(self, load_id: int, blocks: list[int], source_blocks: list[int], source: KVSource) -> None:
-        """:meth:`_load`; a store error is kept (:attr:`failed`): the request recomputes those tokens."""
+        """:meth:`_load`; a store or hand-off error is kept (:attr:`failed`): the request recomputes those tokens."""
         try:
             self._load(blocks, source_blocks, source)
         except StoreError as e:
@@ -129,6 +132,12 @@ class RankLoads:
         if self.store is None:
             raise RuntimeError(f"rank {self.rank} has no KV store to put blocks {blocks[:4]} in")
         self._stores.append(self._pool.submit(lambda: self.store.put(hashes, self.cache.read_blocks(blocks))))
+
+    def peer(self, host: str, protocol: str) -> PeerEndpoint:
+        """This rank's transfer endpoint (``engine.worker.kv_peer``), started on first use."""
+        if self._peer is None:
+            self._peer = PeerEndpoint(self.cache, host, protocol)
+        return self._peer
 
     def outcome(self, load_ids: tuple[int, ...]) -> dict[int, str]:
         """Waits for this rank's share of ``load_ids``; returns those whose source failed here, with why."""
