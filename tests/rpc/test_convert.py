@@ -59,12 +59,14 @@ def test_the_constraint_oneof():
 
 
 def test_kv_hints():
-    assert kv_hints(request()) == (None, False)
+    assert kv_hints(request()) == (None, False, None)
     req = request()
     req.data_parallel_rank, req.kv_transfer_params_json = 3, '{"retain_kv": true}'
-    assert kv_hints(req) == (3, True)
+    assert kv_hints(req) == (3, True, None)
+    req.kv_transfer_params_json = '{"switchyard_hand_off": 1, "lease": "r#1"}'
+    assert kv_hints(req) == (3, False, {"switchyard_hand_off": 1, "lease": "r#1"})
     req.kv_transfer_params_json = '{"remote_host": "x"}'
-    with pytest.raises(InvalidRequest, match="only {\"retain_kv\": bool} is supported"):
+    with pytest.raises(InvalidRequest, match="a Switchyard prefill worker's hand-off, got"):
         kv_hints(req)
 
 

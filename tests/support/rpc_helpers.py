@@ -58,17 +58,20 @@ SMG = Path(sys.executable).parent / "smg"
 
 
 @contextlib.contextmanager
-def smg_gateway(worker_target: str, ckpt: str | Path, log_path: str | Path, *options: str,
+def smg_gateway(worker_target: str | tuple[str, str], ckpt: str | Path, log_path: str | Path, *options: str,
                 model: str | None = None) -> Iterator[str]:
-    """``smg launch`` on 127.0.0.1 in front of the gRPC worker at ``worker_target`` (``host:port``), passthrough
-    policy, plus ``options``; yields its base URL once ``/v1/models`` lists a model (``model``: that one). Killed on
-    exit (smg's graceful stop waits a 5 s load-balancer window)."""
+    """``smg launch`` on 127.0.0.1 in front of the gRPC worker at ``worker_target`` (``host:port``; passthrough
+    policy), or of a ``(prefill, decode)`` pair in PD mode, plus ``options``; yields its base URL once ``/v1/models``
+    lists a model (``model``: that one). Killed on exit (smg's graceful stop waits a 5 s load-balancer window)."""
     log_path, port = Path(log_path), free_port()
+    workers = (["--pd-disaggregation", "--prefill", f"grpc://{worker_target[0]}", "--decode",
+                f"grpc://{worker_target[1]}"] if isinstance(worker_target, tuple)
+               else ["--worker-urls", f"grpc://{worker_target}", "--policy", "passthrough"])
     with open(log_path, "w") as log:
-        smg = subprocess.Popen([str(SMG), "launch", "--worker-urls", f"grpc://{worker_target}", "--model-path",
-                                str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
-                                "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "passthrough",
-                                "--log-level", "warn", *options], stdout=log, stderr=subprocess.STDOUT)
+        smg = subprocess.Popen([str(SMG), "launch", *workers, "--model-path", str(ckpt), "--host", "127.0.0.1",
+                                "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                                str(free_port()), "--log-level", "warn", *options],
+                               stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + patience(60)
