@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig, RequestError
 from engine.core.kv_manager import KvEvent
@@ -241,6 +241,7 @@ class Engine:
         self.recorder.begin(time.monotonic())
         self.profiling.before_step(self.stats.steps)
         self.transfers.finish_loads()
+        refused = [replace(out, error=why) for rid, why in self.transfers.take_refused() for out in self.abort_all(rid)]
         plan = self.scheduler.schedule()
         self.transfers.start_stores()
         self.transfers.start_loads()
@@ -273,7 +274,7 @@ class Engine:
             self._publish(self.recorder.step(d.plan, *parts, d.span.ms() if d.span else None, self.draining))
         self.transfers.start_stores()  # what this step committed leaves now, even if no step follows
         self.profiling.after_step(self.stats.steps)
-        return self.transfers.hand_off([o for *_, outputs in finished for o in outputs])
+        return refused + self.transfers.hand_off([o for *_, outputs in finished for o in outputs])
 
     def _complete(self, d: _InFlight) -> tuple[list[RankReport], dict[str, StepResult], list[RequestOutput]]:
         """Reads back rank 0's share of ``d``, gathers every rank's report and applies the results; returns the

@@ -46,7 +46,9 @@ class KVTransfers:
         self.loading: set[int] = set()  # loads started whose rank-0 share is not done
         self.failed_loads = 0  # loads whose source failed on some rank (their requests computed the tokens)
         self.leases: dict[str, PeerLease] = {}  # requests whose KV a decode worker will read, until they finish
-        self.peer_loads: dict[int, tuple[int, int]] = {}  # hand-off loads running: id → (blocks, tokens)
+        self.peer_loads: dict[int, tuple[int, int, str, bool]] = {}  # hand-offs running: id → (blocks, tokens,
+        # request, recompute on failure)
+        self.refused: list[tuple[str, str]] = []  # requests whose hand-off failed without recompute: (id, why)
         self.received = [0, 0]  # hand-off blocks and bytes read
         self.recomputed = 0  # prompt tokens computed beyond the last of requests handed off to this worker
         self.hand_off_failures: Counter[str] = Counter()
@@ -87,7 +89,8 @@ class KVTransfers:
             if isinstance(source, PeerKV):
                 req = self.scheduler.table.requests[load.request_id]
                 self.recomputed += len(req.prompt) - 1 - req.kv_tokens  # what the hand-off did not cover
-                self.peer_loads[load.load_id] = (len(load.blocks), req.kv_tokens - load.source_blocks[0] * bs)
+                self.peer_loads[load.load_id] = (len(load.blocks), req.kv_tokens - load.source_blocks[0] * bs,
+                                                 load.request_id, source.recompute)
             self.control.send(LoadKV(load.load_id, load.dp_rank, load.blocks, load.source_blocks, source), self.rank)
             self.loading.add(load.load_id)
 
@@ -112,16 +115,24 @@ class KVTransfers:
         self.scheduler.leases.expire()
 
     def _count_hand_off(self, load_id: int, failure: str | None) -> None:
-        blocks, tokens = self.peer_loads.pop(load_id, (0, 0))
+        blocks, tokens, request_id, recompute = self.peer_loads.pop(load_id, (0, 0, "", True))
         if not blocks:
             return
         if failure is not None:  # "KV hand-off <reason>: …"
             self.hand_off_failures[failure.split(":")[0].split()[-1]] += 1
-            self.recomputed += tokens
+            if recompute:
+                self.recomputed += tokens
+            else:
+                self.refused.append((request_id, failure))
         else:
             runner = self.rank.runner
             self.received[0] += blocks
             self.received[1] += blocks * runner.cache.block_bytes() * runner.model.groups.attn_tp.size
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """Requests whose hand-off failed with recompute off, and why: the engine ends them (their KV freed)."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def hand_off(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """``outputs``, where a finished request with a lease (a prefill worker's) gets ``kv_transfer_params``: where

@@ -151,6 +151,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     index: int = 0  # which of the request's n samples (n > 1: request_id is the request's, shared by its samples)
     kv_transfer_params: dict | None = None  # a prefill worker's finished request: where a decode worker reads its KV
+    error: str | None = None  # it ended ("abort") because its KV could not be read from where it was handed off
 
 
 @dataclass

@@ -8,7 +8,9 @@
   fingerprint, and where to release the lease (its own gRPC address: an ``Abort`` naming the lease key).
 - A decode worker (``decode`` or ``both``) given such JSON loads the KV from the prefill's ranks (a ``PeerKV`` source)
   and computes only the prompt's last token; once the request's first output shows the KV arrived, it releases the
-  lease. KV whose fingerprint differs from its own is refused (INVALID_ARGUMENT naming both layouts).
+  lease. KV whose fingerprint differs from its own is refused (INVALID_ARGUMENT naming both layouts). A read that
+  fails ends the request UNAVAILABLE naming the cause (smg retries it, re-running the prefill), or, with
+  ``server.kv_recompute_on_failure``, the request computes the prompt itself (counted).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class HandOffRole:
     address: str
     fingerprint: str
     layout: str
+    recompute_on_failure: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -83,7 +86,8 @@ class HandOffRole:
         try:
             shards = tuple(PeerShard(s["session"], tuple(tuple(t) for t in s["tensors"]), tuple(s["blocks"]),
                                      tuple(s["digests"])) for s in blob["shards"])
-            return PeerKV(int(blob["num_tokens"]), shards, self.address.rsplit(":", 1)[0], str(blob["protocol"]))
+            return PeerKV(int(blob["num_tokens"]), shards, self.address.rsplit(":", 1)[0], str(blob["protocol"]),
+                          self.recompute_on_failure)
         except (KeyError, TypeError, ValueError) as e:
             raise HandOffError(f"kv_transfer_params_json: a malformed hand-off ({e!r})") from None
 

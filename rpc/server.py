@@ -65,6 +65,7 @@ class ServerConfig:
     kv_connector: str = "SwitchyardConnector"  # the connector name GetServerInfo reports to smg
     kv_lease_s: float = 30.0  # a prefill's KV waits this long for its decode worker to read it
     kv_transfer_protocol: str = "tcp"  # the Mooncake transfer engine's protocol ("rdma" where the cluster has it)
+    kv_recompute_on_failure: bool = False  # a hand-off that cannot be read: recompute (True) or fail UNAVAILABLE
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -135,7 +136,7 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
                           on_kv_events=kv_events.publish, diagnose=lambda: gone_ranks(ranks, host))
     facts = ModelFacts.read(model_dir, cfg.served_model_name, ef)
     hand_off = HandOffRole(cfg.kv_role, cfg.kv_connector, cfg.kv_lease_s, cfg.kv_transfer_protocol,
-                           f"{cfg.host}:{cfg.port}", ef.kv_fingerprint, ef.layout)
+                           f"{cfg.host}:{cfg.port}", ef.kv_fingerprint, ef.layout, cfg.kv_recompute_on_failure)
     servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir,
                         hand_off)
 

@@ -218,6 +218,10 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                 req.reject("UNAVAILABLE", f"lost: {failure.reason}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {stream.request_id} lost: "
                                                                  f"{failure.reason}")
+            refused = next((o.error for o in outs if o.error is not None), None)
+            if refused is not None:  # its handed-off KV could not be read; a retry re-runs the prefill
+                req.reject("UNAVAILABLE", refused)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {stream.request_id}: {refused}")
             for index in sorted({o.index for o in outs}):
                 mine = [o for o in outs if o.index == index]
                 new = [t for o in mine for t in o.new_tokens]

@@ -116,12 +116,14 @@ class PeerEndpoint:
 @dataclass(frozen=True)
 class PeerKV:
     """A KV source in another worker's leased blocks: ``shards[t]`` is attention-TP rank ``t``'s share; ``num_tokens``
-    prompt tokens' KV; read over ``protocol`` from an endpoint on ``host``."""
+    prompt tokens' KV; read over ``protocol`` from an endpoint on ``host``. ``recompute``: when the read fails, the
+    request computes the tokens itself (counted) instead of failing."""
 
     num_tokens: int
     shards: tuple[PeerShard, ...]
     host: str = "127.0.0.1"
     protocol: str = "tcp"
+    recompute: bool = False
 
     def read(self, at, blocks: list[int]) -> torch.Tensor:
         return at.peer(self.host, self.protocol).read(self.shards[at.tp_rank], blocks)

@@ -4,15 +4,19 @@ greedy and seeded T=1 — answers bit for bit what the same request gets from an
 gateway (``engine.batch_invariant=true``; tiny_kimi, MLA), the decode worker computes no prompt token but the last
 (``switchyard:pd_prompt_tokens_recomputed_total`` stays 0) while it receives the prompts' blocks, a session's second
 turn fetches only its new blocks, the prefill worker's leases are all released, and a DDTree pair answers the
-aggregated worker's greedy tokens."""
+aggregated worker's greedy tokens. Faults: a lease nobody reads expires; a dead prefill worker fails only its
+outstanding hand-off, UNAVAILABLE and named, leaking no block on the decode worker (or is recomputed when asked)."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
+import grpc
 import pytest
 
+from rpc.client import Client, generate_request
 from tests.support.mooncake import master_binary
 from tests.support.paths import REPO_ROOT
 from tests.support.rpc_helpers import ServerProcess, smg_gateway
@@ -129,3 +133,58 @@ def test_a_ddtree_pair_answers_the_aggregated_workers_greedy_tokens(gateways, tm
     finally:
         for srv in servers:
             srv.close()
+
+
+def _prefill_leg(client, prompt: list[int], rid: str) -> str:
+    """What smg sends a prefill worker; returns the hand-off JSON its Complete carries."""
+    req = generate_request(prompt, False, rid, max_tokens=1, temperature=0.0, ignore_eos=True)
+    (complete,) = [r.complete for r in client.stub.Generate(req, timeout=60)]
+    assert complete.kv_transfer_params_json
+    return complete.kv_transfer_params_json
+
+
+def _decode_leg(client, prompt: list[int], rid: str, blob: str) -> list[int]:
+    req = generate_request(prompt, False, rid, max_tokens=8, temperature=0.0, ignore_eos=True)
+    req.kv_transfer_params_json = blob
+    return [list(r.complete.output_ids) for r in client.stub.Generate(req, timeout=60)][-1]
+
+
+def test_a_lease_nobody_reads_expires_and_a_dead_prefill_fails_only_its_hand_off(gateways, tmp_path):
+    """A prefill worker of its own (leases of 1.5 s): a lease no decode worker reads ends by itself; then the prefill
+    worker is killed with a hand-off outstanding — the decode worker ends that request UNAVAILABLE naming the cause,
+    holds no block for it and serves on; a decode worker with ``server.kv_recompute_on_failure=true`` computes the
+    prompt instead and answers the aggregated worker's tokens."""
+    _, _, _, decode = gateways
+    prefill = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=prefill", "server.kv_lease_s=1.5",
+                                                   "server.heartbeat_s=0.3"], tmp_path / "prefill.log")
+    lenient = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=decode",
+                                                   "server.kv_recompute_on_failure=true"], tmp_path / "lenient.log")
+    clients = []
+    try:
+        p, lenient_client = prefill.wait_ready(), lenient.wait_ready()
+        d = Client(decode.target)
+        clients += [p, lenient_client, d]
+        prompt = [(5 * k) % 140 + 3 for k in range(40)]
+        _prefill_leg(p, prompt, "forgotten")
+        assert _metrics(prefill)["switchyard:pd_leased_blocks"] == 3
+        deadline = time.monotonic() + 20
+        while _metrics(prefill)['switchyard:pd_leases_ended_total[how="expired"]'] < 1:
+            assert time.monotonic() < deadline, _metrics(prefill)
+            time.sleep(0.2)
+        assert _metrics(prefill)["switchyard:pd_leased_blocks"] == 0
+        blob = _prefill_leg(p, prompt, "orphan")
+        prefill.proc.kill()
+        prefill.proc.wait()
+        with pytest.raises(grpc.RpcError) as err:
+            _decode_leg(d, prompt, "orphan", blob)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "KV hand-off unreachable" in err.value.details()
+        assert d.engine_info()["kv"]["per_dp"][0]["blocks_used"] == 0
+        assert _metrics(decode)['switchyard:pd_transfer_failures_total[reason="unreachable"]'] >= 1
+        want = d.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids  # it serves on
+        assert _decode_leg(lenient_client, prompt, "orphan", blob) == want
+        assert _metrics(lenient)["switchyard:pd_prompt_tokens_recomputed_total"] == len(prompt) - 1
+    finally:
+        for c in clients:
+            c.close()
+        prefill.close()
+        lenient.close()
