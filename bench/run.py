@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -42,9 +43,11 @@ def make_prompts(vocab: int, context: int, n: int, seed: int) -> list[list[int]]
 class Server:
     """``scripts/serve.py`` as a subprocess on a loopback port, for one layout and spec mode."""
 
-    def __init__(self, overrides: list[str], log_path: Path, timeout_s: float):
+    def __init__(self, overrides: list[str], log_path: Path, timeout_s: float, cpus: str | None = None):
+        """``cpus``: pin the server's process (and its ranks) to these cores (``taskset -c``)."""
         self.port, self.metrics_port = free_port(), free_port()
-        cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), *overrides,
+        pin = ["taskset", "-c", cpus] if cpus is not None else []
+        cmd = [*pin, sys.executable, str(REPO / "scripts" / "serve.py"), *overrides,
                "server.host=127.0.0.1", f"server.port={self.port}", f"server.metrics_port={self.metrics_port}"]
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -66,6 +69,41 @@ class Server:
             code = self.proc.wait()
         self.log.close()
         return code
+
+
+class Gateway:
+    """``smg launch`` on loopback over gRPC ``workers`` with ``policy``, or (``pd``) over a prefill and a decode
+    worker in its PD mode; ``model_dir`` holds the tokenizer."""
+
+    def __init__(self, out: Path, name: str, workers: list[Server], policy: str, model_dir: Path,
+                 pd: bool = False):
+        self.port, metrics = free_port(), free_port()
+        urls = [f"grpc://127.0.0.1:{s.port}" for s in workers]
+        route = (["--pd-disaggregation", "--prefill", urls[0], "--decode", urls[1]] if pd
+                 else ["--worker-urls", *urls, "--policy", policy])
+        self.log = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "smg"), "launch", *route, "--model-path", str(model_dir),
+             "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+             str(metrics), "--block-size", "16", "--log-level", "warn"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.url, self.metrics_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{metrics}/metrics"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if json.load(urllib.request.urlopen(f"{self.url}/v1/models", timeout=2)).get("data"):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"smg did not come up; see {out / f'{name}.log'}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
 
 
 def closed_loop(client: Client, prompts: list[list[int]], concurrency: int, output_len: int, bar) -> list:

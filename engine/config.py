@@ -29,6 +29,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context length (vLLM's rule; EngineConfig.for_model)
+    # > 0: a prefill takes at most this many tokens of a step's budget (vLLM's long_prefill_token_threshold), so the
+    # short prompts behind a long one are admitted and answered while it is still prefilling; 0: no cap
+    long_prefill_token_threshold: int = 0
     # a waiting request whose next uncached block a running request is prefilling waits for that block to be
     # committed, then hits it, rather than computing the shared prefix again (SGLang's in-batch prefix caching)
     share_inflight_prefix: bool = True
@@ -38,6 +41,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _at_least_one(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        if self.long_prefill_token_threshold < 0:
+            raise RequestError(f"engine.long_prefill_token_threshold must be >= 0 (0: no cap), got "
+                               f"{self.long_prefill_token_threshold}")
         if self.kv_allocation not in ALLOCATIONS:
             raise RequestError(f"engine.kv_allocation must be one of {ALLOCATIONS}, got {self.kv_allocation!r}")
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -38,7 +37,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import REPO  # noqa: E402
 from bench.agentic import (  # noqa: E402
     Workload,
     compare,
@@ -53,10 +51,9 @@ from bench.agentic import (  # noqa: E402
     tier_comparison,
 )
 from bench.mooncake import MooncakeMaster, installed_master  # noqa: E402
-from bench.run import Server  # noqa: E402
+from bench.run import Gateway, Server  # noqa: E402
 from model.tiny import preset_dir  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
-from parallelism.launch import free_port  # noqa: E402
 
 log = logging.getLogger("bench_agentic")
 BASE = ["model=tiny_agent", "parallel=single", "engine.block_size=16", "engine.max_num_batched_tokens=2048",
@@ -176,36 +173,6 @@ STORE_WORKLOAD = Workload(sessions=7, turns=4, system_tokens=200, tenants=7, fir
                           new_tokens_per_turn=64, output_tokens=16, think_s=0.0, concurrency=1)
 
 
-class Gateway:
-    """``smg launch`` over gRPC workers on loopback, with ``policy``."""
-
-    def __init__(self, out: Path, name: str, workers: list[Server], policy: str):
-        self.port, metrics = free_port(), free_port()
-        self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
-             *[f"grpc://127.0.0.1:{s.port}" for s in workers], "--model-path", str(preset_dir("tiny_agent")),
-             "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-             str(metrics), "--policy", policy, "--block-size", "16", "--log-level", "warn"],
-            stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT, cwd=REPO)
-        self.url, self.metrics_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{metrics}/metrics"
-        import urllib.request
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if json.load(urllib.request.urlopen(f"{self.url}/v1/models", timeout=2)).get("data"):
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"smg did not come up; see {out / f'{name}.log'}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 def shared_store(out: Path, w: Workload = STORE_WORKLOAD) -> dict:
     tok = load_tokenizer(preset_dir("tiny_agent"))
     binary = installed_master()
@@ -217,7 +184,7 @@ def shared_store(out: Path, w: Workload = STORE_WORKLOAD) -> dict:
         store = ([f"engine.{k}={v}" for k, v in master.overrides(gb=0.5).items()] if master else [])
         workers = [serve(out, f"store_{arm}_worker{i}", "engine.num_blocks=4096", "engine.max_model_len=3072",
                          *store) for i in range(2)]
-        gateway = Gateway(out, f"smg_{arm}", workers, "round_robin")
+        gateway = Gateway(out, f"smg_{arm}", workers, "round_robin", preset_dir("tiny_agent"))
         kill = (lambda t, m=master: m.kill() if t == 1 else None) if arm == "store_master_killed" else None
         try:
             t0 = time.perf_counter()
@@ -270,7 +237,7 @@ def two_workers(out: Path, w: Workload) -> dict:
     workers = [serve(out, f"worker{i}", "engine.num_blocks=4096") for i in range(2)]
     gateway = None
     try:
-        gateway = Gateway(out, "smg", workers, "cache_aware")
+        gateway = Gateway(out, "smg", workers, "cache_aware", preset_dir("tiny_agent"))
         time.sleep(2.0)  # the KV event subscriptions open
         return smg_sessions(gateway.url, gateway.metrics_url, [s.client for s in workers],
                             replace(w, tenants=max(w.tenants, 2)), flush_after_turn=w.turns // 2, decode=tok.decode)

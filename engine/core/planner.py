@@ -1,9 +1,9 @@
 """The step planner: each step's items per attention-DP rank, the blocks they write, and recompute preemption.
 
 - Each step per DP rank: every running decode gets one token first, then prefills (oldest first) take chunks of the
-  remaining ``max_num_batched_tokens``. A prompt longer than the budget is prefilled over several steps; only the
-  chunk that completes it samples. ``on_demand``: each item's blocks are allocated for what the step writes (a
-  speculative item: its tree's scratch).
+  remaining ``max_num_batched_tokens``, each at most ``long_prefill_token_threshold`` when that is set. A prompt
+  longer than the budget is prefilled over several steps; only the chunk that completes it samples. ``on_demand``:
+  each item's blocks are allocated for what the step writes (a speculative item: its tree's scratch).
 - Preemption (``on_demand``): when an item's blocks are not free, the running request admitted last on that rank is
   preempted — vLLM's FCFS rule: the oldest request always progresses (no livelock) and the newest has the least to
   recompute. Never one already in this step, nor one with a step in flight (``overlap``: its KV is being written):
@@ -39,6 +39,7 @@ class StepPlanner:
         work, scheduled, blocks, blocked = [], {}, {}, False
         for dp in range(self.table.dp_size):
             budget, items, row = self.cfg.scheduler.max_num_batched_tokens, [], 0
+            cap = self.cfg.scheduler.long_prefill_token_threshold
             running = self.table.running[dp]
             total_of = {r.request_id: len(r.feed_tokens) + r.pending for r in running}
             decodes = [r for r in running if self._feeds_last_token(r, total_of[r.request_id])]
@@ -46,7 +47,7 @@ class StepPlanner:
                 if req.dp_rank != dp or req.request_id in scheduled or req.loading >= 0:  # preempted; or loading
                     continue
                 total = total_of[req.request_id]
-                n = min(total - req.num_computed, budget)
+                n = min(total - req.num_computed, budget, cap if cap and req not in decodes else budget)
                 if n <= 0 or self._ends_in_flight(req):
                     continue
                 decode = self._feeds_last_token(req, total)

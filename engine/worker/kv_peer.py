@@ -49,6 +49,18 @@ class PeerShard:
     digests: tuple[str, ...]
 
 
+def runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """``(index of its first, length)`` of each run of consecutive ids in ``blocks`` (``[4, 5, 6, 9]`` →
+    ``[(0, 3), (3, 1)]``)."""
+    out: list[tuple[int, int]] = []
+    for i, b in enumerate(blocks):
+        if out and blocks[i - 1] == b - 1:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
 def local_host(host: str) -> str:
     """The address a transfer endpoint announces: ``host`` unless it is a wildcard (then this machine's)."""
     return socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0", "::") else host
@@ -93,19 +105,24 @@ class PeerEndpoint:
         block_bytes = self.cache.block_bytes()
         if sum(widths) != block_bytes:
             raise TransferError("layout", f"the prefill's blocks are {sum(widths)} bytes, this cache's {block_bytes}")
-        out = self._staging(len(picks) * block_bytes)
+        n = len(picks)
+        out = self._staging(n * block_bytes)  # tensor-major: each tensor's n block rows contiguous
         local, remote, lengths = [], [], []
-        for i, pick in enumerate(picks):
-            at = out.data_ptr() + i * block_bytes
-            for address, width in shard.tensors:
-                local.append(at)
-                remote.append(address + shard.blocks[pick] * width)
-                lengths.append(width)
-                at += width
+        at = out.data_ptr()
+        for address, width in shard.tensors:
+            for start, run in runs([shard.blocks[p] for p in picks]):  # consecutive blocks: one transfer
+                local.append(at + start * width)
+                remote.append(address + shard.blocks[picks[start]] * width)
+                lengths.append(run * width)
+            at += n * width
         if self.engine.batch_transfer_sync_read(shard.session, local, remote, lengths) != 0:
-            raise TransferError("unreachable", f"reading {len(picks)} blocks from {shard.session} failed (the "
+            raise TransferError("unreachable", f"reading {n} blocks from {shard.session} failed (the "
                                 "prefill worker is gone or its lease ended)")
-        rows = out.view(len(picks), block_bytes).clone()
+        parts, at = [], 0
+        for _, width in shard.tensors:
+            parts.append(out[at:at + n * width].view(n, width))
+            at += n * width
+        rows = torch.cat(parts, dim=1)
         for row, pick in zip(rows, picks, strict=True):
             if block_digest(row) != shard.digests[pick]:
                 raise TransferError("checksum", f"block {shard.blocks[pick]} from {shard.session} does not match "

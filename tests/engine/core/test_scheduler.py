@@ -118,6 +118,20 @@ def test_decodes_go_first_and_prefills_take_chunks_of_the_rest_of_the_budget():
         ("d", 1, True, True), ("p", 7, False, False)]
 
 
+def test_a_capped_long_prefill_leaves_room_for_the_short_prompt_behind_it():
+    sched = scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    sched.add("long", list(range(10, 50)), GREEDY, 0)
+    sched.add("short", [3, 4, 5], GREEDY, 0)
+    plan = sched.schedule()
+    assert [(w.request_id, len(w.token_ids), w.sample) for w in plan.work[0]] == [("long", 6, False),
+                                                                                  ("short", 3, True)]
+    sched.update(plan, results(plan))
+    plan = sched.schedule()  # the short one decodes first; the long one's next chunk is capped again
+    assert [(w.request_id, len(w.token_ids)) for w in plan.work[0]] == [("short", 1), ("long", 6)]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        scheduler(long_prefill_token_threshold=-1)
+
+
 def test_preemption_takes_the_latest_admitted_and_it_resumes_first_with_its_output():
     sched = scheduler(num_blocks=33, max_num_batched_tokens=64)  # 32 blocks of 4 for one max_model_len request
     sched.add("old", list(range(10, 70)), dataclasses.replace(GREEDY, max_tokens=60), 0)
