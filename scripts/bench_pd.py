@@ -79,8 +79,9 @@ def plot(doc: dict, path: Path) -> None:
     for i, (name, itl) in enumerate(bars):
         ax.bar([x + (i - 1.5) * width for x in range(2)], [1e3 * itl["median"], 1e3 * itl["p99"]], width, label=name)
     ax.set_xticks(range(2), labels)
-    ax.set_ylabel("decode inter-token latency (ms)")
-    ax.set_title("decode streams, with and without 4096-token prompts arriving (tiny_agent, CPU)")
+    ax.set_ylabel("decode inter-token latency (ms, log)")
+    ax.set_yscale("log")
+    ax.set_title("decode streams with and without long prompts arriving (tiny_agent, CPU)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
