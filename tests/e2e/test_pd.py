@@ -188,3 +188,29 @@ def test_a_lease_nobody_reads_expires_and_a_dead_prefill_fails_only_its_hand_off
             c.close()
         prefill.close()
         lenient.close()
+
+
+def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(tmp_path):
+    """Prefill and decode workers of two ranks each (attention TP2, experts EP2): each decode rank reads the
+    prefill's rank of its own TP place; the decode leg answers what the decode worker then computes cold."""
+    tp2 = [*BASE, "parallel.world_size=2", "parallel.attn_tp=2", "parallel.attn_dp=1", "parallel.moe_tp=1",
+           "parallel.moe_ep=2"]
+    servers = [ServerProcess(str(ZOO / "target"), [*tp2, f"server.kv_role={role}"], tmp_path / f"{role}.log")
+               for role in ("prefill", "decode")]
+    clients = []
+    try:
+        p, d = clients[:] = [srv.wait_ready() for srv in servers]
+        prompt = [(3 * k) % 150 + 3 for k in range(50)]
+        blob = _prefill_leg(p, prompt, "tp2")
+        assert len(json.loads(blob)["shards"]) == 2
+        handed = _decode_leg(d, prompt, "tp2", blob)
+        assert d.flush_cache()[0]  # the received blocks leave its prefix cache: the next run computes everything
+        own = d.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert handed == own.token_ids and own.cached_tokens == 0
+        m = _metrics(servers[1])
+        assert m["switchyard:pd_kv_blocks_received_total"] == 4 and m["switchyard:pd_prompt_tokens_recomputed_total"] == 0
+    finally:
+        for c in clients:
+            c.close()
+        for srv in servers:
+            srv.close()
