@@ -208,7 +208,8 @@ def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(tmp_path):
         own = d.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
         assert handed == own.token_ids and own.cached_tokens == 0
         m = _metrics(servers[1])
-        assert m["switchyard:pd_kv_blocks_received_total"] == 4 and m["switchyard:pd_prompt_tokens_recomputed_total"] == 0
+        assert m["switchyard:pd_kv_blocks_received_total"] == 4
+        assert m["switchyard:pd_prompt_tokens_recomputed_total"] == 0
     finally:
         for c in clients:
             c.close()
