@@ -309,7 +309,8 @@ class Engine:
     def flush_cache(self) -> FlushResult:
         """Empties the prefix cache when no request is in the engine (``FlushCache``)."""
         s = self.scheduler.stats()
-        return FlushResult(flushed=not self.has_work() and self.scheduler.kv.clear(), busy=s.running + s.waiting)
+        return FlushResult(flushed=not self.has_work() and self.scheduler.kv.clear(), busy=s.running + s.waiting,
+                           leased_blocks=self.scheduler.leases.num_blocks)
 
     def kv_events(self, on: bool) -> None:
         """Keep the prefix index's changes for :meth:`kv_events_since` (the server's ``SubscribeKvEvents``)."""

@@ -50,6 +50,7 @@ class FlushCache:
 class FlushResult:
     flushed: bool
     busy: int  # requests in the engine (running + waiting) when it was tried
+    leased_blocks: int = 0  # blocks a prefill worker's leases held then (engine.core.leases)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -302,8 +302,10 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                 log.info("FlushCache: OK (prefix cache emptied)")
                 return common_pb2.FlushCacheResponse(success=True, message="prefix cache emptied")
             if time.monotonic() >= deadline:
-                why = (f"{result.busy} request(s) still hold KV blocks after {request.timeout_s:g} s; nothing was "
-                       "flushed")
+                leased = f" and leases for decode workers hold {result.leased_blocks} block(s)" \
+                    if result.leased_blocks else ""
+                why = (f"{result.busy} request(s){leased} still hold KV blocks after {request.timeout_s:g} s; "
+                       "nothing was flushed")
                 log.info("FlushCache: not done (%s)", why)
                 return common_pb2.FlushCacheResponse(success=False, message=why)
             await asyncio.sleep(0.05)

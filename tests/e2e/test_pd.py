@@ -167,6 +167,8 @@ def test_a_lease_nobody_reads_expires_and_a_dead_prefill_fails_only_its_hand_off
         prompt = [(5 * k) % 140 + 3 for k in range(40)]
         _prefill_leg(p, prompt, "forgotten")
         assert _metrics(prefill)["switchyard:pd_leased_blocks"] == 3
+        ok, why = p.flush_cache(timeout_s=0.0)
+        assert not ok and "leases for decode workers hold 3 block(s)" in why
         deadline = time.monotonic() + 20
         while _metrics(prefill)['switchyard:pd_leases_ended_total[how="expired"]'] < 1:
             assert time.monotonic() < deadline, _metrics(prefill)
