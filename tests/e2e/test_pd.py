@@ -5,12 +5,14 @@ gateway (``engine.batch_invariant=true``; tiny_kimi, MLA), the decode worker com
 (``switchyard:pd_prompt_tokens_recomputed_total`` stays 0) while it receives the prompts' blocks, a session's second
 turn fetches only its new blocks, the prefill worker's leases are all released, and a DDTree pair answers the
 aggregated worker's greedy tokens. Faults: a lease nobody reads expires; a dead prefill worker fails only its
-outstanding hand-off, UNAVAILABLE and named, leaking no block on the decode worker (or is recomputed when asked)."""
+outstanding hand-off, UNAVAILABLE and named, leaking no block on the decode worker (or is recomputed when asked);
+smg refuses a pair whose block sizes differ, as the workers report them."""
 
 from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -217,3 +219,26 @@ def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(tmp_path):
             c.close()
         for srv in servers:
             srv.close()
+
+
+def test_smg_refuses_a_pair_whose_block_sizes_differ_before_any_request_runs(gateways, tmp_path):
+    """What this worker reports in GetServerInfo is what smg pairs by: a decode worker with 32-token blocks behind
+    the module's 16-token prefill worker gets every request refused (503 ``no_compatible_pd_pair``), and neither
+    worker runs one."""
+    _, _, prefill, _ = gateways
+    other = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=decode", "engine.block_size=32"],
+                          tmp_path / "decode.log")
+    try:
+        other.wait_ready().close()
+        before = Client(prefill.target)
+        served = before.engine_info()["steps"]["total"]
+        with smg_gateway((prefill.target, other.target), ZOO / "target", tmp_path / "smg.log", *SMG_OPTIONS,
+                         model=MODEL) as pd:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                _completions(pd, prompt=PROMPT, max_tokens=4, temperature=0.0)
+            assert err.value.code == 503 and "no_compatible_pd_pair" in err.value.read().decode()
+        assert before.engine_info()["steps"]["total"] == served
+        assert "OK: prompt" not in other.log(100_000)
+        before.close()
+    finally:
+        other.close()
