@@ -169,17 +169,18 @@ class AsyncEngine:
         self._thread.start()
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
-                     retain_kv: bool = False, kv: KVSource | None = None,
-                     lease: PeerLease | None = None) -> RequestStream:
+                     retain_kv: bool = False, kv: KVSource | None = None, lease: PeerLease | None = None,
+                     kv_missing: bool = False) -> RequestStream:
         """Adds a request; raises RequestError/SamplingError (bad input), Overloaded or EngineDead. ``dp_rank``,
-        ``retain_kv``, ``kv``, ``lease``: as :meth:`Engine.add_request`."""
+        ``retain_kv``, ``kv``, ``lease``, ``kv_missing``: as :meth:`Engine.add_request`."""
         if request_id in self._streams:
             raise RequestError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id, params.n)
         self._streams[request_id] = stream
         try:
             await self._call(AddRequest(request_id=request_id, prompt=tuple(prompt), params=params, dp_rank=dp_rank,
-                                        retain_kv=retain_kv, arrival=time.monotonic(), kv=kv, lease=lease))
+                                        retain_kv=retain_kv, arrival=time.monotonic(), kv=kv, lease=lease,
+                                        kv_missing=kv_missing))
         except BaseException:  # bad input, overload, or the caller went away while the add was queued
             self._streams.pop(request_id, None)
             stream.finished = True
@@ -328,7 +329,7 @@ class EngineThread:
             raise Overloaded(f"server at capacity: {s.running} running + {s.waiting} waiting (server.max_num_seqs * "
                              f"attn_dp + server.max_queue = {self.front.capacity})")
         self.engine.add_request(r.request_id, list(r.prompt), r.params, r.dp_rank, r.retain_kv, r.arrival, r.kv,
-                                r.lease)
+                                r.lease, r.kv_missing)
 
     def _abort(self, r: AbortRequest) -> None:
         """Ends the request if it runs; ends its leases (a prefill's, by request id or lease key) either way."""

@@ -130,14 +130,15 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, dp_rank: int | None = None,
                     retain_kv: bool = False, arrival: float | None = None, kv: KVSource | None = None,
-                    lease: PeerLease | None = None) -> None:
+                    lease: PeerLease | None = None, kv_missing: bool = False) -> None:
         """``dp_rank``: the attention-DP rank to run on (None: the scheduler places it); ``retain_kv``: keep its blocks
         past plain LRU when it ends (``engine.kv_retention_s``); ``arrival``: when it arrived (``time.monotonic``;
         None: now), where its time to first token and queue time start; ``kv``: where the KV of its leading prompt
         tokens is (``kv.num_tokens`` of them, made by an engine on the same weights and layout): it is loaded into
         the blocks admission reserves, off the step thread, and the request waits for it without holding up the
         others; ``lease``: when it finishes, keep its prompt's KV for a decode worker to read (its last output's
-        ``kv_transfer_params`` says where)."""
+        ``kv_transfer_params`` says where); ``kv_missing``: a decode worker got it without a hand-off, so the prompt
+        tokens it computes count as recomputed."""
         if kv is not None:
             self.transfers.check(kv)
         if params.constraint is not None:
@@ -156,6 +157,8 @@ class Engine:
             self.transfers.sources[request_id] = kv
         if lease is not None:
             self.transfers.leases[request_id] = lease
+        if kv_missing:
+            self.transfers.missing.add(request_id)
         keys = [request_id] if params.n == 1 else [sample_id(request_id, i) for i in range(params.n)]
         self.stops.add(keys, prompt, params)
         self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
@@ -166,6 +169,7 @@ class Engine:
         outs = self.scheduler.abort_all(request_id) or [self.scheduler.abort(request_id)]  # unknown id: RequestError
         self.transfers.sources.pop(request_id, None)
         self.transfers.leases.pop(request_id, None)
+        self.transfers.missing.discard(request_id)
         self.stops.ended(outs)
         now = time.monotonic()
         for out in outs:

@@ -46,6 +46,7 @@ class KVTransfers:
         self.loading: set[int] = set()  # loads started whose rank-0 share is not done
         self.failed_loads = 0  # loads whose source failed on some rank (their requests computed the tokens)
         self.leases: dict[str, PeerLease] = {}  # requests whose KV a decode worker will read, until they finish
+        self.missing: set[str] = set()  # requests a decode worker got without a hand-off, until their first output ends
         self.peer_loads: dict[int, tuple[int, int, str, bool]] = {}  # hand-offs running: id → (blocks, tokens,
         # request, recompute on failure)
         self.refused: list[tuple[str, str]] = []  # requests whose hand-off failed without recompute: (id, why)
@@ -137,7 +138,11 @@ class KVTransfers:
     def hand_off(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """``outputs``, where a finished request with a lease (a prefill worker's) gets ``kv_transfer_params``: where
         its leased blocks are on each rank of its DP group (:class:`~engine.worker.control.LeaseKV`) and how to
-        check them."""
+        check them. A finished request a decode worker got without a hand-off counts its computed prompt tokens."""
+        for out in outputs:
+            if out.finished and out.request_id in self.missing:  # its prompt was computed here (once for n > 1)
+                self.missing.discard(out.request_id)
+                self.recomputed += max(out.num_prompt_tokens - 1 - out.num_cached_tokens, 0)
         return [self._hand_off(out) if out.finished else out for out in outputs]
 
     def _hand_off(self, out: RequestOutput) -> RequestOutput:

@@ -25,6 +25,7 @@ class AddRequest:
     arrival: float
     kv: Any = None  # a KVSource its leading prompt tokens' KV is read from (a prefill worker's hand-off)
     lease: Any = None  # a PeerLease: keep its prompt's KV for a decode worker (this is a prefill worker)
+    kv_missing: bool = False  # a decode worker got it without a hand-off (smg relays none for n > 1): counted
 
 
 @dataclass(frozen=True)

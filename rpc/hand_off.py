@@ -68,6 +68,10 @@ class HandOffRole:
             return {}
         return dict(kv_connector=self.connector, kv_role=ROLES[self.role], kv_engine_id=self.fingerprint)
 
+    def kv_missing(self, blob: dict | None) -> bool:
+        """A decode leg that came without a hand-off (smg relays none for ``n > 1``): its prompt is recomputed."""
+        return self.role == "decode" and blob is None
+
     def lease(self) -> PeerLease | None:
         """What a request on this worker is leased under (a prefill worker's), or None."""
         host = self.address.rsplit(":", 1)[0]

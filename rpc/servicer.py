@@ -158,8 +158,9 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
                 prompt, params = convert.generate_request(request, self.limits)
                 dp_rank, retain_kv, blob = convert.kv_hints(request)
                 kv, lease = self._hand_off(blob)
+                missing = self.hand_off is not None and self.hand_off.kv_missing(blob)
                 await self._compile(params.constraint)
-                stream = await self.engine.submit(rid, prompt, params, dp_rank, retain_kv, kv, lease)
+                stream = await self.engine.submit(rid, prompt, params, dp_rank, retain_kv, kv, lease, missing)
             except ValueError as err:  # InvalidRequest, SamplingError, RequestError
                 req.reject("INVALID_ARGUMENT", str(err))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

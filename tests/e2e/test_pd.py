@@ -117,6 +117,21 @@ def test_a_sessions_second_turn_fetches_only_its_new_blocks(gateways):
     assert end["switchyard:pd_prompt_tokens_recomputed_total"] == 0
 
 
+def test_an_n_2_request_comes_without_a_hand_off_and_counts_as_recomputed(gateways):
+    pd, agg, _, decode = gateways
+    prompt = "class Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 2
+    before = _metrics(decode)
+    got = _completions(pd, prompt=prompt, max_tokens=4, n=2, temperature=1.0, seed=3)
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in _completions(
+        agg, prompt=prompt, max_tokens=4, n=2, temperature=1.0, seed=3)["choices"]]
+    after = _metrics(decode)
+    cached = (got["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    recomputed = after["switchyard:pd_prompt_tokens_recomputed_total"] - \
+        before["switchyard:pd_prompt_tokens_recomputed_total"]
+    assert recomputed == got["usage"]["prompt_tokens"] - 1 - cached > 0  # smg relays no hand-off for n > 1
+    assert after["switchyard:pd_kv_blocks_received_total"] == before["switchyard:pd_kv_blocks_received_total"]
+
+
 def test_a_ddtree_pair_answers_the_aggregated_workers_greedy_tokens(gateways, tmp_path):
     _, agg, _, _ = gateways
     ddtree = [*BASE, "spec_decode=ddtree"]
