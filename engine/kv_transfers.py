@@ -98,7 +98,9 @@ class KVTransfers:
     def finish_loads(self) -> None:
         """Loads whose rank-0 share is written (or that are not its own): every rank's share is waited for and
         whether its source failed there gathered (``LoadOutcomes``); their requests join the next step, those whose
-        load failed somewhere to compute the tokens themselves."""
+        load failed somewhere to compute the tokens themselves. Leases past their time end here too (every step)."""
+        if self.scheduler.leases.held:
+            self.scheduler.leases.expire()
         loads = self.rank.runner.loads
         done = tuple(sorted(i for i in self.loading if loads.done(i)))
         if not done:
@@ -113,7 +115,6 @@ class KVTransfers:
                 log.warning("KV load %d failed (%s): its request computes those tokens", load_id, failed[load_id])
             self._count_hand_off(load_id, failed.get(load_id))
             self.scheduler.loaded(load_id, failed=load_id in failed)
-        self.scheduler.leases.expire()
 
     def _count_hand_off(self, load_id: int, failure: str | None) -> None:
         blocks, tokens, request_id, recompute = self.peer_loads.pop(load_id, (0, 0, "", True))
