@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from tests.support.rpc_helpers import ServerProcess, hf_greedy, layout_args
 
@@ -25,6 +26,19 @@ def alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def watched_statuses(watch, until_first: bool = False) -> list[str]:
+    """The statuses a ``grpc.health.v1`` Watch stream delivers until the server ends it (or the first one)."""
+    statuses = []
+    try:
+        for resp in watch:
+            statuses.append(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+            if until_first:
+                break
+    except grpc.RpcError as gone:
+        assert gone.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), gone
+    return statuses
 
 
 def rank_pids(client) -> dict[int, int]:
@@ -87,18 +101,20 @@ def test_kill9_of_a_rank_ends_streams_unavailable_and_exits(server8):
     iters = [iter(s) for s in streams]
     for it in iters:
         next(it)
-    os.kill(pids[3], signal.SIGKILL)
-    t0 = time.monotonic()
-    for it in iters:
-        with pytest.raises(grpc.RpcError) as err:
-            list(it)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        assert f"rank 3 (pid {pids[3]}) exited" in err.value.details(), err.value.details()  # names the rank
-    try:  # until it exits the server says NOT_SERVING (the flip precedes the grace period); never SERVING again
-        assert client.health(timeout=2) == "NOT_SERVING"
-    except grpc.RpcError as gone:  # already exited, or the health call was in flight when the server stopped
-        assert gone.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), gone
-    rc = srv.wait(timeout=EXIT_WITHIN_S)
+    watch = client.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
+    assert watched_statuses(watch, until_first=True) == ["SERVING"]  # the server holds the watch open
+    with ThreadPoolExecutor(1) as pool:
+        seen = pool.submit(watched_statuses, watch)
+        os.kill(pids[3], signal.SIGKILL)
+        t0 = time.monotonic()
+        for it in iters:
+            with pytest.raises(grpc.RpcError) as err:
+                list(it)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert f"rank 3 (pid {pids[3]}) exited" in err.value.details(), err.value.details()  # names the rank
+        rc = srv.wait(timeout=EXIT_WITHIN_S)
+        # a health watch opened before the kill saw NOT_SERVING before the process exited, and nothing after it
+        assert seen.result(timeout=10) == ["NOT_SERVING"]
     assert rc != 0 and time.monotonic() - t0 < EXIT_WITHIN_S
     lines = [line for line in srv.log(20000).splitlines() if line.strip()]
     # the log's last line says which: rank 0's own, or the launcher's when it ended rank 0 first
