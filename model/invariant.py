@@ -29,6 +29,7 @@ from model import fixed_math
 from model.batch import paged_slots
 from model.quant import reference as qref
 from model.tree_mask import resolve_tree_mask
+from parallelism.comm import ordered_sum
 from parallelism.dispatch_base import ExpertInput
 
 TILE_ROWS = 16  # rows per GEMM: measured fastest of 1/8/16 for 8–65 rows on this CPU (docs/batch_invariance.md)
@@ -81,16 +82,6 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- attention
-
-
-def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over ``dim`` one slice at a time, in index order (a fixed order: the batch-invariant combines, torch and
-    Triton)."""
-    parts = x.unbind(dim)
-    acc = parts[0]
-    for part in parts[1:]:
-        acc = acc + part
-    return acc
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
@@ -209,9 +200,17 @@ def tree_verify_mla(q_lat, q_pe, latent_cache, rope_cache, block_tables, context
 # ----------------------------------------------------------------------------------------------- experts
 
 
+def finish_pairs(pairs: torch.Tensor, inp: ExpertInput, dtype: torch.dtype) -> torch.Tensor:
+    """Per-pair outputs ``[N, k, H]`` → what the dispatcher asked for: the pairs as they are when ``inp.unsummed``
+    (the placement-invariant combine adds them after its collective), else each row's sum in top-k order ``[N, H]``
+    in ``dtype``."""
+    return pairs if inp.unsummed else ordered_sum(pairs, dim=1).to(dtype)
+
+
 def pair_experts(inp: ExpertInput, expert: qref.Expert) -> torch.Tensor:
     """Each (row, choice) pair's weighted ``expert(e, rows [n, H]) → [n, H]`` in its own row ``[N*k, H]``, summed
-    per row over its k choices in top-k order (no ``index_add``/atomics). Returns ``[N, H]``."""
+    per row over its k choices in top-k order (no ``index_add``/atomics; :func:`finish_pairs`). Returns ``[N, H]``,
+    or ``[N, k, H]`` when ``inp.unsummed``."""
     x, k = inp.hidden, inp.slots.shape[1]
     flat = inp.slots.reshape(-1)
     weights = inp.weights.reshape(-1).to(x.dtype)
@@ -219,7 +218,7 @@ def pair_experts(inp: ExpertInput, expert: qref.Expert) -> torch.Tensor:
     for e in torch.unique(flat[flat >= 0]).tolist():
         idx = (flat == e).nonzero()[:, 0]
         pairs[idx] = expert(e, x[idx // k]) * weights[idx, None]
-    return ordered_sum(pairs.view(x.shape[0], k, x.shape[1]), dim=1) if x.shape[0] else pairs
+    return finish_pairs(pairs.view(x.shape[0], k, x.shape[1]), inp, x.dtype) if x.shape[0] or inp.unsummed else pairs
 
 
 def moe_experts(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

@@ -154,6 +154,14 @@ def _triton_set(device: torch.device) -> KernelSet:
                      backend="triton")
 
 
+def check_unsummed(inp, kernels: KernelSet) -> None:
+    """Only the batch-invariant MoE kernels return unsummed pairs (``ExpertInput.unsummed``): a dispatcher asks for
+    them under ``engine.batch_invariant``, which selects those kernels; anything else is a wiring error."""
+    if inp.unsummed and not kernels.batch_invariant:
+        raise ValueError("the dispatcher asked for unsummed expert outputs (engine.batch_invariant's placement-"
+                         f"invariant combine) but the kernel set {kernels.backend!r} is not batch-invariant")
+
+
 INVARIANT_ATTENTION_OPS = ("paged_decode_gqa", "paged_decode_mla", "tree_verify_gqa", "tree_verify_mla",
                            "masked_attention")
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig, MoEConfig
-from model.kernel_select import KernelSet, reference_kernels
+from model.kernel_select import KernelSet, check_unsummed, reference_kernels
 from model.layers import GatedMLP
 from parallelism.comm import ParallelGroups
 from parallelism.dispatch_base import Dispatcher, ExpertInput
@@ -81,7 +81,9 @@ class LocalExperts(ShardedModule):
 
     def forward(self, inp: ExpertInput) -> torch.Tensor:
         """Weighted sum over each row's local experts: ``[N, H]`` (the kernel set's ``moe_experts``: the
-        Triton fused MoE, or :func:`model.kernels.local_experts`)."""
+        Triton fused MoE, or :func:`model.kernels.local_experts`); each pair's output ``[N, k, H]`` when
+        ``inp.unsummed`` (batch-invariant kernels only)."""
+        check_unsummed(inp, self.kernels)
         return self.kernels.moe_experts(inp, self.w_gate_up, self.w_down)
 
     def checkpoint_tensors(self) -> Iterator[CheckpointTensor]:

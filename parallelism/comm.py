@@ -90,7 +90,7 @@ class Comm:
         if self.mode.ordered:
             parts = x.new_empty(self.size * x.numel())
             dist.all_gather_into_tensor(parts, x.reshape(-1).contiguous(), group=self.group)
-            return x.copy_(_rank_order_sum(parts.view(self.size, *x.shape)))
+            return x.copy_(ordered_sum(parts.view(self.size, *x.shape), 0))
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -112,7 +112,7 @@ class Comm:
         if self.mode.ordered:  # rank r's chunk c goes to rank c: parts[r] = rank r's copy of this rank's chunk
             parts = x.new_empty(x.shape)
             dist.all_to_all_single(parts, x.contiguous(), group=self.group)
-            return out.copy_(_rank_order_sum(parts.view(self.size, *out.shape)))
+            return out.copy_(ordered_sum(parts.view(self.size, *out.shape), 0))
         dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
@@ -181,11 +181,14 @@ class Comm:
             dist.barrier(group=self.group)
 
 
-def _rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
-    """``parts [W, ...]`` → ``((parts[0] + parts[1]) + parts[2]) + ...``, elementwise: one order for every element."""
-    acc = parts[0].clone()
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` one slice at a time in index order, ``((x[0] + x[1]) + x[2]) + ...`` elementwise: one order
+    for every element (the rank-order reductions, and the batch-invariant MoE combines: a token's k expert outputs
+    in top-k order)."""
+    parts = x.unbind(dim)
+    acc = parts[0]
     for part in parts[1:]:
-        acc += part
+        acc = acc + part
     return acc
 
 

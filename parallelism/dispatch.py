@@ -19,7 +19,11 @@ One interface (:class:`parallelism.dispatch_base.Dispatcher`), backends chosen i
 
 Expert-side contract: :class:`~parallelism.dispatch_base.ExpertInput` rows with, per routing choice, the local
 expert slot (``-1`` when that expert is not on this rank) and its weight. Experts return the *weighted* sum over
-their valid slots per row, ``[N, H]``; combine only moves and sums rows.
+their valid slots per row, ``[N, H]``; combine only moves and sums rows. Under ``engine.batch_invariant`` with
+``moe_ep`` > 1 (:attr:`~parallelism.dispatch_base.Dispatcher.pairwise`) they return each (row, choice)'s weighted
+output ``[N, k, H]`` instead, and combine moves those and adds a token's k of them in top-k order on its own rank:
+the same collectives, k× the combine bytes (allreduce: the shared experts' partials ride in the same all-reduce
+as a (k+1)-th slot).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallelism.comm import Comm, ParallelGroups
+from parallelism.comm import Comm, ParallelGroups, ordered_sum
 from parallelism.deepep import FALLBACK, DeepEPDispatcher, deepep_unavailable
 from parallelism.dispatch_base import DeepEPUnavailable, Dispatcher, ExpertInput, capturing
 from parallelism.layout import ExpertPlacement
@@ -42,12 +46,21 @@ class AllToAllMeta:
     token_index: torch.Tensor  # [S] int64: local token of each sent row, grouped by destination
     send_counts: list[int]
     recv_counts: list[int]
+    dtype: torch.dtype  # the tokens' (unsummed pairs may come back in fp32)
 
 
 @dataclass(frozen=True)
 class AllGatherMeta:
     num_tokens: int
     padded: int  # rows per rank after padding
+    dtype: torch.dtype
+
+
+def add_pairs(pairs: torch.Tensor, dtype: torch.dtype, shared: torch.Tensor | None) -> torch.Tensor:
+    """The placement-invariant sum: ``pairs [T, k, H]`` (every (token, choice)'s weighted expert output, on the
+    token's rank) added in top-k order, in ``dtype``, then this rank's shared experts ``[T, H]``."""
+    out = ordered_sum(pairs, 1).to(dtype)
+    return out if shared is None else out + shared
 
 
 class AllReduceDispatcher(Dispatcher):
@@ -55,11 +68,18 @@ class AllReduceDispatcher(Dispatcher):
     graph_safe = True
 
     def dispatch(self, x, topk_ids, topk_weights):
-        return ExpertInput(x, self.local_slot[topk_ids], topk_weights.float()), x.shape[0]
+        inp = ExpertInput(x, self.local_slot[topk_ids], topk_weights.float(), unsummed=self.pairwise)
+        return inp, x.dtype
 
     def combine(self, y, meta, shared):
-        out = y if shared is None else y + shared
-        return self.world.all_reduce(out)
+        if not self.pairwise:
+            out = y if shared is None else y + shared
+            return self.world.all_reduce(out)
+        k = y.shape[1]  # a pair is non-zero on the ranks holding its expert only: the rank-order sum adds zeros
+        if shared is not None:  # the shared experts' partials (attention TP = this group) as slot k
+            y = torch.cat([y, shared.to(y.dtype)[:, None]], dim=1)
+        y = self.world.all_reduce(y.contiguous())
+        return add_pairs(y[:, :k], meta, None if shared is None else y[:, k].to(meta))
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -77,16 +97,18 @@ class AllToAllDispatcher(Dispatcher):
         routing = torch.cat([slots.float(), topk_weights[token_index].float()], dim=1)  # [S, 2k]
         hidden = self.world.all_to_all(x[token_index], send_counts, recv_counts)
         routing = self.world.all_to_all(routing, send_counts, recv_counts)
-        meta = AllToAllMeta(t, token_index, send_counts, recv_counts)
-        return ExpertInput(hidden, routing[:, :k].long(), routing[:, k:]), meta
+        meta = AllToAllMeta(t, token_index, send_counts, recv_counts, x.dtype)
+        return ExpertInput(hidden, routing[:, :k].long(), routing[:, k:], unsummed=self.pairwise), meta
 
     def combine(self, y, meta, shared):
-        back = self.world.all_to_all(y, meta.recv_counts, meta.send_counts)  # [S, H]
-        out = torch.zeros(meta.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        back = self.world.all_to_all(y.flatten(1), meta.recv_counts, meta.send_counts)  # [S, k*H] or [S, H]
+        out = torch.zeros(meta.num_tokens, back.shape[1], dtype=y.dtype, device=y.device)
         if self.world.mode.ordered:
             add_in_rank_order(out, back, meta)
         else:
             out.index_add_(0, meta.token_index, back)
+        if y.dim() == 3:  # pairwise: [S, k, H] came back
+            return add_pairs(out.view(meta.num_tokens, *y.shape[1:]), meta.dtype, shared)
         return out if shared is None else out + shared
 
 
@@ -125,10 +147,13 @@ class AllGatherDispatcher(Dispatcher):
         k = topk_ids.shape[1]
         ids = routing[:, :k].long()
         slots = torch.where(ids >= 0, self.local_slot[ids.clamp(min=0)], -1)
-        return ExpertInput(hidden, slots, routing[:, k:]), AllGatherMeta(t, padded)
+        inp = ExpertInput(hidden, slots, routing[:, k:], unsummed=self.pairwise)
+        return inp, AllGatherMeta(t, padded, x.dtype)
 
     def combine(self, y, meta, shared):
-        out = self.world.reduce_scatter(y)[: meta.num_tokens]
+        out = self.world.reduce_scatter(y.flatten(1))[: meta.num_tokens]  # [T, k*H] or [T, H]
+        if y.dim() == 3:
+            return add_pairs(out.view(meta.num_tokens, *y.shape[1:]), meta.dtype, shared)
         return out if shared is None else out + shared
 
 

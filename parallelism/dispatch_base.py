@@ -26,6 +26,7 @@ class ExpertInput:
     slots: torch.Tensor    # [N, k] int64 local expert slot, -1 = not on this rank
     weights: torch.Tensor  # [N, k] float32 routing weights
     packed_counts: torch.Tensor | None = None  # [E_local] int, on hidden's device
+    unsummed: bool = False  # return each (row, choice)'s weighted output [N, k, H] (zeros where not local)
 
 
 def capturing() -> bool:
@@ -34,7 +35,16 @@ def capturing() -> bool:
 
 
 class Dispatcher:
-    """Base class. ``dispatch`` → local experts → ``combine``."""
+    """Base class. ``dispatch`` → local experts → ``combine``.
+
+    Placement-invariant combine (:attr:`pairwise`: ``engine.batch_invariant`` with ``moe_ep`` > 1): the experts
+    return each (row, choice)'s weighted output unsummed (:attr:`ExpertInput.unsummed`), the collective brings
+    every pair to its token's rank, and a token's k outputs are added there in top-k order
+    (:func:`~parallelism.comm.ordered_sum`), then its shared experts. Which rank computed a pair then changes
+    nothing in the sum, so experts can move between ranks without changing a bit; otherwise each rank sums its own
+    experts' outputs first and the ranks' partial sums are added, so the grouping of the additions follows the
+    placement.
+    """
 
     name = "base"
     needs_partitioned_tokens = False
@@ -45,6 +55,7 @@ class Dispatcher:
     def __init__(self, groups: ParallelGroups, placement: ExpertPlacement):
         self.groups = groups
         self.world = groups.world
+        self.moe_ep = placement.moe_ep
         rank = groups.rank
         e = placement.num_experts
         local_slot = torch.full((e,), -1, dtype=torch.int64)
@@ -59,6 +70,12 @@ class Dispatcher:
         slot_of = torch.tensor([placement.local_slot_of(x) for x in range(e)])[:, None]  # [E, 1]
         self.slot_at_rank = torch.where(holders, slot_of, -1)  # [E, W]: expert's slot on rank r, or -1
 
+    @property
+    def pairwise(self) -> bool:
+        """Whether combine is placement-invariant now (read per call: the model sets the ordered mode after the
+        dispatcher is built)."""
+        return self.world.mode.ordered and self.moe_ep > 1
+
     def to(self, device: torch.device | str) -> Dispatcher:
         """Moves the routing tables to ``device`` (the model's), so dispatch launches no host copies."""
         self.local_slot, self.holders = self.local_slot.to(device), self.holders.to(device)
@@ -70,7 +87,8 @@ class Dispatcher:
         raise NotImplementedError
 
     def combine(self, y: torch.Tensor, meta, shared: torch.Tensor | None) -> torch.Tensor:
-        """Expert outputs ``[N, H]`` (+ this rank's shared-expert partial ``[T, H]``) → MoE output ``[T, H]``."""
+        """Expert outputs ``[N, H]`` (``[N, k, H]`` when :attr:`pairwise`) + this rank's shared-expert partial
+        ``[T, H]`` → MoE output ``[T, H]``."""
         raise NotImplementedError
 
 

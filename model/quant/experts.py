@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from model.kernel_select import KernelSet, reference_kernels
+from model.kernel_select import KernelSet, check_unsummed, reference_kernels
 from model.quant.config import INT4, QuantConfig
 from model.quant.linear import cdiv, check_shape, read_block
 from parallelism.dispatch_base import ExpertInput
@@ -44,7 +44,8 @@ class QuantExperts(ShardedModule):
             self.register_buffer(name, torch.empty(shape, dtype=dt))
         self.kernels: KernelSet = reference_kernels()
 
-    def forward(self, inp: ExpertInput) -> torch.Tensor:  # -> [N, H]
+    def forward(self, inp: ExpertInput) -> torch.Tensor:  # -> [N, H], or [N, k, H] when inp.unsummed
+        check_unsummed(inp, self.kernels)
         if self.cfg.method == INT4:
             return self.kernels.w4a16_moe(inp, self.w13, self.w13_scale, self.w2, self.w2_scale, self.cfg.group_size)
         return self.kernels.fp8_moe(inp, self.w13, self.w13_scale, self.w2, self.w2_scale, self.cfg.block)

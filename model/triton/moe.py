@@ -190,7 +190,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, num_post_ptr, n
 @triton.jit
 def combine_store(out_ptr, acc, pair, tok, n, mask, stride_out, PER_PAIR: tl.constexpr):
     """A down-GEMM tile ``acc [BLOCK_M, BLOCK_N]`` (fp32, weighted) into ``out``: ``PER_PAIR``: stored to row
-    ``pair`` of ``out [N*k, H]`` (summed later by :func:`model.invariant.ordered_sum`), else atomically added to
+    ``pair`` of ``out [N*k, H]`` (summed later by :func:`model.invariant.finish_pairs`), else atomically added to
     row ``tok`` of ``out [N, H]``."""
     if PER_PAIR:
         tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_out + n[None, :], acc, mask=mask)
@@ -383,7 +383,7 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     :func:`prefill_tiles`), below them :func:`table_tiles`, else :func:`default_tiles`. Reference:
     :func:`model.kernels.local_experts`. Rows in DeepEP's packed layout (``inp.packed_counts`` set)
     go to :func:`masked_moe`. ``ordered_combine``: each pair's output in its own fp32 row, summed per token in
-    top-k order (no atomics: the sum order is fixed).
+    top-k order (no atomics: the sum order is fixed), or returned unsummed ``[N, k, H]`` fp32 when ``inp.unsummed``.
     """
     if inp.packed_counts is not None:
         e = inp.packed_counts.shape[0]
@@ -393,7 +393,7 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     (n, hidden), (experts, two_inter, _) = x.shape, w_gate_up.shape
     inter, pairs = two_inter // 2, inp.slots.numel()
     if pairs == 0 or experts == 0:
-        return torch.zeros_like(x)
+        return x.new_zeros(n, inp.slots.shape[1], hidden) if inp.unsummed else torch.zeros_like(x)
     path = moe_path(n, w_down, tiles, ordered_combine)
     if path == "grouped_mm":
         return grouped_moe(inp, w_gate_up, w_down)
@@ -413,7 +413,7 @@ def fused_moe(inp: ExpertInput, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     _down_kernel[(blocks * triton.cdiv(hidden, t.block_n),)](
         h, w_down, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, blocks,
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), PER_PAIR=ordered_combine, **tile)
-    return (invariant.ordered_sum(out.view(n, top_k, hidden), dim=1) if ordered_combine else out).to(x.dtype)
+    return invariant.finish_pairs(out.view(n, top_k, hidden), inp, x.dtype) if ordered_combine else out.to(x.dtype)
 
 
 def masked_moe(packed: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

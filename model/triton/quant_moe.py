@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.invariant import ordered_sum
+from model.invariant import finish_pairs
 from model.quant.reference import act_qdq, act_quant
 from model.triton.invariant_matmul import MOE_TILES
 from model.triton.moe import combine_store, default_tiles, moe_align_block_size
@@ -234,7 +234,7 @@ def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: 
     x = inp.hidden.contiguous()
     (n, hidden), experts, pairs = x.shape, w13.shape[0], inp.slots.numel()
     if pairs == 0 or experts == 0:
-        return torch.zeros_like(x)
+        return x.new_zeros(n, inp.slots.shape[1], hidden) if inp.unsummed else torch.zeros_like(x)
     t = MOE_TILES if invariant else default_tiles(pairs, hidden, inter)
     qdq = a_fp8 and s_cols < 16  # tl.dot needs K >= 16: quantize-dequantize the activations, dequantized weights
     a_fp8 = a_fp8 and not qdq
@@ -258,7 +258,7 @@ def _fused(inp: ExpertInput, w13, s13, w2, s2, int4: bool, s_rows: int, s_cols: 
         hq, h_s, w2, s2, out, weights, sorted_ids, expert_ids, num_post, pairs, top_k, hidden, inter, hq.stride(0),
         h_s.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), PER_PAIR=invariant,
         **meta)
-    return (ordered_sum(out.view(n, top_k, hidden), dim=1) if invariant else out).to(x.dtype)
+    return finish_pairs(out.view(n, top_k, hidden), inp, x.dtype) if invariant else out.to(x.dtype)
 
 
 def w4a16_moe(inp: ExpertInput, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,

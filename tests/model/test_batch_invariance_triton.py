@@ -6,13 +6,16 @@ a numpy matmul of each fixed-shape tile: what is proven here is that no row's ar
 the tiling, the K walk or the combine — the GPU's own MMA order is gpu_check's.)"""
 
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 
 import tests.support.interpret_triton as interpret_triton  # sets TRITON_INTERPRET before triton is imported
-from model import kernels
+from model import invariant, kernels
 from model.triton.precision import dot_precision
+from parallelism.comm import ordered_sum
 from tests.e2e.test_batch_invariance import assert_rows_invariant, moe_rows_case, quant_rows, randn
 
 interpret_triton.require()
@@ -82,6 +85,17 @@ def test_fused_moe_ordered_combine_rows(dtype):
 
 
 
+@pytest.mark.parametrize("experts", [tim.moe_experts, invariant.moe_experts], ids=("triton", "torch"))
+def test_unsummed_pairs_are_the_summed_outputs_parts(experts):
+    """What the placement-invariant combine receives (``ExpertInput.unsummed``): each (row, choice)'s weighted output
+    ``[N, k, H]``, zeros where the expert is on another rank, whose top-k-order sum is the summed call bit for bit."""
+    inp, wgu, wd = moe_rows_case(experts, torch.float16).full
+    pairs = experts(dataclasses.replace(inp, unsummed=True), wgu, wd)
+    assert pairs.shape == (*inp.slots.shape, inp.hidden.shape[1])
+    assert not pairs[inp.slots < 0].any() and pairs[inp.slots >= 0].abs().sum(dim=1).min() > 0
+    assert torch.equal(ordered_sum(pairs, 1).to(inp.hidden.dtype), experts(inp, wgu, wd))
+
+
 quant_gemm = interpret_triton.module("model.triton.quant_gemm")
 quant_moe = interpret_triton.module("model.triton.quant_moe")
 QUANT = {**quant_gemm.INVARIANT, **quant_moe.INVARIANT}  # base kernel -> its batch-invariant version
@@ -102,6 +116,7 @@ import json, torch
 from model.triton import invariant_matmul as tim, moe
 from model.triton.aot import Spec, compile_spec
 from model.triton.precision import dot_precision
+from parallelism.comm import ordered_sum
 tiles = dict(BLOCK_M=tim.BLOCK_M, BLOCK_N=tim.BLOCK_N, BLOCK_K=tim.BLOCK_K)
 t = tim.MOE_TILES
 bf16, fp32 = dot_precision(torch.bfloat16), dot_precision(torch.float32)

@@ -1,11 +1,12 @@
-"""``dp8_ep8``'s all-to-all combine under ``engine.batch_invariant`` (:attr:`CommMode.ordered`): a token's returned
-rows are summed in the order of the ranks they come back from, no ``index_add_`` (atomics on a GPU), so its MoE
-output is bit-identical whatever else shares the batch — on this rank and on the others. On 8 forked gloo ranks,
-tiny widths; then the trained tiny_kimi pair end to end under ``parallel=dp8_ep8``.
+"""``dp8_ep8``'s all-to-all combine under ``engine.batch_invariant`` (:attr:`CommMode.ordered`): each (token,
+choice) pair's expert output comes back unsummed and a token's pairs are added in top-k order, no ``index_add_``
+(atomics on a GPU), so its MoE output is bit-identical whatever else shares the batch — on this rank and on the
+others — and whichever rank holds its experts. On 8 forked gloo ranks, tiny widths; then the trained tiny_kimi pair
+end to end under ``parallel=dp8_ep8``.
 
 On this CPU ``index_add_`` happens to add in row order, which here is rank order too, so the flag-off combine gives
-the same bits; what the CPU can check is the ordered path's arithmetic (the rank-order sum, bit for bit) and that it
-launches no ``index_add_``: the GPU-only failure mode (atomics in whatever order the threads land)."""
+the same bits for one batch; what the CPU can check is the ordered path's arithmetic (the top-k-order sum, bit for
+bit) and that it launches no ``index_add_``: the GPU-only failure mode (atomics in whatever order the threads land)."""
 
 import pytest
 import torch
@@ -50,9 +51,10 @@ def _routed(rank: int, dtype: torch.dtype):
 
 def _combine_job(ctx, lay, dtype):
     """Ordered mode: (1) dispatch → the invariant experts → combine, rows lo..hi of every rank at once: each probed
-    token alone equals itself among 2, 9, 17 tokens; (2) with experts that scale each received row by its rank's
-    factor ``c[r]``, a token's output is ``((0 + x c[a]) + x c[b]) + ...`` over the ranks a < b < ... holding its
-    experts, bit for bit; (3) no ``index_add_`` launched, where flag off launches one per combine."""
+    token alone equals itself among 2, 9, 17 tokens; (2) with experts that scale each (row, choice) pair they hold by
+    their rank's factor ``c[r]``, a token's output is ``((x c[h0] + x c[h1]) + x c[h2])`` over its choices in top-k
+    order (``h_j`` the rank holding choice j's expert), bit for bit; (3) no ``index_add_`` launched, where flag off
+    launches one per combine."""
     groups = ctx.groups(lay)
     disp = make_dispatcher(groups, ExpertPlacement(E, lay.moe_ep, lay.moe_tp, lay.placement))
     x, ids, weights, wgu, wd = _routed(ctx.rank, dtype)
@@ -65,8 +67,10 @@ def _combine_job(ctx, lay, dtype):
     def routed(inp):
         return invariant.moe_experts(inp, wgu, wd)
 
-    def scaled(inp):
-        return inp.hidden * factors[ctx.rank]
+    def scaled(inp):  # flag on: each pair this rank holds, scaled (zeros elsewhere); off: the row, scaled
+        if not inp.unsummed:
+            return inp.hidden * factors[ctx.rank]
+        return torch.where((inp.slots >= 0)[..., None], inp.hidden[:, None] * factors[ctx.rank], 0)
 
     groups.mode.ordered = True
     bad = []
@@ -78,10 +82,10 @@ def _combine_job(ctx, lay, dtype):
             got = moe(0, TOKENS, scaled)
     finally:
         groups.mode.ordered = False
-    holders = disp.holders[ids].any(dim=1)  # [T, W]: the ranks token t went to
-    want = torch.zeros_like(x)
-    for r in range(8):
-        want = torch.where(holders[:, r:r + 1], want + x * factors[r], want)
+    holder = disp.holders[ids].int().argmax(dim=2)  # [T, K]: the rank holding choice j's expert
+    want = x * factors[holder[:, 0], None]
+    for j in range(1, K):
+        want = want + x * factors[holder[:, j], None]
     with IndexAddCalls() as unordered:
         moe(0, TOKENS, scaled)
     return bad, torch.equal(got, want), ordered.calls, unordered.calls

@@ -1,0 +1,68 @@
+"""Where the experts sit changes no token: with ``engine.batch_invariant=true`` the trained tiny_kimi pair gives the
+same tokens and log-probs under the ``linear`` and the ``round_robin`` expert placement (most experts on another rank)
+for a batch of 4 prompts greedy and the same 4 seeded at T=1, plain decoding and DDTree, under ``ep8`` (allreduce),
+``dp8_ep8`` (all-to-all) and ``tp2_ep4`` (each expert split over two ranks). This is the property an expert load
+balancer needs to move experts while serving without changing a bit (the pairwise combine:
+``parallelism/dispatch_base.py``). One rank-pool job per layout."""
+
+import json
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.worker.loop import make_runner, worker_loop
+from model.loader import load_model
+from spec_decode.config import SpecConfig
+from spec_decode.speculation import load_speculation
+from tests.e2e.test_batch_invariance import invariant_cfg
+from tests.support.layouts import layout
+from tests.support.paths import REPO_ROOT
+
+ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
+NEW_TOKENS = 12
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not (ZOO / "drafter" / "config.json").exists(),
+                                 reason="the trained tiny_kimi pair is absent")]
+
+
+def _requests() -> list[tuple[str, list[int], SamplingParams]]:
+    prompts = [p["ids"][:40] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [(f"{name}{i}", p, params) for name, params in (("g", greedy), ("s", seeded)) for i, p in enumerate(prompts)]
+
+
+def _placements_job(ctx, preset):
+    """Per placement and method: every request's (tokens, log-probs), the batch submitted together (rank 0)."""
+    out = {}
+    for kind in ("linear", "round_robin"):
+        model = load_model(ZOO / "target", ctx.groups(layout(preset, f"placement={kind}")), torch.bfloat16)
+        for method in ("none", "ddtree"):
+            drafter = str(ZOO / "drafter")
+            spec = SpecConfig() if method == "none" else SpecConfig("ddtree", budget=16, drafter_path=drafter)
+            speculation = load_speculation(spec, model)
+            if ctx.rank != 0:
+                worker_loop(make_runner(model, invariant_cfg(), speculation))
+                continue
+            engine = Engine(model, invariant_cfg(), speculation=speculation)
+            got = {rid: ([], []) for rid, _, _ in _requests()}
+            for rid, prompt, params in _requests():
+                engine.add_request(rid, prompt, params)
+            while engine.has_work():
+                for o in engine.step():
+                    got[o.request_id][0].extend(o.new_tokens)
+                    got[o.request_id][1].extend(o.new_logprobs)
+            engine.shutdown()
+            out[(kind, method)] = got
+    return out if ctx.rank == 0 else None
+
+
+@pytest.mark.parametrize("preset", ["ep8", "dp8_ep8", "tp2_ep4"])
+def test_tokens_and_logprobs_do_not_depend_on_where_the_experts_sit(pool, preset):
+    out = pool.run(_placements_job, preset)[0]
+    for method in ("none", "ddtree"):
+        linear, moved = out[("linear", method)], out[("round_robin", method)]
+        assert all(len(tokens) == NEW_TOKENS == len(lps) for tokens, lps in linear.values())
+        assert moved == linear, method
