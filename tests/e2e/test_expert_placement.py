@@ -3,7 +3,8 @@ same tokens and log-probs under the ``linear`` and the ``round_robin`` expert pl
 for a batch of 4 prompts greedy and the same 4 seeded at T=1, plain decoding and DDTree, under ``ep8`` (allreduce),
 ``dp8_ep8`` (all-to-all) and ``tp2_ep4`` (each expert split over two ranks). This is the property an expert load
 balancer needs to move experts while serving without changing a bit (the pairwise combine:
-``parallelism/dispatch_base.py``). One rank-pool job per layout."""
+``parallelism/dispatch_base.py``). The INT4 and FP8 tiny checkpoints the same under ``ep8``, plain decoding. One
+rank-pool job per case."""
 
 import json
 
@@ -27,19 +28,19 @@ pytestmark = [pytest.mark.engine,
                                  reason="the trained tiny_kimi pair is absent")]
 
 
-def _requests() -> list[tuple[str, list[int], SamplingParams]]:
-    prompts = [p["ids"][:40] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
+def _requests(prompts: list[list[int]]) -> list[tuple[str, list[int], SamplingParams]]:
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True)
     return [(f"{name}{i}", p, params) for name, params in (("g", greedy), ("s", seeded)) for i, p in enumerate(prompts)]
 
 
-def _placements_job(ctx, preset):
+def _placements_job(ctx, preset, path, dtype, methods, prompts):
     """Per placement and method: every request's (tokens, log-probs), the batch submitted together (rank 0)."""
     out = {}
+    requests = _requests(prompts)
     for kind in ("linear", "round_robin"):
-        model = load_model(ZOO / "target", ctx.groups(layout(preset, f"placement={kind}")), torch.bfloat16)
-        for method in ("none", "ddtree"):
+        model = load_model(path, ctx.groups(layout(preset, f"placement={kind}")), dtype)
+        for method in methods:
             drafter = str(ZOO / "drafter")
             spec = SpecConfig() if method == "none" else SpecConfig("ddtree", budget=16, drafter_path=drafter)
             speculation = load_speculation(spec, model)
@@ -47,8 +48,8 @@ def _placements_job(ctx, preset):
                 worker_loop(make_runner(model, invariant_cfg(), speculation))
                 continue
             engine = Engine(model, invariant_cfg(), speculation=speculation)
-            got = {rid: ([], []) for rid, _, _ in _requests()}
-            for rid, prompt, params in _requests():
+            got = {rid: ([], []) for rid, _, _ in requests}
+            for rid, prompt, params in requests:
                 engine.add_request(rid, prompt, params)
             while engine.has_work():
                 for o in engine.step():
@@ -59,10 +60,24 @@ def _placements_job(ctx, preset):
     return out if ctx.rank == 0 else None
 
 
-@pytest.mark.parametrize("preset", ["ep8", "dp8_ep8", "tp2_ep4"])
-def test_tokens_and_logprobs_do_not_depend_on_where_the_experts_sit(pool, preset):
-    out = pool.run(_placements_job, preset)[0]
-    for method in ("none", "ddtree"):
+def _assert_same(out: dict, methods: tuple[str, ...]) -> None:
+    for method in methods:
         linear, moved = out[("linear", method)], out[("round_robin", method)]
         assert all(len(tokens) == NEW_TOKENS == len(lps) for tokens, lps in linear.values())
         assert moved == linear, method
+
+
+@pytest.mark.parametrize("preset", ["ep8", "dp8_ep8", "tp2_ep4"])
+def test_tokens_and_logprobs_do_not_depend_on_where_the_experts_sit(pool, preset):
+    prompts = [p["ids"][:40] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"][:4]]
+    methods = ("none", "ddtree")
+    _assert_same(pool.run(_placements_job, preset, ZOO / "target", torch.bfloat16, methods, prompts)[0], methods)
+
+
+@pytest.mark.parametrize("ckpt", ["kimi_k25_int4", "deepseek_fp8"])
+def test_quantized_experts_do_not_depend_on_where_they_sit(pool, quant_ckpts, ckpt):
+    """The quantized MoE kernels return unsummed pairs too (their scales travel with their experts' slots)."""
+    from tests.engine.test_engine import PROMPTS
+
+    out = pool.run(_placements_job, "ep8", quant_ckpts[ckpt][0], torch.float32, ("none",), PROMPTS[:4])[0]
+    _assert_same(out, ("none",))
