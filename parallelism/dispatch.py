@@ -69,7 +69,7 @@ class AllReduceDispatcher(Dispatcher):
 
     def dispatch(self, x, topk_ids, topk_weights):
         inp = ExpertInput(x, self.local_slot[topk_ids], topk_weights.float(), unsummed=self.pairwise)
-        return inp, x.dtype
+        return inp, x.dtype  # meta: the dtype the pairs are summed back into
 
     def combine(self, y, meta, shared):
         if not self.pairwise:
