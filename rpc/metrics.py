@@ -131,7 +131,8 @@ FAMILIES = _families(
     Family("switchyard:kv_tier_seconds", "counter", "Seconds rank 0's copy thread spent on a tier's loads and "
            "stores.", ("tier", "direction")),
     Family("switchyard:kv_store_errors", "counter", "The shared KV store's failed calls on rank 0 by reason "
-           "(timeout, unreachable, checksum, missing) and loads that failed on some rank (load_failed).", ("reason",)),
+           "(timeout, unreachable, checksum, missing, rejected) and loads that failed on some rank (load_failed).",
+           ("reason",)),
     Family("switchyard:pd_kv_blocks_received", "counter", "KV blocks a decode worker read from prefill workers."),
     Family("switchyard:pd_kv_bytes", "counter", "Bytes a decode worker read from prefill workers, over every rank.",
            ("direction",)),

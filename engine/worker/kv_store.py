@@ -11,8 +11,9 @@ store that every worker of the same model and configuration shares (``docs/kv_ca
 - A value is the part's bytes (``PagedKVCache.read_blocks``' row, those columns) followed by a BLAKE2b-128 digest of
   them; a part whose digest does not match is refused (:class:`StoreError` "checksum").
 - Every call runs on a thread of this client and is waited for at most ``timeout_s``; a call that times out or finds
-  the master unreachable marks the store down for :data:`RETRY_S` (lookups then answer "nothing held" at once, puts
-  are dropped), with one warning per outage and a count per reason. Puts never block the caller.
+  the master unreachable (right after the master dies the library answers :data:`RPC_FAIL` at once; later calls hang
+  until the timeout: both count) marks the store down for :data:`RETRY_S` (lookups then answer "nothing held" at
+  once, puts are dropped), with one warning per outage and a count per reason. Puts never block the caller.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ RETRY_S = 5.0  # how long a store that failed is left alone before it is tried a
 MAX_PUT_BACKLOG = 256  # puts queued past this are dropped (counted as "timeout")
 DIGEST = 16
 SETUP_BUFFER_BYTES = 16 << 20  # the client's local transfer buffer
+RPC_FAIL = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer
 
 
 class StoreError(RuntimeError):
-    """A store call that failed; ``reason``: "timeout", "unreachable", "checksum" or "missing"."""
+    """A store call that failed; ``reason``: "timeout", "unreachable", "checksum", "missing" or "rejected" (a put the
+    master refused, e.g. a full store: counted, the store stays up)."""
 
     def __init__(self, reason: str, what: str):
         super().__init__(f"KV store {reason}: {what}")
@@ -163,9 +166,12 @@ class KVStore:
             return 0
         try:
             found = self._call("lookup", lambda c: c.batch_is_exist(self._keys(hashes)))
+            failed = next((f for f in found if f < 0), None)  # 1 held, 0 not, negative: the library's error code
+            if failed is not None:
+                self._failed(StoreError("unreachable", f"lookup answered error {failed}"))
         except StoreError:
             return 0
-        first_missing = next((i for i, f in enumerate(found) if f != 1), len(found))  # -1: an error, not held
+        first_missing = next((i for i, f in enumerate(found) if f != 1), len(found))
         return first_missing // len(self.parts)
 
     def get(self, hashes: list[int]) -> torch.Tensor:
@@ -206,9 +212,13 @@ class KVStore:
     def _put(self, keys: list[str], values: list[bytes], blocks: int, group_bytes: int) -> None:
         try:
             rc = self._call("put", lambda c: c.put_batch(keys, values))
-            if rc == 0:
-                self.puts += blocks
-                self.group_put_bytes += group_bytes
+            if rc == RPC_FAIL:
+                self._failed(StoreError("unreachable", f"put answered error {rc}"))
+            if rc != 0:
+                self.errors["rejected"] += 1
+                return
+            self.puts += blocks
+            self.group_put_bytes += group_bytes
         except StoreError:
             pass
         finally:
