@@ -23,7 +23,8 @@ def layout_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
     if cfg.mla is None and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         out.append(f"num_key_value_heads={cfg.num_kv_heads} and parallel.attn_tp={tp}: one must divide the other")
     if any(cfg.moe_layers):
-        if cfg.moe.num_experts % ep:
+        out += _expert_slot_problems(cfg, layout)
+        if cfg.moe.num_experts % ep and layout.expert_slots is None:
             field = "n_routed_experts" if cfg.model_type == "deepseek_v3" else "num_experts"
             out.append(f"{field}={cfg.moe.num_experts} is not divisible by parallel.moe_ep={ep} "
                        f"(moe_ep must divide it: {_divisors(cfg.moe.num_experts)})")
@@ -35,6 +36,22 @@ def layout_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
     if not all(cfg.moe_layers) and cfg.intermediate_size % tp:
         out.append(f"intermediate_size={cfg.intermediate_size} (dense layers) is not divisible by "
                    f"parallel.attn_tp={tp}")
+    return out
+
+
+def _expert_slot_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
+    """An EPLB placement (``layout.expert_slots``) against the model: one row per MoE layer, valid expert ids."""
+    if layout.expert_slots is None:
+        return []
+    moe_layers = sum(cfg.moe_layers)
+    if len(layout.expert_slots) != moe_layers:
+        return [f"the expert placement has {len(layout.expert_slots)} MoE layers, config.json {moe_layers}"]
+    out = []
+    for i in range(moe_layers):
+        try:
+            layout.expert_placement(cfg.moe.num_experts, i)
+        except LayoutError as e:
+            out.append(f"MoE layer {i}: {e}")
     return out
 
 

@@ -18,17 +18,16 @@ from model.quant.layout import quantize_modules
 from model.rope import Rotary
 from parallelism.comm import ParallelGroups
 from parallelism.dispatch import make_dispatcher
-from parallelism.layout import ExpertPlacement
 from parallelism.linear import CheckpointTensor, ParallelLMHead, ShardedModule, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, groups: ParallelGroups, rotary: Rotary,
-                 placement: ExpertPlacement, dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, groups: ParallelGroups, rotary: Rotary, dtype):
         super().__init__()
         attn_cls = MLAAttention if cfg.mla is not None else GQAAttention
         self.self_attn = attn_cls(cfg, layer, groups.attn_tp, rotary, dtype)
         if cfg.moe_layers[layer]:
+            placement = groups.layout.expert_placement(cfg.moe.num_experts, sum(cfg.moe_layers[:layer]))
             self.mlp = MoE(cfg, groups, placement, make_dispatcher(groups, placement), dtype)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, groups.attn_tp, dtype=dtype)
@@ -49,10 +48,8 @@ class Backbone(nn.Module):
         super().__init__()
         # past the context: a tree verified at the last position reaches a few positions further
         self.rotary = Rotary(cfg.rope, cfg.max_position_embeddings + ROPE_HEADROOM)
-        placement = ExpertPlacement(cfg.moe.num_experts, groups.layout.moe_ep, groups.layout.moe_tp,
-                                    groups.layout.placement)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups.attn_tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, groups, self.rotary, placement, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, groups, self.rotary, dtype)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

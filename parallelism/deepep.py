@@ -21,10 +21,12 @@ low latency). While a CUDA graph is being captured the step is a decode step by 
 runner captures decode and verify shapes only) and the collective is skipped: low latency, or an error if
 that is impossible. :func:`deepep_mode` pins a mode for a block, for a caller that already knows it.
 
-Expert numbering. DeepEP assumes expert ``e`` lives on rank ``e // E_local`` at local index ``e % E_local``.
-Our placement may differ (``round_robin``), so routing ids are renamed to DeepEP's numbering first
-(:func:`deepep_expert_ids`); DeepEP's local index is then exactly our local slot. Expert-TP (``moe_tp > 1``)
-has no DeepEP equivalent and is refused by :func:`deepep_unavailable`.
+Expert numbering. DeepEP assumes expert ``e`` lives on rank ``e // E_local`` at local index ``e % E_local``:
+exactly our physical slots (:class:`~parallelism.layout.ExpertPlacement`), so routing ids are renamed to the
+physical slot each (token, choice) goes to (:meth:`~parallelism.dispatch_base.Dispatcher.physical`: a
+permutation for ``round_robin``, a replica's slot under EPLB) and DeepEP sees ``num_slots`` experts; its local
+index is then exactly our local slot. Expert-TP (``moe_tp > 1``) has no DeepEP equivalent and is refused by
+:func:`deepep_unavailable`.
 
 API read from github deepseek-ai/DeepEP at dd758ca (package 2.1.0, ``deep_ep.Buffer`` = the legacy V1
 interface) and tag v1.2.1 (``deep_ep/buffer.py``); the calls used here are the same in both. The helpers
@@ -194,19 +196,6 @@ def deepep_mode(mode: str) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------ layout helpers
 
 
-def deepep_expert_ids(placement: ExpertPlacement) -> torch.Tensor:
-    """``[E]`` int64: our expert id → DeepEP's (``rank * E_local + local slot``). Identity for ``linear``
-    placement; a permutation for ``round_robin``. Needs ``moe_tp == 1`` (then world rank == EP rank)."""
-    epr = placement.experts_per_rank
-    return torch.tensor([placement.ep_rank_of(e) * epr + placement.local_slot_of(e)
-                         for e in range(placement.num_experts)], dtype=torch.int64)
-
-
-def to_deepep_ids(topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Routing ids ``[T, k]`` renamed through ``table`` (:func:`deepep_expert_ids`); ``-1`` stays ``-1``."""
-    return torch.where(topk_ids >= 0, table[topk_ids.clamp(min=0)], -1)
-
-
 def packed_to_expert_input(packed: torch.Tensor, counts: torch.Tensor) -> ExpertInput:
     """Low-latency dispatch output → ExpertInput, without a host sync.
 
@@ -321,17 +310,11 @@ class DeepEPDispatcher(Dispatcher):
         self.low_latency, self.max_decode_tokens = bool(low_latency), int(max_decode_tokens)
         self.graph_safe = self.low_latency  # the normal path waits on the host for the received count
         self.graph_token_limit = self.max_decode_tokens if self.low_latency else None
-        self.num_experts, self.num_local = placement.num_experts, placement.experts_per_rank
-        self.expert_ids = deepep_expert_ids(placement)
+        self.num_experts, self.num_local = placement.num_slots, placement.slots_per_rank  # DeepEP's "experts"
         self._injected = buffer
         self._shared: _SharedBuffer | None = None
         self._ll_reason: str | None = None
         self.last_mode = ""
-
-    def to(self, device):
-        super().to(device)
-        self.expert_ids = self.expert_ids.to(device)
-        return self
 
     # -- buffer
 
@@ -406,7 +389,7 @@ class DeepEPDispatcher(Dispatcher):
             raise TypeError(f"dispatcher 'deepep' moves bf16 activations (DeepEP's combine and low-latency kernels "
                             f"take bf16 only), got {x.dtype}: load the model in bf16 or use {FALLBACK}")
         shared = self._buffer(x, topk_ids.shape[1])
-        ids = to_deepep_ids(topk_ids, self.expert_ids).to(shared.idx_dtype).contiguous()
+        ids = self.physical(topk_ids).to(shared.idx_dtype).contiguous()
         weights = topk_weights.float().contiguous()
         x = x.contiguous()
         mode = self._mode(x.shape[0], shared, x.device)

@@ -68,7 +68,7 @@ class AllReduceDispatcher(Dispatcher):
     graph_safe = True
 
     def dispatch(self, x, topk_ids, topk_weights):
-        inp = ExpertInput(x, self.local_slot[topk_ids], topk_weights.float(), unsummed=self.pairwise)
+        inp = ExpertInput(x, self.local_slot[self.physical(topk_ids)], topk_weights.float(), unsummed=self.pairwise)
         return inp, x.dtype  # meta: the dtype the pairs are summed back into
 
     def combine(self, y, meta, shared):
@@ -88,12 +88,13 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch(self, x, topk_ids, topk_weights):
         t, k = topk_ids.shape
-        dest = self.holders[topk_ids].any(dim=1)  # [T, W]: token t needs rank r
+        phys = self.physical(topk_ids)
+        dest = self.holders[phys].any(dim=1)  # [T, W]: token t needs rank r
         dest_rank, token_index = dest.t().nonzero(as_tuple=True)  # grouped by destination rank
         send_counts_t = torch.bincount(dest_rank, minlength=self.world.size)
         recv_counts_t = self.world.exchange_counts(send_counts_t)
         send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
-        slots = self.slot_at_rank[topk_ids[token_index], dest_rank[:, None]]  # [S, k] slot at the destination
+        slots = self.slot_at_rank[phys[token_index], dest_rank[:, None]]  # [S, k] slot at the destination
         routing = torch.cat([slots.float(), topk_weights[token_index].float()], dim=1)  # [S, 2k]
         hidden = self.world.all_to_all(x[token_index], send_counts, recv_counts)
         routing = self.world.all_to_all(routing, send_counts, recv_counts)
@@ -139,7 +140,7 @@ class AllGatherDispatcher(Dispatcher):
         padded = t if capturing() else int(self.world.all_gather(torch.tensor([t], device=x.device)).max())
         pad = padded - t
         x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)
+        routing = torch.cat([self.physical(topk_ids).float(), topk_weights.float()], dim=1)
         routing = torch.nn.functional.pad(routing, (0, 0, 0, pad), value=0.0)
         routing[t:, : topk_ids.shape[1]] = -1  # padding rows route nowhere
         hidden = self.world.all_gather(x_pad)

@@ -56,19 +56,29 @@ class Dispatcher:
         self.groups = groups
         self.world = groups.world
         self.moe_ep = placement.moe_ep
-        rank = groups.rank
-        e = placement.num_experts
-        local_slot = torch.full((e,), -1, dtype=torch.int64)
-        holders = torch.zeros(e, groups.layout.world_size, dtype=torch.bool)  # [E, W]
-        for expert in range(e):
-            ranks = placement.ranks_of(expert)
-            holders[expert, ranks] = True
-            if rank in ranks:
-                local_slot[expert] = placement.local_slot_of(expert)
-        self.local_slot = local_slot  # [E]
+        rank, phy2log = groups.rank, placement.phy2log
+        p = len(phy2log)
+        holders = torch.zeros(p, groups.layout.world_size, dtype=torch.bool)  # [P, W]
+        for slot in range(p):
+            holders[slot, placement.ranks_of_slot(slot)] = True
+        local = torch.arange(p) % placement.slots_per_rank
         self.holders = holders
-        slot_of = torch.tensor([placement.local_slot_of(x) for x in range(e)])[:, None]  # [E, 1]
-        self.slot_at_rank = torch.where(holders, slot_of, -1)  # [E, W]: expert's slot on rank r, or -1
+        self.slot_at_rank = torch.where(holders, local[:, None], -1)  # [P, W]: slot's local index on rank r, or -1
+        self.local_slot = self.slot_at_rank[:, rank].clone()  # [P]: on this rank, or -1
+        replicas = [placement.replicas(e) for e in range(placement.num_experts)]
+        widest = max(len(r) for r in replicas)
+        self.replica_count = torch.tensor([len(r) for r in replicas])  # [E]
+        self.log2phy = torch.tensor([r + r[:1] * (widest - len(r)) for r in replicas])  # [E, R_max]
+
+    def physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``topk_ids [T, k]`` logical experts → ``[T, k]`` physical slots: of an expert's replicas, row t's
+        choice j takes replica ``(t * k + j) mod replicas`` (deterministic, spread over the replicas; vLLM's
+        modulo choice). With one slot per expert it is the slot's renaming."""
+        if self.log2phy.shape[1] == 1:
+            return self.log2phy[topk_ids, 0]
+        t, k = topk_ids.shape
+        turn = torch.arange(t * k, device=topk_ids.device).view(t, k)
+        return self.log2phy[topk_ids, turn % self.replica_count[topk_ids]]
 
     @property
     def pairwise(self) -> bool:
@@ -80,6 +90,7 @@ class Dispatcher:
         """Moves the routing tables to ``device`` (the model's), so dispatch launches no host copies."""
         self.local_slot, self.holders = self.local_slot.to(device), self.holders.to(device)
         self.slot_at_rank = self.slot_at_rank.to(device)
+        self.log2phy, self.replica_count = self.log2phy.to(device), self.replica_count.to(device)
         return self
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):

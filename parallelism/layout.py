@@ -49,6 +49,9 @@ class Layout:
     placement: str = "linear"
     deepep_low_latency: bool = True  # deepep: low-latency (graph-safe) path for decode; False = normal mode only
     deepep_max_decode_tokens: int = 128  # deepep: per-rank token bound of the low-latency path
+    # per MoE layer, the logical expert of each physical slot (EPLB: ``eplb.placement_file``,
+    # ``eplb.redundant_experts``); None: one slot per expert, by ``placement``
+    expert_slots: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "attn_tp", "attn_dp", "moe_tp", "moe_ep"):
@@ -66,6 +69,11 @@ class Layout:
             raise LayoutError(f"parallel.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.placement not in PLACEMENTS:
             raise LayoutError(f"parallel.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.expert_slots is not None:
+            sizes = {len(row) for row in self.expert_slots}
+            if len(sizes) != 1 or next(iter(sizes)) % self.moe_ep:
+                raise LayoutError(f"expert slots per MoE layer must be one count divisible by moe_ep={self.moe_ep}, "
+                                  f"got {sorted(sizes)}")
         if self.dispatcher == "allreduce" and self.attn_dp > 1:
             raise LayoutError(
                 "dispatcher 'allreduce' needs tokens replicated on every rank (attn_dp == 1), "
@@ -110,39 +118,83 @@ class Layout:
             attn = f"tp{self.attn_tp}xdp{self.attn_dp}"
         parts = [f"tp{self.moe_tp}"] * (self.moe_tp > 1) + [f"ep{self.moe_ep}"] * (self.moe_ep > 1)
         placement = "" if self.placement == "linear" else f", {self.placement}"
+        if self.expert_slots is not None:
+            placement = f", eplb {len(self.expert_slots[0])} slots"
         return f"attn {attn}, moe {'x'.join(parts) or 'tp1'} ({self.resolved_dispatcher}{placement})"
+
+    def expert_placement(self, num_experts: int, moe_layer: int = 0) -> ExpertPlacement:
+        """Where the routed experts of the ``moe_layer``-th MoE layer sit (counting MoE layers only)."""
+        slots = None
+        if self.expert_slots is not None:
+            if moe_layer >= len(self.expert_slots):
+                raise LayoutError(f"the expert placement has {len(self.expert_slots)} MoE layers, the model more")
+            slots = self.expert_slots[moe_layer]
+        return ExpertPlacement(num_experts, self.moe_ep, self.moe_tp, self.placement, slots)
 
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Which ranks hold which routed experts. Pure math over a Layout and an expert count.
+    """Which ranks hold which routed experts, as physical slots: pure math over a Layout and an expert count.
 
-    ``linear``: expert e on EP rank ``e // experts_per_rank``, local slot ``e % experts_per_rank``.
+    ``slots[s]`` (phy2log) is the logical expert in physical slot ``s``; slot ``s`` sits on EP rank
+    ``s // slots_per_rank`` as its local slot ``s % slots_per_rank``, and an expert may fill several slots
+    (replicas, on different ranks or not). Without ``slots`` the ``kind`` gives one slot per expert:
+    ``linear``: expert e in slot e (EP rank ``e // experts_per_rank``, local slot ``e % experts_per_rank``);
     ``round_robin``: EP rank ``e % moe_ep``, local slot ``e // moe_ep``.
-    Each expert's intermediate dim is split over the ``moe_tp`` ranks of its EP rank.
+    Each slot's intermediate dim is split over the ``moe_tp`` ranks of its EP rank.
     """
 
     num_experts: int
     moe_ep: int
     moe_tp: int
     kind: str = "linear"
+    slots: tuple[int, ...] | None = None  # [num_slots] logical expert of each physical slot (EPLB); None: from kind
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            return
+        what = f"an expert placement of {len(self.slots)} slots over moe_ep={self.moe_ep}"
+        divide(len(self.slots), self.moe_ep, what)
+        bad = sorted({e for e in self.slots if not 0 <= e < self.num_experts})
+        if bad:
+            raise LayoutError(f"{what} names experts {bad[:5]} outside 0..{self.num_experts - 1}")
+        missing = sorted(set(range(self.num_experts)) - set(self.slots))
+        if missing:
+            raise LayoutError(f"{what} leaves experts {missing[:5]} without a slot (every expert needs one)")
 
     @property
     def experts_per_rank(self) -> int:
+        """Logical experts per EP rank without replicas (the ``kind`` placements)."""
         return divide(self.num_experts, self.moe_ep, f"routed experts over moe_ep={self.moe_ep}")
 
-    def ep_rank_of(self, expert: int) -> int:
-        return expert // self.experts_per_rank if self.kind == "linear" else expert % self.moe_ep
+    @property
+    def phy2log(self) -> tuple[int, ...]:
+        """``[num_slots]``: the logical expert in each physical slot."""
+        if self.slots is not None:
+            return self.slots
+        epr, ep = self.experts_per_rank, self.moe_ep
+        if self.kind == "linear":
+            return tuple(range(self.num_experts))
+        return tuple((s % epr) * ep + s // epr for s in range(self.num_experts))  # slot r*epr + j holds j*ep + r
 
-    def local_slot_of(self, expert: int) -> int:
-        return expert % self.experts_per_rank if self.kind == "linear" else expert // self.moe_ep
+    @property
+    def num_slots(self) -> int:
+        return len(self.phy2log)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.moe_ep
+
+    def replicas(self, expert: int) -> list[int]:
+        """The physical slots holding ``expert``, ascending."""
+        return [s for s, e in enumerate(self.phy2log) if e == expert]
 
     def local_experts(self, ep_rank: int) -> list[int]:
-        """Global ids of the experts held by ``ep_rank``, in local-slot order."""
-        experts = [e for e in range(self.num_experts) if self.ep_rank_of(e) == ep_rank]
-        return sorted(experts, key=self.local_slot_of)
+        """The logical expert of each of ``ep_rank``'s slots, in local-slot order (one may repeat)."""
+        n = self.slots_per_rank
+        return list(self.phy2log[ep_rank * n:(ep_rank + 1) * n])
 
-    def ranks_of(self, expert: int) -> list[int]:
-        """World ranks holding a shard of ``expert`` (``moe_tp`` of them)."""
-        base = self.ep_rank_of(expert) * self.moe_tp
+    def ranks_of_slot(self, slot: int) -> list[int]:
+        """World ranks holding a shard of physical ``slot`` (``moe_tp`` of them)."""
+        base = (slot // self.slots_per_rank) * self.moe_tp
         return [base + s for s in range(self.moe_tp)]

@@ -3,13 +3,16 @@ runs is assembled in the package (:func:`model.loader.load_target`); only the ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from model.config import load_config
 from model.loader import DeviceConfig
 from model.tiny import preset_dir
+from parallelism.expert_slots import EPLBConfig, initial_expert_slots
 from parallelism.layout import Layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +30,17 @@ def repo_path(path: str | None) -> str | None:
 
 
 def layout_from(cfg: DictConfig) -> Layout:
-    return Layout(**OmegaConf.to_container(cfg.parallel, resolve=True))
+    """The ``parallel`` group, with the ``eplb`` group's starting expert placement when it asks for one (its slots
+    need the model's MoE layer and expert counts: ``config.json`` is read)."""
+    layout = Layout(**OmegaConf.to_container(cfg.parallel, resolve=True))
+    eplb = EPLBConfig(**OmegaConf.to_container(cfg.eplb, resolve=True)) if "eplb" in cfg else EPLBConfig()
+    if not eplb.active:
+        return layout
+    if eplb.placement_file:
+        eplb = dataclasses.replace(eplb, placement_file=repo_path(eplb.placement_file))
+    model = load_config(model_dir(cfg))
+    slots = initial_expert_slots(eplb, sum(model.moe_layers), model.moe.num_experts, layout.moe_ep)
+    return dataclasses.replace(layout, expert_slots=slots)
 
 
 def model_dir(cfg: DictConfig) -> str:

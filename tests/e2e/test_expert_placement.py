@@ -1,11 +1,13 @@
 """Where the experts sit changes no token: with ``engine.batch_invariant=true`` the trained tiny_kimi pair gives the
 same tokens and log-probs under the ``linear`` and the ``round_robin`` expert placement (most experts on another rank)
-for a batch of 4 prompts greedy and the same 4 seeded at T=1, plain decoding and DDTree, under ``ep8`` (allreduce),
-``dp8_ep8`` (all-to-all) and ``tp2_ep4`` (each expert split over two ranks). This is the property an expert load
-balancer needs to move experts while serving without changing a bit (the pairwise combine:
-``parallelism/dispatch_base.py``). The INT4 and FP8 tiny checkpoints the same under ``ep8``, plain decoding. One
-rank-pool job per case."""
+and under an EPLB placement (per layer its own map, one redundant slot per rank: replicas of the loaded experts, a
+token's choices spread over them) for a batch of 4 prompts greedy and the same 4 seeded at T=1, plain decoding and
+DDTree, under ``ep8`` (allreduce), ``dp8_ep8`` (all-to-all) and ``tp2_ep4`` (each expert split over two ranks). This
+is the property an expert load balancer needs to move experts while serving without changing a bit (the pairwise
+combine: ``parallelism/dispatch_base.py``). The INT4 and FP8 tiny checkpoints the same under ``ep8``, plain
+decoding. One rank-pool job per case."""
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +16,10 @@ import torch
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.worker.loop import make_runner, worker_loop
+from model.config import load_config
 from model.loader import load_model
+from parallelism.eplb import rebalance
+from parallelism.layout import Layout
 from spec_decode.config import SpecConfig
 from spec_decode.speculation import load_speculation
 from tests.e2e.test_batch_invariance import invariant_cfg
@@ -34,12 +39,26 @@ def _requests(prompts: list[list[int]]) -> list[tuple[str, list[int], SamplingPa
     return [(f"{name}{i}", p, params) for name, params in (("g", greedy), ("s", seeded)) for i, p in enumerate(prompts)]
 
 
+def eplb_layout(base: Layout, path) -> Layout:
+    """``base`` with a per-layer EPLB placement for the checkpoint at ``path``: a skewed load (expert e of layer l
+    weighted ``1 / (1 + (e + 5 l) mod E)``), rebalanced over ``E + moe_ep`` slots (one redundant slot per rank)."""
+    cfg = load_config(path)
+    e, layers = cfg.moe.num_experts, sum(cfg.moe_layers)
+    load = torch.tensor([[1.0 / (1 + (x + 5 * layer) % e) for x in range(e)] for layer in range(layers)])
+    slots = rebalance(load, e + base.moe_ep, base.moe_ep)
+    return dataclasses.replace(base, expert_slots=tuple(tuple(row) for row in slots.tolist()))
+
+
+PLACEMENTS = ("linear", "round_robin", "eplb")
+
+
 def _placements_job(ctx, preset, path, dtype, methods, prompts):
     """Per placement and method: every request's (tokens, log-probs), the batch submitted together (rank 0)."""
     out = {}
     requests = _requests(prompts)
-    for kind in ("linear", "round_robin"):
-        model = load_model(path, ctx.groups(layout(preset, f"placement={kind}")), dtype)
+    for kind in PLACEMENTS:
+        lay = eplb_layout(layout(preset), path) if kind == "eplb" else layout(preset, f"placement={kind}")
+        model = load_model(path, ctx.groups(lay), dtype)
         for method in methods:
             drafter = str(ZOO / "drafter")
             spec = SpecConfig() if method == "none" else SpecConfig("ddtree", budget=16, drafter_path=drafter)
@@ -62,9 +81,10 @@ def _placements_job(ctx, preset, path, dtype, methods, prompts):
 
 def _assert_same(out: dict, methods: tuple[str, ...]) -> None:
     for method in methods:
-        linear, moved = out[("linear", method)], out[("round_robin", method)]
+        linear = out[("linear", method)]
         assert all(len(tokens) == NEW_TOKENS == len(lps) for tokens, lps in linear.values())
-        assert moved == linear, method
+        for kind in PLACEMENTS[1:]:
+            assert out[(kind, method)] == linear, (kind, method)
 
 
 @pytest.mark.parametrize("preset", ["ep8", "dp8_ep8", "tp2_ep4"])

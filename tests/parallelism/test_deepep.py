@@ -16,7 +16,6 @@ from parallelism.deepep import (
     DeepEPDispatcher,
     buffer_bytes,
     choose_mode,
-    deepep_expert_ids,
     deepep_mode,
     deepep_unavailable,
     expert_output_to_packed,
@@ -24,7 +23,6 @@ from parallelism.deepep import (
     low_latency_unsupported,
     nvlink_unavailable,
     packed_to_expert_input,
-    to_deepep_ids,
 )
 from parallelism.dispatch import AllToAllDispatcher, make_dispatcher
 from parallelism.dispatch_base import DeepEPUnavailable, Dispatcher
@@ -207,21 +205,21 @@ def test_mode_choice():
             pass
 
 
-def test_expert_renaming_to_deepep_numbering():
-    linear = ExpertPlacement(E, 8, 1, "linear")
-    assert deepep_expert_ids(linear).tolist() == list(range(E))
+def test_routing_ids_become_deepep_numbering_through_the_physical_slots():
+    """DeepEP numbers expert e as rank e // E_local, local index e % E_local: our physical slots. Routing ids are
+    renamed through :meth:`Dispatcher.physical`; DeepEP's local index on a rank is then our local slot there."""
+    lay = Layout(world_size=8, attn_dp=8, moe_ep=8, placement="round_robin")
     rr = ExpertPlacement(E, 8, 1, "round_robin")  # expert e on rank e % 8, slot e // 8
-    ids = deepep_expert_ids(rr)
+    d = Dispatcher(stand_in(lay, 0), rr)
+    ids = d.physical(torch.arange(E)[:, None])[:, 0]
     assert ids.tolist() == [(e % 8) * 2 + e // 8 for e in range(E)]
     assert sorted(ids.tolist()) == list(range(E))
-    # DeepEP's local index on each rank (global id - rank * E_local, -1 elsewhere) is our local slot there
-    lay = Layout(world_size=8, attn_dp=8, moe_ep=8, placement="round_robin")
     for rank in range(8):
         d = Dispatcher(stand_in(lay, rank), rr)
-        local = torch.where(ids // 2 == rank, ids - 2 * rank, -1)
-        assert torch.equal(local, d.local_slot), rank
-    topk = torch.tensor([[3, 8, -1], [15, 0, 7]])
-    assert to_deepep_ids(topk, ids).tolist() == [[6, 1, -1], [15, 0, 14]]
+        assert torch.equal(torch.where(torch.arange(E) // 2 == rank, torch.arange(E) % 2, -1), d.local_slot), rank
+    assert d.physical(torch.tensor([[3, 8], [15, 0]])).tolist() == [[6, 1], [15, 0]]
+    linear = ExpertPlacement(E, 8, 1, "linear")
+    assert Dispatcher(stand_in(lay, 0), linear).physical(torch.arange(E)[:, None])[:, 0].tolist() == list(range(E))
 
 
 def test_packed_rows_to_expert_input_hand_case():

@@ -79,11 +79,30 @@ def test_groups_partition_world_and_match_coords():
 def test_placement_linear_and_round_robin():
     lin = ExpertPlacement(num_experts=16, moe_ep=4, moe_tp=2, kind="linear")
     assert lin.local_experts(1) == [4, 5, 6, 7]
-    assert lin.ranks_of(5) == [2, 3]
+    assert lin.ranks_of_slot(lin.replicas(5)[0]) == [2, 3]
     rr = ExpertPlacement(num_experts=16, moe_ep=4, moe_tp=2, kind="round_robin")
     assert rr.local_experts(1) == [1, 5, 9, 13]
-    assert [rr.local_slot_of(e) for e in (1, 5, 9, 13)] == [0, 1, 2, 3]
-    assert rr.ranks_of(6) == [4, 5]
+    assert [rr.replicas(e) for e in (1, 5, 9, 13)] == [[4], [5], [6], [7]]  # EP rank 1's local slots 0..3
+    assert rr.ranks_of_slot(rr.replicas(6)[0]) == [4, 5]
+
+
+def test_placement_with_replicas_and_its_errors():
+    p = ExpertPlacement(num_experts=4, moe_ep=2, moe_tp=1, slots=(0, 1, 2, 3, 0, 3))  # 3 slots per rank
+    assert (p.num_slots, p.slots_per_rank) == (6, 3)
+    assert p.local_experts(0) == [0, 1, 2] and p.local_experts(1) == [3, 0, 3]
+    assert p.replicas(0) == [0, 4] and p.replicas(3) == [3, 5] and p.ranks_of_slot(4) == [1]
+    with pytest.raises(LayoutError, match=r"leaves experts \[2\] without a slot"):
+        ExpertPlacement(num_experts=4, moe_ep=2, moe_tp=1, slots=(0, 1, 3, 3))
+    with pytest.raises(LayoutError, match=r"names experts \[4\] outside 0..3"):
+        ExpertPlacement(num_experts=4, moe_ep=2, moe_tp=1, slots=(0, 1, 2, 3, 4, 0))
+    with pytest.raises(LayoutError, match="5 is not divisible by 2"):
+        ExpertPlacement(num_experts=4, moe_ep=2, moe_tp=1, slots=(0, 1, 2, 3, 0))
+    lay = Layout(world_size=2, attn_tp=2, moe_ep=2, expert_slots=((0, 1, 2, 3, 0, 3), (3, 2, 1, 0, 1, 2)))
+    assert lay.expert_placement(4, 1).local_experts(0) == [3, 2, 1] and "eplb 6 slots" in lay.describe()
+    with pytest.raises(LayoutError, match="the expert placement has 2 MoE layers"):
+        lay.expert_placement(4, 2)
+    with pytest.raises(LayoutError, match="one count divisible by moe_ep=2"):
+        Layout(world_size=2, attn_tp=2, moe_ep=2, expert_slots=((0, 1, 2, 3), (0, 1, 2, 3, 0, 1)))
 
 
 def test_divide():

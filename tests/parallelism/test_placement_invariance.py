@@ -2,15 +2,18 @@
 changes no bit of a layer's output. On 8 forked gloo ranks, tiny widths, every dispatcher that runs here — allreduce
 (``ep8``; ``tp2_ep4`` with each expert split over two ranks), alltoall (``dp8_ep8``; ``tp2xdp4_ep8`` under the
 attention-TP split) and allgather — computes one MoE layer (routed + shared partials) under the ``linear`` and the
-``round_robin`` placement: the same experts, different ranks. With the ordered mode on the two outputs are equal bit
-for bit; with it off (each rank sums its own experts first, the ranks' partial sums are added) some token differs,
-which is what the pairwise combine removes."""
+``round_robin`` placement and an EPLB placement (one redundant slot per EP rank: the loaded experts replicated, a
+token's choices spread over the replicas): the same experts, different ranks. With the ordered mode on the outputs are
+equal bit for bit; with it off (each rank sums its own experts first, the ranks' partial sums are added) some token
+differs, which is what the pairwise combine removes — and the EPLB placement's output stays within rounding of the
+linear one (every replica holds its expert's weights and is routed to)."""
 
 import pytest
 import torch
 
 from model import invariant
 from parallelism.dispatch import make_dispatcher
+from parallelism.eplb import rebalance
 from parallelism.layout import ExpertPlacement
 from tests.support.layouts import layout
 
@@ -36,16 +39,28 @@ def _expert_shards(placement: ExpertPlacement, ep_rank: int, tp_rank: int) -> tu
     return torch.stack(gate_up), torch.stack(down)
 
 
+KINDS = ("linear", "round_robin", "eplb")
+
+
+def _placement(kind: str, moe_ep: int, moe_tp: int) -> ExpertPlacement:
+    if kind != "eplb":
+        return ExpertPlacement(E, moe_ep, moe_tp, kind)
+    load = torch.tensor([[1.0 / (1 + e) for e in range(E)]])  # expert 0 the busiest: it gets replicas
+    slots = rebalance(load, E + moe_ep, moe_ep)[0]
+    assert slots.tolist().count(0) > 1
+    return ExpertPlacement(E, moe_ep, moe_tp, slots=tuple(slots.tolist()))
+
+
 def _moe_layer_job(ctx, presets):
     """Per layout: one MoE layer's output under each placement, with the ordered mode on and off. The tokens are the
     attention-DP group's (replicated over attention TP); the shared-expert partial is this rank's own."""
     out = {}
     for preset in presets:
-        for kind in ("linear", "round_robin"):
-            lay = layout(*preset, f"placement={kind}")
+        for kind in KINDS:
+            lay = layout(*preset)
             groups = ctx.groups(lay)
             c = groups.coords
-            placement = ExpertPlacement(E, lay.moe_ep, lay.moe_tp, kind)
+            placement = _placement(kind, lay.moe_ep, lay.moe_tp)
             disp = make_dispatcher(groups, placement)
             gen = torch.Generator().manual_seed(10 + c.attn_dp_rank)
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(TOKENS)])
@@ -61,17 +76,24 @@ def _moe_layer_job(ctx, presets):
                     out[(preset, kind, ordered)] = disp.combine(invariant.moe_experts(inp, wgu, wd), meta, shared)
                 finally:
                     groups.mode.ordered = False
-    return {(preset, ordered): (torch.equal(out[(preset, "linear", ordered)], out[(preset, "round_robin", ordered)]),
-                                tuple(out[(preset, "linear", ordered)].shape))
-            for preset in presets for ordered in (True, False)}
+    return {(preset, ordered, kind): (torch.equal(out[(preset, "linear", ordered)], out[(preset, kind, ordered)]),
+                                      tuple(out[(preset, kind, ordered)].shape),
+                                      _relative_gap(out[(preset, "linear", ordered)], out[(preset, kind, ordered)]))
+            for preset in presets for ordered in (True, False) for kind in KINDS[1:]}
+
+
+def _relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
 
 
 def test_moe_layer_output_does_not_depend_on_the_placement(pool):
     results = pool.run(_moe_layer_job, LAYOUTS)
     for preset in LAYOUTS:
-        assert all(r[(preset, True)] == (True, (TOKENS, H)) for r in results), preset
+        for kind in KINDS[1:]:
+            assert all(r[(preset, True, kind)][:2] == (True, (TOKENS, H)) for r in results), (preset, kind)
+            assert all(r[(preset, False, kind)][2] < 2**-5 for r in results), (preset, kind)  # bf16 rounding only
     # flag off the grouping of the additions follows the placement: some layout's output moves with it
-    assert any(not r[(preset, False)][0] for r in results for preset in LAYOUTS)
+    assert any(not r[(preset, False, kind)][0] for r in results for preset in LAYOUTS for kind in KINDS[1:])
 
 
 def test_unsummed_outputs_are_refused_by_a_kernel_set_that_is_not_batch_invariant():

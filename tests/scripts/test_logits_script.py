@@ -16,12 +16,14 @@ ROOT = REPO_ROOT
 SEQS = [[5, 17, 3, 99, 150, 7], [2, 4], [200, 1, 77]]  # fewer sequences than DP ranks
 
 
-@pytest.mark.parametrize("parallel", ["dp8_ep8", "tp2_ep4"])
-def test_logits_script_matches_hf(tiny_ckpts, tmp_path, parallel):
+@pytest.mark.parametrize("overrides", [["parallel=dp8_ep8"], ["parallel=tp2_ep4"],
+                                       ["parallel=ep8", "eplb.redundant_experts=8"]],  # replicas, each layer its map
+                         ids=["dp8_ep8", "tp2_ep4", "ep8-eplb"])
+def test_logits_script_matches_hf(tiny_ckpts, tmp_path, overrides):
     ckpt = tiny_ckpts["tiny_deepseek"]
     (tmp_path / "in.json").write_text(json.dumps(SEQS))
     out = tmp_path / "out.safetensors"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "logits.py"), f"model.path={ckpt}", f"parallel={parallel}",
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "logits.py"), f"model.path={ckpt}", *overrides,
                     f"logits.input={tmp_path / 'in.json'}", f"logits.output={out}"], check=True, timeout=patience(120))
     got = load_file(out)
     hf = load_hf(ckpt)
@@ -40,3 +42,17 @@ def test_logits_script_rejects_bad_token(tiny_ckpts, tmp_path):
                         f"logits.input={tmp_path / 'in.json'}", f"logits.output={tmp_path / 'o.safetensors'}"],
                        capture_output=True, text=True, timeout=patience(60))
     assert r.returncode != 0 and "outside [0, 203)" in r.stderr + r.stdout
+
+
+def test_logits_script_names_an_expert_placement_that_does_not_fit(tiny_ckpts, tmp_path):
+    (tmp_path / "in.json").write_text(json.dumps(SEQS))
+    ckpt = tiny_ckpts["tiny_deepseek"]
+    base = [sys.executable, str(ROOT / "scripts" / "logits.py"), f"model.path={ckpt}", "parallel=ep8",
+            f"logits.input={tmp_path / 'in.json'}", f"logits.output={tmp_path / 'o.safetensors'}"]
+    r = subprocess.run([*base, "eplb.redundant_experts=3"], capture_output=True, text=True, timeout=patience(60))
+    assert r.returncode != 0
+    assert "eplb.redundant_experts=3 must be a non-negative multiple of parallel.moe_ep=8" in r.stderr + r.stdout
+    (tmp_path / "placement.json").write_text(json.dumps({"phy2log": [list(range(16))]}))
+    r = subprocess.run([*base, f"eplb.placement_file={tmp_path / 'placement.json'}"], capture_output=True, text=True,
+                       timeout=patience(60))
+    assert r.returncode != 0 and "has 1 MoE layers; the model has" in r.stderr + r.stdout
