@@ -95,7 +95,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How each rank runs a step: static shapes, overlap, the numerics, the expert tally, warm-up."""
+    """How each rank runs a step: static shapes, overlap, the numerics, the expert tally and load, warm-up."""
 
     # decode / tree-verify steps over fixed-shape buffers (engine/worker/cuda_graphs.py): "auto" = on a CUDA device,
     # where they are captured as CUDA graphs; "on" = everywhere (off CUDA they run eagerly); "off" = never
@@ -108,6 +108,9 @@ class RunnerConfig:
     # count the distinct experts each MoE layer reads in decode/verify steps (model.expert_tally; GetEngineInfo
     # reports them): a few device ops per MoE layer, captured with the step. The bench turns it on.
     expert_tally: bool = False
+    # count the tokens routed to each logical expert per MoE layer in every step (model.expert_load; GetEngineInfo
+    # reports them with each layer's balancedness at the current expert placement): docs/eplb.md
+    expert_load: bool = False
 
     def __post_init__(self) -> None:
         if self.static_steps not in ("auto", "on", "off"):

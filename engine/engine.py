@@ -44,6 +44,7 @@ from engine.worker.control import (
     Precompile,
     Profile,
     RankState,
+    ReadExpertLoad,
     Shutdown,
     Step,
     WarmUpShape,
@@ -226,6 +227,8 @@ class Engine:
         finally:
             self._subscribers, sched.kv.store_writes = subscribers, writes
         sched.kv.clear()  # its blocks are nobody's prefix
+        if self.runner.expert_load is not None:  # nor is its routing anybody's load
+            self.control.send(ReadExpertLoad(reset=True), self.rank)
         self.stats, self.last_record = EngineStats(warmup_shapes=warm.warmup_shapes), None
         self.recorder = StepRecorder(sched.stats, self.groups.counter)
         dt = time.perf_counter() - t0

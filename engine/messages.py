@@ -156,6 +156,7 @@ class EngineSnapshot:
     telemetry: Mapping[str, Any]
     cuda_graphs: Mapping[str, Any]
     experts_touched: Any
+    expert_load: Any  # engine/snapshot.py expert_load: tokens per expert and balancedness per MoE layer, or None
     warmup: Mapping[str, Any]
     spec_decode: Mapping[str, Any]
     scheduler: Mapping[str, Any]

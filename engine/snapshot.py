@@ -10,6 +10,8 @@ import torch
 
 from engine.engine import Engine
 from engine.messages import EngineFacts, EngineSnapshot
+from engine.worker.control import ReadExpertLoad
+from parallelism.eplb import balancedness, rank_loads
 
 
 def engine_facts(engine: Engine) -> EngineFacts:
@@ -39,8 +41,24 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
                "device_ms_per_step": 1e3 * s.device_s / s.device_steps if s.device_steps else None},
         idle_s=dict(s.idle_s), telemetry={str(rank): sample for rank, sample in sorted(s.telemetry.items())},
         cuda_graphs=_graphs(engine), experts_touched=tally.snapshot() if tally is not None else None,
+        expert_load=expert_load(engine),
         warmup={"seconds": s.warmup_s, "shapes": s.warmup_shapes}, spec_decode=_speculation(engine),
         scheduler=engine.scheduler.cfg.keys(), kv=_kv(engine))
+
+
+def expert_load(engine: Engine) -> dict | None:
+    """``engine.expert_load``'s counts since warm-up, gathered from every attention-DP group's counting rank and
+    summed: ``tokens_per_expert [L][E]`` per MoE layer, ``rank_tokens [L][moe_ep]`` and each layer's
+    ``balancedness`` (mean ÷ max tokens per EP rank; 1.0 = even) at the current expert placement, a replicated
+    expert's tokens split evenly over its replicas. None when the engine does not count."""
+    if engine.runner.expert_load is None:
+        return None
+    tokens = torch.stack([c for c in engine.control.send(ReadExpertLoad(), engine.rank) if c is not None]).sum(0)
+    lay, experts = engine.groups.layout, tokens.shape[1]
+    slots = torch.tensor([lay.expert_placement(experts, i).phy2log for i in range(tokens.shape[0])])
+    return {"tokens_per_expert": tokens.tolist(), "moe_ep": lay.moe_ep,
+            "rank_tokens": rank_loads(tokens, slots, lay.moe_ep).tolist(),
+            "balancedness": balancedness(tokens, slots, lay.moe_ep).tolist()}
 
 
 def _kv(engine: Engine) -> dict:

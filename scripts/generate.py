@@ -22,6 +22,7 @@ from preflight import one_line_errors, preflight
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
+from engine.snapshot import expert_load
 from engine.worker.kv_budget import size_kv_cache
 from engine.worker.loop import make_runner, worker_loop
 from model.loader import DeviceConfig, load_target
@@ -75,6 +76,7 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         engine.warm_up()
     model.groups.counter.reset()
     outputs = generate_all(engine, prompts, params)
+    load = expert_load(engine)  # before shutdown: a round trip with every rank
     engine.shutdown()
     for o in outputs:
         o["text"] = tok.decode(o["token_ids"]) if tok else ""
@@ -91,6 +93,7 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         "warmup_s": s.warmup_s,
         "host_s_per_step": {phase: t / max(s.steps, 1) for phase, t in s.host_s.items()},
         "idle_s": s.idle_s,
+        "expert_load": load,
     }
     Path(output).write_text(json.dumps({"outputs": outputs, "stats": stats}, indent=1))
     log.info("wrote %d outputs to %s (%.1f decode tok/s)", len(outputs), output, stats["decode_tokens_per_s"])

@@ -230,6 +230,22 @@ class LoadOutcomes(RankMessage):
 
 
 @dataclass(frozen=True)
+class ReadExpertLoad(RankMessage):
+    """This rank's expert load counts (``engine.expert_load``): ``[L, E]`` int64 tokens per logical expert per MoE
+    layer since start or the last reset, on each attention-DP group's counting rank (attention-TP rank 0), None
+    elsewhere; ``reset`` zeroes them after the read."""
+
+    reset: bool = False
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> torch.Tensor | None:
+        load = rank.runner.expert_load
+        if load is None or not load.counting:
+            return None
+        return load.reset() if self.reset else load.counts.cpu()
+
+
+@dataclass(frozen=True)
 class Shutdown(RankMessage):
     """The job ends: the ranks leave their loop (``worker_loop`` then closes what the rank holds)."""
 

@@ -30,6 +30,7 @@ from engine.worker.kv_store import KVStore, StoreSettings
 from engine.worker.rank_requests import RankRequests
 from engine.worker.spec_contract import Speculation, StaticLayout, TreeRows
 from model.batch import ForwardBatch
+from model.expert_load import ALL_ROWS, ExpertLoad
 from model.expert_tally import ExpertTally
 from model.transformer import CausalLM
 
@@ -52,7 +53,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, kv_block_size: int, speculation: Speculation | None = None,
                  static_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0,
                  eager_reason: str = "static steps off", overlap: bool = False, expert_tally: bool = False,
-                 grammar: GrammarBackend | None = None, host_kv_cache_gb: float = 0.0,
+                 expert_load: bool = False, grammar: GrammarBackend | None = None, host_kv_cache_gb: float = 0.0,
                  kv_store: StoreSettings | None = None):
         """``speculation`` (from spec_decode) builds the rank's speculator when spec decoding is on.
         ``static_batch_sizes`` (empty: off) are the static step sizes; the cache then gets scratch blocks after
@@ -60,11 +61,14 @@ class ModelRunner:
         slots. ``eager_reason``: why no step replays when static steps are off. ``overlap`` (``engine.overlap``):
         every attention-TP rank samples, so the next step's inputs can take tokens from this one on the device.
         ``expert_tally`` (``engine.expert_tally``): :attr:`tally` counts the experts of decode and verify steps.
+        ``expert_load`` (``engine.expert_load``): :attr:`expert_load` counts the tokens routed to each expert in every
+        step (on attention-TP rank 0; a static step's padding rows left out).
         ``grammar``: structured output's xgrammar backend (None: constraints refused upstream).
         ``host_kv_cache_gb`` (``engine.host_kv_cache_gb``): the host KV tier's GiB per attention-DP group (0: none).
         ``kv_store``: the shared KV store's settings (None: no store)."""
         self.model, self.overlap = model, overlap
         self.tally = ExpertTally(model) if expert_tally else None  # before any capture: graphs then hold its ops
+        self.expert_load = ExpertLoad(model, counting=model.groups.attn_tp.rank == 0) if expert_load else None
         self.reports = model.groups.attn_tp.rank == 0  # holds the group's results (the others: None)
         self.last_tokens: torch.Tensor | None = None  # the last step's plainly sampled tokens, on the device
         # KV slots one step writes per request past its next position: a decode's token or a speculative step's
@@ -183,6 +187,8 @@ class ModelRunner:
         if self.tally is not None:
             self.tally.armed = kind in (StepKind.DECODE, StepKind.VERIFY)
         shape, why = self._static_shape(dp_work)
+        if self.expert_load is not None:  # a static step's real rows come first, its padding after them
+            self.expert_load.valid_rows.fill_(ALL_ROWS if shape is None else len(work) * shape.tree_size)
         t0 = time.perf_counter()
         sampled = None
         if shape is not None and shape.kind is StepKind.VERIFY:
@@ -218,6 +224,8 @@ class ModelRunner:
             return False, reason
         if self.tally is not None:
             self.tally.armed = True  # a static shape is a decode or a verify, and its capture holds the count
+        if self.expert_load is not None:
+            self.expert_load.valid_rows.fill_(0)  # all padding
         if tree_size == 1:
             return self._decode_static([], batch)[2]
         target = _StaticTarget(self)
