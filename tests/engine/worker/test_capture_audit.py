@@ -122,7 +122,7 @@ def test_the_unfixed_root_assignment_is_flagged_and_the_builder_is_clean():
 
 
 def spec_runner(method: str, budget: int, batch: int, invariant: bool = False,
-                expert_tally: bool = False) -> ModelRunner:
+                expert_tally: bool = False, expert_load: bool = False) -> ModelRunner:
     """A tiny random target (Triton wrappers, launches stubbed; ``invariant``: their batch-invariant set) + random
     drafter, static steps at ``batch``."""
     model = random_model(torch.device("cpu"), torch.float32, hidden_size=32, moe_intermediate_size=16,
@@ -138,7 +138,7 @@ def spec_runner(method: str, budget: int, batch: int, invariant: bool = False,
 
     per_seq = blocks_for(CTX + 2 + cfg.spec_reserve_slots, BLOCK)
     runner = ModelRunner(model, batch * per_seq, BLOCK, speculation_from(cfg, factory), static_batch_sizes=(batch,),
-                         max_model_len=CTX + 2, expert_tally=expert_tally)
+                         max_model_len=CTX + 2, expert_tally=expert_tally, expert_load=expert_load)
     runner.strict_sync = True  # the region gpu_check's spec_steps runs under CUDA's sync debug mode
     return runner
 
@@ -200,6 +200,18 @@ def test_the_expert_tally_is_capture_safe_and_counts_decode_and_verify_steps():
     log.raise_if_unsafe()
     snap = runner.tally.snapshot()
     assert snap["forwards"] == [4] and 4 <= snap["experts"][0] <= 4 * 16
+
+
+def test_the_expert_load_is_capture_safe_and_counts_every_row_of_every_step():
+    """``engine.expert_load``'s hooks add only device ops to every captured step kind, and count each routed row once
+    per choice: the prefill's ``2 x CTX`` rows once, the static decode's 2 and the static verify's ``2 x tree_size``
+    twice each (the stand-in capture runs a step, its replay re-runs it)."""
+    runner = spec_runner("ddtree", 8, 2, expert_load=True)
+    with stub_triton_launches(), audited_capture() as log:
+        run_every_kind(runner, 2)
+    log.raise_if_unsafe()
+    rows = 2 * CTX + 2 * (2 + 2 * runner.speculation.facts.tree_size)
+    assert runner.expert_load.counts.sum(dim=1).tolist() == [rows * runner.model.cfg.moe.top_k]
 
 
 def test_the_grouped_prefill_path_is_capture_safe(monkeypatch):
