@@ -119,19 +119,44 @@ class RunnerConfig:
             raise RequestError(f"engine.overlap must be on or off, got {self.overlap!r}")
 
 
-OWNERS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "runner": RunnerConfig}
+@dataclass(frozen=True)
+class BalancerConfig:
+    """Expert load balancing while serving (the ``eplb`` group's ``enabled``, ``window_steps``, ``interval_steps``,
+    ``min_gain``, ``layers_per_step``, passed as ``engine.eplb_*``): docs/eplb.md."""
+
+    eplb_enabled: bool = False
+    eplb_window_steps: int = 1000  # the load a rebalance sees: the last complete window of this many steps
+    eplb_interval_steps: int = 3000  # steps between rebalances
+    eplb_min_gain: float = 0.01  # a layer moves only if its predicted balancedness rises by at least this
+    eplb_layers_per_step: int = 1  # layers moved between two steps, at most
+
+    def __post_init__(self) -> None:
+        for name in ("eplb_window_steps", "eplb_interval_steps", "eplb_layers_per_step"):
+            if getattr(self, name) < 1:
+                raise RequestError(f"{name.replace('eplb_', 'eplb.')} must be >= 1, got {getattr(self, name)}")
+        if self.eplb_min_gain < 0:
+            raise RequestError(f"eplb.min_gain must be >= 0, got {self.eplb_min_gain}")
+
+
+OWNERS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "runner": RunnerConfig, "balancer": BalancerConfig}
 KEY_OWNER = {f.name: owner for owner, cls in OWNERS.items() for f in dataclasses.fields(cls)}  # engine.<key> → owner
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The scheduler's, the cache's and the runner's configs. Built from the flat keys a user types
-    (``engine.max_model_len``, ``engine.prefix_caching``, …) with :meth:`flat`; read by owner
+    """The scheduler's, the cache's, the runner's and the expert balancer's configs. Built from the flat keys a user
+    types (``engine.max_model_len``, ``engine.prefix_caching``, …) with :meth:`flat`; read by owner
     (``cfg.cache.block_size``)."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+
+    def __post_init__(self) -> None:
+        if self.balancer.eplb_enabled and self.runner.overlap == "on":
+            raise RequestError("eplb.enabled moves experts at a step boundary with no step in flight; with "
+                               "engine.overlap=on there is always one (not built): turn one of them off")
 
     @staticmethod
     def flat(**keys) -> EngineConfig:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from engine.balancer import ExpertBalancer
 from engine.config import EngineConfig, RequestError
 from engine.core.kv_manager import KvEvent
 from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
@@ -98,6 +99,7 @@ class Engine:
         self.rank = RankState(self.runner, telemetry, RankProfiler(model.groups.rank, model.device))  # rank 0's share
         self.transfers = KVTransfers(self.control, self.rank, self.scheduler)
         self.profiling = ProfileDriver(lambda control: self.control.send(Profile(control), self.rank))
+        self.balancer = ExpertBalancer(self.control, self.rank, cfg.balancer) if cfg.balancer.eplb_enabled else None
         self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
         self.last_record: StepRecord | None = None
         self._subscribers: list[Callable[[StepRecord], None]] = []
@@ -249,7 +251,11 @@ class Engine:
         self.profiling.before_step(self.stats.steps)
         self.transfers.finish_loads()
         refused = [replace(out, error=why) for rid, why in self.transfers.take_refused() for out in self.abort_all(rid)]
+        if self.balancer is not None and self._in_flight is None:
+            self.balancer.before_step(self.stats.steps)
         plan = self.scheduler.schedule()
+        if self.balancer is not None:
+            plan = replace(plan, expert_versions=self.balancer.versions)
         self.transfers.start_stores()
         self.transfers.start_loads()
         t1 = time.perf_counter()

@@ -47,18 +47,23 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
 
 
 def expert_load(engine: Engine) -> dict | None:
-    """``engine.expert_load``'s counts since warm-up, gathered from every attention-DP group's counting rank and
-    summed: ``tokens_per_expert [L][E]`` per MoE layer, ``rank_tokens [L][moe_ep]`` and each layer's
-    ``balancedness`` (mean ÷ max tokens per EP rank; 1.0 = even) at the current expert placement, a replicated
-    expert's tokens split evenly over its replicas. None when the engine does not count."""
+    """``engine.expert_load``'s counts since warm-up (with the balancer on: since its last window), gathered from
+    every attention-DP group's counting rank and summed: ``tokens_per_expert [L][E]`` per MoE layer, ``rank_tokens
+    [L][moe_ep]`` and each layer's ``balancedness`` (mean ÷ max tokens per EP rank; 1.0 = even) at the current
+    expert placement, a replicated expert's tokens split evenly over its replicas; with the balancer on, what it
+    did (``balancer``). None when the engine does not count."""
     if engine.runner.expert_load is None:
         return None
     tokens = torch.stack([c for c in engine.control.send(ReadExpertLoad(), engine.rank) if c is not None]).sum(0)
-    lay, experts = engine.groups.layout, tokens.shape[1]
-    slots = torch.tensor([lay.expert_placement(experts, i).phy2log for i in range(tokens.shape[0])])
-    return {"tokens_per_expert": tokens.tolist(), "moe_ep": lay.moe_ep,
-            "rank_tokens": rank_loads(tokens, slots, lay.moe_ep).tolist(),
-            "balancedness": balancedness(tokens, slots, lay.moe_ep).tolist()}
+    slots = torch.tensor([m.dispatcher.placement.phy2log for m in engine.runner.expert_maps.layers])  # current
+    lay = engine.groups.layout
+    out = {"tokens_per_expert": tokens.tolist(), "moe_ep": lay.moe_ep,
+           "rank_tokens": rank_loads(tokens, slots, lay.moe_ep).tolist(),
+           "balancedness": balancedness(tokens, slots, lay.moe_ep).tolist()}
+    if engine.balancer is not None:
+        out["balancer"] = asdict(engine.balancer.stats) | {"versions": list(engine.balancer.versions),
+                                                           "pending_layers": [la for la, _ in engine.balancer.pending]}
+    return out
 
 
 def _kv(engine: Engine) -> dict:

@@ -105,6 +105,8 @@ class StepPlan:
     copies: tuple[tuple[int, int, int], ...] = ()
     # KV loads (engine.worker.kv_loads) every rank waits for before the step: done on rank 0, their blocks now read
     loads: tuple[int, ...] = ()
+    # the expert placement version of each MoE layer the step was planned for (engine.eplb_enabled; empty: not tracked)
+    expert_versions: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

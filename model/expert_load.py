@@ -42,7 +42,7 @@ class ExpertLoad:
 
     def reset(self) -> torch.Tensor:
         """The counts so far (on the host), then zeroes them in place (captured graphs keep their address)."""
-        counts = self.counts.cpu()
+        counts = self.counts.to("cpu", copy=True)  # a copy also on the CPU, where .cpu() is the tensor itself
         self.counts.zero_()
         return counts
 

@@ -144,6 +144,19 @@ class Comm:
         dist.all_to_all_single(out, send_counts.contiguous(), group=self.group)
         return out
 
+    def send_recv(self, sends: list[tuple[int, int, torch.Tensor]], recvs: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Point to point: each ``(group rank, tag, tensor)`` of ``sends`` goes to that rank, each of ``recvs`` is
+        filled from it (tags pair them up); returns when all are done. Every rank passes its own lists (a rank with
+        none passes two empty ones and returns at once)."""
+        if self.size == 1 or not (sends or recvs):
+            return
+        for _, _, t in sends:
+            self.counter.record(self.kind, "send", _nbytes(t))
+        works = [dist.isend(t.contiguous(), self.ranks[r], group=self.group, tag=tag) for r, tag, t in sends]
+        works += [dist.irecv(t, self.ranks[r], group=self.group, tag=tag) for r, tag, t in recvs]
+        for w in works:
+            w.wait()
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast ``x`` in place from group rank ``src``."""
         if self.size == 1:

@@ -198,6 +198,13 @@ class AttentionTPSplit(Dispatcher):
         self.inner.to(device)
         return self
 
+    @property
+    def placement(self):
+        return self.inner.placement
+
+    def set_placement(self, placement) -> None:
+        self.inner.set_placement(placement)
+
     def dispatch(self, x, topk_ids, topk_weights):
         t, rank = x.shape[0], self.tp.rank
         chunk = -(-t // self.tp.size)

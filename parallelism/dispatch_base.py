@@ -56,19 +56,35 @@ class Dispatcher:
         self.groups = groups
         self.world = groups.world
         self.moe_ep = placement.moe_ep
-        rank, phy2log = groups.rank, placement.phy2log
+        self.placement = placement
+        tables = self._tables(placement)
+        self.holders = tables["holders"]  # [P, W]: rank r holds (a shard of) slot p
+        self.slot_at_rank = tables["slot_at_rank"]  # [P, W]: slot's local index on rank r, or -1
+        self.local_slot = tables["local_slot"]  # [P]: on this rank, or -1
+        self.replica_count = tables["replica_count"]  # [E]
+        self.log2phy = tables["log2phy"]  # [E, R_max]: an expert's slots (R_max = P - E + 1, padded with the first)
+
+    def _tables(self, placement: ExpertPlacement) -> dict[str, torch.Tensor]:
+        phy2log = placement.phy2log
         p = len(phy2log)
-        holders = torch.zeros(p, groups.layout.world_size, dtype=torch.bool)  # [P, W]
+        holders = torch.zeros(p, self.groups.layout.world_size, dtype=torch.bool)
         for slot in range(p):
             holders[slot, placement.ranks_of_slot(slot)] = True
         local = torch.arange(p) % placement.slots_per_rank
-        self.holders = holders
-        self.slot_at_rank = torch.where(holders, local[:, None], -1)  # [P, W]: slot's local index on rank r, or -1
-        self.local_slot = self.slot_at_rank[:, rank].clone()  # [P]: on this rank, or -1
+        slot_at_rank = torch.where(holders, local[:, None], -1)
         replicas = [placement.replicas(e) for e in range(placement.num_experts)]
-        widest = max(len(r) for r in replicas)
-        self.replica_count = torch.tensor([len(r) for r in replicas])  # [E]
-        self.log2phy = torch.tensor([r + r[:1] * (widest - len(r)) for r in replicas])  # [E, R_max]
+        widest = p - placement.num_experts + 1  # fixed for the run: a new placement is written in place
+        return {"holders": holders, "slot_at_rank": slot_at_rank,
+                "local_slot": slot_at_rank[:, self.groups.rank].clone(),
+                "replica_count": torch.tensor([len(r) for r in replicas]),
+                "log2phy": torch.tensor([r + r[:1] * (widest - len(r)) for r in replicas])}
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Switches to ``placement`` (the same slot count) by writing the routing tables in place: a captured CUDA
+        graph reads the new ones on its next replay."""
+        for name, table in self._tables(placement).items():
+            getattr(self, name).copy_(table)
+        self.placement = placement
 
     def physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """``topk_ids [T, k]`` logical experts → ``[T, k]`` physical slots: of an expert's replicas, row t's

@@ -33,7 +33,7 @@ def layout_from(cfg: DictConfig) -> Layout:
     """The ``parallel`` group, with the ``eplb`` group's starting expert placement when it asks for one (its slots
     need the model's MoE layer and expert counts: ``config.json`` is read)."""
     layout = Layout(**OmegaConf.to_container(cfg.parallel, resolve=True))
-    eplb = EPLBConfig(**OmegaConf.to_container(cfg.eplb, resolve=True)) if "eplb" in cfg else EPLBConfig()
+    eplb = EPLBConfig(cfg.eplb.placement_file, cfg.eplb.redundant_experts) if "eplb" in cfg else EPLBConfig()
     if not eplb.active:
         return layout
     if eplb.placement_file:
@@ -41,6 +41,19 @@ def layout_from(cfg: DictConfig) -> Layout:
     model = load_config(model_dir(cfg))
     slots = initial_expert_slots(eplb, sum(model.moe_layers), model.moe.num_experts, layout.moe_ep)
     return dataclasses.replace(layout, expert_slots=slots)
+
+
+BALANCER_KEYS = ("enabled", "window_steps", "interval_steps", "min_gain", "layers_per_step")
+
+
+def engine_keys(cfg: DictConfig) -> dict:
+    """The ``engine`` group's keys (``seed`` aside: the scripts take it themselves) and the ``eplb`` group's
+    rebalancing keys as ``eplb_*`` (``engine.config.BalancerConfig``): what ``EngineConfig.flat`` takes."""
+    keys = OmegaConf.to_container(cfg.engine, resolve=True)
+    keys.pop("seed", None)
+    if "eplb" in cfg:
+        keys |= {f"eplb_{k}": cfg.eplb[k] for k in BALANCER_KEYS}
+    return keys
 
 
 def model_dir(cfg: DictConfig) -> str:

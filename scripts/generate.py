@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 
 import hydra
-from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
-from omegaconf import DictConfig, OmegaConf
+from common import CONF_DIR, engine_keys, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
+from omegaconf import DictConfig
 from preflight import one_line_errors, preflight
 
 from engine.config import EngineConfig
@@ -35,9 +35,7 @@ log = logging.getLogger("generate")
 
 
 def scheduler_config(cfg: DictConfig) -> EngineConfig:
-    e = OmegaConf.to_container(cfg.engine, resolve=True)
-    e.pop("seed", None)
-    return EngineConfig.flat(**e)
+    return EngineConfig.flat(**engine_keys(cfg))
 
 
 def sampling_params(cfg: DictConfig) -> SamplingParams:

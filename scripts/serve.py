@@ -26,7 +26,7 @@ import sys
 
 import hydra
 import torch
-from common import CONF_DIR, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
+from common import CONF_DIR, engine_keys, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 from preflight import debug_requested, one_line, one_line_errors, preflight
 
@@ -49,8 +49,7 @@ def configs(cfg: DictConfig):
     from rpc.server import ServerConfig
 
     server = ServerConfig(**OmegaConf.to_container(cfg.server, resolve=True))
-    e = OmegaConf.to_container(cfg.engine, resolve=True)
-    e.pop("seed", None)
+    e = engine_keys(cfg)
     e["max_num_seqs"] = server.max_num_seqs
     return EngineConfig.flat(**e), server
 

@@ -10,9 +10,8 @@ writing a source's blocks into given blocks off the step thread (the plan that f
 ``StepPlan.loads``), :class:`StoreKV` copies device blocks into the rank's host-tier slots before the next step,
 :class:`PutKV` writes committed blocks to the shared store, :class:`LoadOutcomes` gathers which loads failed softly,
 :class:`LeaseKV` gathers where a prefill's leased blocks are for a decode worker to read (a lease ends on rank 0
-alone: the ranks never hold one). Shape the next feature takes (not built yet): a weight move
-(``MoveExpertWeights``: layer, slots and their new experts; runs in the background on each rank and replies when
-staged, then ``SwapExpertMaps`` switches a layer's maps on every rank between two steps).
+alone: the ranks never hold one). Expert moves: :class:`ReadExpertLoad` gathers the expert load counts,
+:class:`MoveExperts` moves one MoE layer's experts to a new placement between two steps on every rank.
 """
 
 from __future__ import annotations
@@ -242,7 +241,22 @@ class ReadExpertLoad(RankMessage):
         load = rank.runner.expert_load
         if load is None or not load.counting:
             return None
-        return load.reset() if self.reset else load.counts.cpu()
+        return load.reset() if self.reset else load.counts.to("cpu", copy=True)
+
+
+@dataclass(frozen=True)
+class MoveExperts(RankMessage):
+    """Switch MoE layer ``layer`` to the expert placement ``slots`` (the logical expert of each physical slot) as
+    ``version``: the weights move rank to rank and the routing tables switch, between two steps on every rank
+    (:meth:`~engine.worker.expert_moves.ExpertMaps.move`). Replies the bytes this rank sent."""
+
+    layer: int
+    slots: tuple[int, ...]
+    version: int
+    reply: ClassVar[Reply] = Reply.GATHER
+
+    def run(self, rank: RankState) -> int:
+        return rank.runner.expert_maps.move(self.layer, self.slots, self.version)
 
 
 @dataclass(frozen=True)

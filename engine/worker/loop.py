@@ -42,7 +42,8 @@ def make_runner(model: CausalLM, cfg: EngineConfig, speculation: Speculation | N
                        max_model_len=cfg.scheduler.max_model_len,
                        eager_reason="" if sizes else eager_reason(model, cfg.runner.static_steps),
                        overlap=cfg.runner.overlap == "on" and speculation is None, expert_tally=cfg.runner.expert_tally,
-                       expert_load=cfg.runner.expert_load, grammar=grammar, host_kv_cache_gb=cfg.cache.host_kv_cache_gb,
+                       expert_load=cfg.runner.expert_load or cfg.balancer.eplb_enabled, grammar=grammar,
+                       host_kv_cache_gb=cfg.cache.host_kv_cache_gb,
                        kv_store=store_settings(model, cfg, speculation))
 
 

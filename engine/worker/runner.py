@@ -23,6 +23,7 @@ from engine.staging import Readback, to_device
 from engine.step import Record, RunnerOutput, SeqWork, StepItem, StepKind, StepPlan, StepResult, step_kind
 from engine.worker.capture import capture_blocker, free_device_memory, memory_blocker, no_host_sync, static_step_bytes
 from engine.worker.cuda_graphs import GraphRunner, SeqLayout, StaticSeq, StepShape
+from engine.worker.expert_moves import ExpertMaps
 from engine.worker.kv_budget import cache_spec
 from engine.worker.kv_cache import PagedKV, PagedKVCache, SeqSlots
 from engine.worker.kv_loads import HostPool, RankLoads, host_slots
@@ -69,6 +70,7 @@ class ModelRunner:
         self.model, self.overlap = model, overlap
         self.tally = ExpertTally(model) if expert_tally else None  # before any capture: graphs then hold its ops
         self.expert_load = ExpertLoad(model, counting=model.groups.attn_tp.rank == 0) if expert_load else None
+        self.expert_maps = ExpertMaps(model, model.groups)  # where each MoE layer's experts sit, and its version
         self.reports = model.groups.attn_tp.rank == 0  # holds the group's results (the others: None)
         self.last_tokens: torch.Tensor | None = None  # the last step's plainly sampled tokens, on the device
         # KV slots one step writes per request past its next position: a decode's token or a speculative step's
@@ -152,6 +154,7 @@ class ModelRunner:
         """:meth:`launch` of this rank's share of ``plan``, after applying its changes to the requests kept here and
         its KV block copies (a fork's partial block, every layer group of the cache), once the KV loads it names are
         written."""
+        self.expert_maps.check(plan.expert_versions)
         self.loads.wait(plan.loads)
         self.loads.wait_stores()
         dp = self.requests.dp_rank

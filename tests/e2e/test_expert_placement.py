@@ -49,7 +49,9 @@ def eplb_layout(base: Layout, path) -> Layout:
     return dataclasses.replace(base, expert_slots=tuple(tuple(row) for row in slots.tolist()))
 
 
-PLACEMENTS = ("linear", "round_robin", "eplb")
+PLACEMENTS = ("linear", "round_robin", "eplb", "rebalanced")
+# the balancer on, reading a window and rebalancing every 4 steps, every layer that changes moved (one per step)
+REBALANCING = dict(eplb_enabled=True, eplb_window_steps=4, eplb_interval_steps=4, eplb_min_gain=0.0)
 
 
 def _placements_job(ctx, preset, path, dtype, methods, prompts):
@@ -57,16 +59,18 @@ def _placements_job(ctx, preset, path, dtype, methods, prompts):
     out = {}
     requests = _requests(prompts)
     for kind in PLACEMENTS:
-        lay = eplb_layout(layout(preset), path) if kind == "eplb" else layout(preset, f"placement={kind}")
+        moved = kind in ("eplb", "rebalanced")
+        lay = eplb_layout(layout(preset), path) if moved else layout(preset, f"placement={kind}")
         model = load_model(path, ctx.groups(lay), dtype)
+        cfg = invariant_cfg().replace(**REBALANCING) if kind == "rebalanced" else invariant_cfg()
         for method in methods:
             drafter = str(ZOO / "drafter")
             spec = SpecConfig() if method == "none" else SpecConfig("ddtree", budget=16, drafter_path=drafter)
             speculation = load_speculation(spec, model)
             if ctx.rank != 0:
-                worker_loop(make_runner(model, invariant_cfg(), speculation))
+                worker_loop(make_runner(model, cfg, speculation))
                 continue
-            engine = Engine(model, invariant_cfg(), speculation=speculation)
+            engine = Engine(model, cfg, speculation=speculation)
             got = {rid: ([], []) for rid, _, _ in requests}
             for rid, prompt, params in requests:
                 engine.add_request(rid, prompt, params)
@@ -76,6 +80,8 @@ def _placements_job(ctx, preset, path, dtype, methods, prompts):
                     got[o.request_id][1].extend(o.new_logprobs)
             engine.shutdown()
             out[(kind, method)] = got
+            if engine.balancer is not None:
+                out[("moves", method)] = engine.balancer.stats
     return out if ctx.rank == 0 else None
 
 
@@ -85,6 +91,8 @@ def _assert_same(out: dict, methods: tuple[str, ...]) -> None:
         assert all(len(tokens) == NEW_TOKENS == len(lps) for tokens, lps in linear.values())
         for kind in PLACEMENTS[1:]:
             assert out[(kind, method)] == linear, (kind, method)
+        moves = out[("moves", method)]
+        assert moves.rebalances >= 2 and moves.layers_moved >= 2 and moves.moved_bytes > 0, moves
 
 
 @pytest.mark.parametrize("preset", ["ep8", "dp8_ep8", "tp2_ep4"])

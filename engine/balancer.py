@@ -1,0 +1,97 @@
+"""Rank 0's expert load balancer (``engine.eplb_enabled``; the ``eplb`` group's ``enabled``): experts that follow the
+load while serving, one MoE layer at a time, between two steps (``docs/eplb.md``).
+
+- Every ``eplb_window_steps`` steps it reads the load the ranks counted since the last read (``ReadExpertLoad`` with
+  reset: tokens per logical expert per MoE layer, summed over the attention-DP groups); that window is what a
+  rebalance sees.
+- Every ``eplb_interval_steps`` steps it computes a placement from the last complete window
+  (:func:`parallelism.eplb.rebalance`, the current slot count) and queues every layer whose predicted balancedness on
+  that window rises by at least ``eplb_min_gain`` over the current placement's; the other layers stay.
+- Before each step it moves at most ``eplb_layers_per_step`` queued layers (``MoveExperts``: the weights move rank to
+  rank, then the routing tables switch, on every rank), and stamps the step's plan with every layer's placement
+  version, which each rank checks before it runs the step.
+
+Moves happen only at a step boundary with no step in flight: ``engine.overlap=on`` is refused with it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import BalancerConfig
+from engine.worker.control import ControlPlane, MoveExperts, RankState, ReadExpertLoad
+from parallelism.eplb import balancedness, rebalance
+
+
+@dataclass
+class BalancerStats:
+    """What the balancer did since start: rebalances computed, layer moves done and skipped, bytes and seconds."""
+
+    rebalances: int = 0
+    layers_moved: int = 0
+    layers_kept: int = 0  # a rebalance's layers whose gain was below min_gain
+    moved_bytes: int = 0
+    move_seconds: float = 0.0
+    window_balancedness: list[float] = field(default_factory=list)  # the last window's, at the placement it ran on
+
+
+class ExpertBalancer:
+    def __init__(self, control: ControlPlane, rank: RankState, cfg: BalancerConfig):
+        self.control, self.rank, self.cfg = control, rank, cfg
+        self.maps = rank.runner.expert_maps
+        self.window: torch.Tensor | None = None  # [L, E] tokens per expert over the last complete window
+        self.pending: list[tuple[int, tuple[int, ...]]] = []  # (MoE layer, slots) to move, in order
+        self.stats = BalancerStats()
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Every MoE layer's placement version (what a step plan carries)."""
+        return tuple(self.maps.versions)
+
+    def before_step(self, steps: int) -> None:
+        """Called by the engine before step number ``steps`` (0-based, warm-up excluded) when no step is in flight:
+        reads a window, rebalances and moves layers as their periods come."""
+        if steps and steps % self.cfg.eplb_window_steps == 0:
+            self.window = self._read()
+            placed = self._placements()
+            self.stats.window_balancedness = balancedness(self.window, placed, self._moe_ep).tolist()
+        if steps and steps % self.cfg.eplb_interval_steps == 0 and self.window is not None:
+            self._rebalance()
+        for _ in range(min(self.cfg.eplb_layers_per_step, len(self.pending))):
+            self._move(*self.pending.pop(0))
+
+    @property
+    def _moe_ep(self) -> int:
+        return self.maps.groups.layout.moe_ep
+
+    def _read(self) -> torch.Tensor:
+        counts = [c for c in self.control.send(ReadExpertLoad(reset=True), self.rank) if c is not None]
+        return torch.stack(counts).sum(0).double()
+
+    def _placements(self) -> torch.Tensor:
+        """``[L, P]``: each MoE layer's current logical expert per physical slot."""
+        return torch.tensor([m.dispatcher.placement.phy2log for m in self.maps.layers])
+
+    def _rebalance(self) -> None:
+        current = self._placements()
+        proposed = rebalance(self.window, current.shape[1], self._moe_ep)
+        gain = balancedness(self.window, proposed, self._moe_ep) - balancedness(self.window, current, self._moe_ep)
+        self.stats.rebalances += 1
+        queued = {layer for layer, _ in self.pending}
+        for layer in range(current.shape[0]):
+            if gain[layer] >= self.cfg.eplb_min_gain and not torch.equal(proposed[layer], current[layer]):
+                if layer in queued:  # a newer placement replaces a queued one
+                    self.pending = [(la, s) for la, s in self.pending if la != layer]
+                self.pending.append((layer, tuple(proposed[layer].tolist())))
+            else:
+                self.stats.layers_kept += 1
+
+    def _move(self, layer: int, slots: tuple[int, ...]) -> None:
+        t0 = time.perf_counter()
+        sent = self.control.send(MoveExperts(layer, slots, self.maps.versions[layer] + 1), self.rank)
+        self.stats.moved_bytes += sum(sent)
+        self.stats.layers_moved += 1
+        self.stats.move_seconds += time.perf_counter() - t0

@@ -1,0 +1,111 @@
+"""Expert weights that move between ranks while serving (the rank side of expert load balancing, ``docs/eplb.md``).
+
+:class:`ExpertMaps` holds, per MoE layer of a rank's model, the current placement (``ExpertPlacement``: the logical
+expert of each physical slot) and its version. :meth:`ExpertMaps.move` switches one layer to a new placement of the
+same slot count, between two steps, on every rank at once (it runs as a rank message, ``MoveExperts``):
+
+1. Every rank derives the same list of slot fills from the old and new maps (:func:`slot_fills`): a slot whose expert
+   changes is filled from a slot of the same rank that holds that expert, or else from one rank that holds it (the
+   holders taken in turn, so the sends spread over the replicas).
+2. Each fill's tensors — every per-slot tensor of the layer's experts module: a bf16/fp32 expert's ``w_gate_up`` and
+   ``w_down``; a quantized expert's packed weights *and* their scales — are staged: copied on the same rank, or sent
+   point to point between the ranks of the same expert-TP shard (``Comm.send_recv``) as bytes.
+3. Only when every transfer is done are the staged tensors written into their slots and the dispatcher's routing
+   tables switched (``Dispatcher.set_placement``), both in place: a captured CUDA graph keeps its addresses.
+
+Every step plan carries the placement version of each layer (``StepPlan.expert_versions``); a rank whose version
+differs raises :class:`PlacementVersionError` at once, naming the layer and both versions, before it runs anything.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.moe import MoE
+from parallelism.comm import ParallelGroups
+from parallelism.layout import ExpertPlacement
+
+
+class PlacementVersionError(RuntimeError):
+    """A step planned for another expert placement than the one this rank holds."""
+
+
+def slot_fills(old: tuple[int, ...], new: tuple[int, ...], slots_per_rank: int) -> list[tuple[int, int]]:
+    """``(new slot, source slot)`` for every physical slot whose expert changes: the source holds that expert under
+    ``old``, on the same EP rank when one does (a local copy), else on the holders taken in turn by the slot's index
+    (the same answer on every rank)."""
+    fills = []
+    for slot, expert in enumerate(new):
+        if old[slot] == expert:
+            continue
+        rank = slot // slots_per_rank
+        here = [s for s in range(rank * slots_per_rank, (rank + 1) * slots_per_rank) if old[s] == expert]
+        holders = [s for s, e in enumerate(old) if e == expert]
+        fills.append((slot, here[0] if here else holders[slot % len(holders)]))
+    return fills
+
+
+def slot_tensors(experts: nn.Module) -> list[torch.Tensor]:
+    """The experts module's per-slot tensors (leading dim = its local slots), by name: parameters and buffers."""
+    n = len(experts.global_ids)
+    named = sorted([*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)])
+    return [t for _, t in named if t.dim() and t.shape[0] == n]
+
+
+class ExpertMaps:
+    """Per MoE layer of ``model`` (in order): its placement, version and the tensors a move rewrites."""
+
+    def __init__(self, model: nn.Module, groups: ParallelGroups):
+        self.groups = groups
+        self.layers = [m for m in model.modules() if isinstance(m, MoE)]
+        self.versions = [0] * len(self.layers)
+        self.moved_bytes = 0  # sent by this rank
+
+    def check(self, versions: tuple[int, ...]) -> None:
+        """Raises :class:`PlacementVersionError` if a plan's per-layer ``versions`` (empty: not tracked) differ from
+        this rank's."""
+        if not versions:
+            return
+        for layer, (want, have) in enumerate(zip(versions, self.versions, strict=True)):
+            if want != have:
+                raise PlacementVersionError(
+                    f"rank {self.groups.rank}: the step was planned for expert placement version {want} of MoE "
+                    f"layer {layer}, this rank holds version {have}")
+
+    def move(self, layer: int, slots: tuple[int, ...], version: int) -> int:
+        """Switches MoE layer ``layer`` to the placement ``slots`` (logical expert per physical slot) as
+        ``version``; collective over the world. Returns the bytes this rank sent."""
+        moe = self.layers[layer]
+        old: ExpertPlacement = moe.dispatcher.placement
+        new = ExpertPlacement(old.num_experts, old.moe_ep, old.moe_tp, slots=tuple(slots))
+        if new.num_slots != old.num_slots:
+            raise ValueError(f"MoE layer {layer}: a move keeps {old.num_slots} slots, got {new.num_slots}")
+        spr, c = old.slots_per_rank, self.groups.coords
+        tensors = slot_tensors(moe.experts)
+        sends, recvs, staged = [], [], []
+        for i, (dst, src) in enumerate(slot_fills(old.phy2log, new.phy2log, spr)):
+            (dst_rank, dst_local), (src_rank, src_local) = divmod(dst, spr), divmod(src, spr)
+            for j, t in enumerate(tensors):
+                tag = i * len(tensors) + j
+                if dst_rank == c.moe_ep_rank:
+                    buf = t[src_local].clone() if src_rank == dst_rank else torch.empty_like(t[dst_local])
+                    staged.append((t, dst_local, buf))
+                    if src_rank != dst_rank:
+                        recvs.append((src_rank * old.moe_tp + c.moe_tp_rank, tag, _bytes(buf)))
+                elif src_rank == c.moe_ep_rank:
+                    sends.append((dst_rank * old.moe_tp + c.moe_tp_rank, tag, _bytes(t[src_local].clone())))
+        self.groups.world.with_kind("eplb").send_recv(sends, recvs)
+        for t, local, buf in staged:
+            t[local].copy_(buf)
+        moe.experts.global_ids = new.local_experts(c.moe_ep_rank)
+        moe.dispatcher.set_placement(new)
+        self.versions[layer] = version
+        sent = sum(b.numel() for _, _, b in sends)
+        self.moved_bytes += sent
+        return sent
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat uint8 view (any dtype travels as its bytes: float8 and packed int4 included)."""
+    return t.contiguous().view(-1).view(torch.uint8)

@@ -1,0 +1,37 @@
+"""Expert moves on the ranks (``engine/worker/expert_moves.py``): which slot fills which, and the placement version
+every step plan carries — a rank whose map was switched a step before the others refuses the step, naming the layer
+and both versions. (Moves end to end, bit-exact, under ep8 / dp8_ep8 / tp2_ep4 and the quantized checkpoints:
+``tests/e2e/test_expert_placement.py``.)"""
+
+import pytest
+
+from engine.step import StepPlan
+from engine.worker.expert_moves import PlacementVersionError, slot_fills
+from engine.worker.runner import ModelRunner
+from model.loader import load_model
+from parallelism.comm import build_groups
+from parallelism.layout import Layout
+
+
+def test_a_changed_slot_is_filled_from_its_own_rank_first_then_from_the_holders_in_turn():
+    old = (0, 1, 2, 3, 0, 1)  # 2 ranks x 3 slots: rank 0 holds 0 1 2, rank 1 holds 3 0 1
+    new = (1, 0, 2, 3, 3, 2)
+    # slot 0 (rank 0) takes expert 1 from its own slot 1; slot 1 takes 0 from its own slot 0; slot 4 (rank 1) takes
+    # 3 from its own slot 3; slot 5 takes 2 from rank 0's slot 2 (its only holder)
+    assert slot_fills(old, new, 3) == [(0, 1), (1, 0), (4, 3), (5, 2)]
+    assert slot_fills(old, old, 3) == []
+    # no local copy: the holders of expert 0 (slots 0 and 4) taken in turn by the filled slot's index
+    assert slot_fills((0, 1, 2, 0), (0, 1, 0, 0), 1) == [(2, (0, 3)[2 % 2])]
+
+
+def test_a_rank_whose_map_moved_a_step_early_refuses_the_step(tiny_ckpts):
+    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout()))
+    runner = ModelRunner(model, num_blocks=8, kv_block_size=16)
+    layers = len(runner.expert_maps.versions)
+    assert layers == 2
+    runner.expert_maps.versions[1] = 1  # planted: this rank switched MoE layer 1 before the plan says
+    with pytest.raises(PlacementVersionError, match="planned for expert placement version 0 of MoE layer 1, this "
+                                                    "rank holds version 1"):
+        runner.launch_plan(StepPlan(step_id=0, work=[[]], expert_versions=(0, 0)))
+    runner.expert_maps.check(())  # a plan that does not track versions (the balancer off) is not checked
+    runner.expert_maps.check((0, 1))
