@@ -4,9 +4,10 @@ and both versions. (Moves end to end, bit-exact, under ep8 / dp8_ep8 / tp2_ep4 a
 ``tests/e2e/test_expert_placement.py``.)"""
 
 import pytest
+import torch
 
 from engine.step import StepPlan
-from engine.worker.expert_moves import PlacementVersionError, slot_fills
+from engine.worker.expert_moves import ExpertMaps, PlacementVersionError, slot_fills, slot_tensors
 from engine.worker.runner import ModelRunner
 from model.loader import load_model
 from parallelism.comm import build_groups
@@ -35,3 +36,28 @@ def test_a_rank_whose_map_moved_a_step_early_refuses_the_step(tiny_ckpts):
         runner.launch_plan(StepPlan(step_id=0, work=[[]], expert_versions=(0, 0)))
     runner.expert_maps.check(())  # a plan that does not track versions (the balancer off) is not checked
     runner.expert_maps.check((0, 1))
+
+
+def test_a_move_rewrites_weights_and_tables_in_place_to_what_loading_the_new_placement_gives(tiny_ckpts):
+    """One rank, 16 experts in 20 slots: MoE layer 0 moved to another placement holds, slot for slot, what a model
+    loaded with that placement holds, its routing tables equal that model's, and no tensor moved in memory (a
+    captured CUDA graph reads the new values on replay)."""
+    ckpt = tiny_ckpts["tiny_deepseek"]
+    first = (tuple(range(16)) + (0, 1, 2, 3), tuple(range(16)) + (4, 5, 6, 7))
+    second = (tuple(range(15, -1, -1)) + (9, 9, 8, 0),) + first[1:]
+    moved = load_model(ckpt, build_groups(Layout(expert_slots=first)))
+    loaded = load_model(ckpt, build_groups(Layout(expert_slots=second)))
+    maps, want = ExpertMaps(moved, moved.groups), ExpertMaps(loaded, loaded.groups)
+    layer, target = maps.layers[0], want.layers[0]
+    tables = ("local_slot", "holders", "slot_at_rank", "replica_count", "log2phy")
+    addresses = [t.data_ptr() for t in slot_tensors(layer.experts)] + [
+        getattr(layer.dispatcher, n).data_ptr() for n in tables]
+    assert maps.move(0, second[0], version=1) == 0  # one rank: every fill is a local copy, nothing sent
+    assert maps.versions == [1, 0]
+    for got, ref in zip(slot_tensors(layer.experts), slot_tensors(target.experts), strict=True):
+        assert torch.equal(got, ref)
+    for name in tables:
+        assert torch.equal(getattr(layer.dispatcher, name), getattr(target.dispatcher, name)), name
+    assert layer.experts.global_ids == target.experts.global_ids
+    assert addresses == [t.data_ptr() for t in slot_tensors(layer.experts)] + [
+        getattr(layer.dispatcher, n).data_ptr() for n in tables]
