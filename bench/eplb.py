@@ -4,11 +4,21 @@ placement computed from a past window is worth on the traffic that follows it (`
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.snapshot import expert_load
+from engine.worker.loop import make_runner, worker_loop
 from model.expert_load import record_load
+from model.loader import load_model
 from model.moe import MoE
+from parallelism.comm import build_groups
 from parallelism.eplb import balancedness, rebalance
 from parallelism.layout import ExpertPlacement
 
@@ -43,3 +53,46 @@ def heldout_rows(model: nn.Module, fit: list[list[int]], heldout: list[list[int]
     hot = (test_load.max(dim=1).values / test_load.mean(dim=1)).tolist()
     return {"moe_ep": moe_ep, "fit_tokens": sum(map(len, fit)), "heldout_tokens": sum(map(len, heldout)),
             "busiest_expert_over_mean": hot, "rows": rows}
+
+
+def serving_rank(rank: int, layout, engine_keys: dict, prompts: list[list[int]], max_tokens: int, out: str) -> None:
+    """One rank of a serving run (``parallelism.launch``): the tiny_kimi target in bf16 under ``layout`` with
+    ``engine_keys`` (``EngineConfig.flat``), every prompt submitted at once, greedy; rank 0 writes ``out``: the
+    tokens, every step's wall seconds and whether a layer moved before it, the expert load at the end."""
+    torch.set_num_threads(1)
+    model = load_model(Path(__file__).resolve().parent.parent / "model/zoo/tiny_kimi/target", build_groups(layout),
+                       torch.bfloat16)
+    cfg = EngineConfig.flat(**engine_keys)
+    if rank != 0:
+        worker_loop(make_runner(model, cfg))
+        return
+    engine = Engine(model, cfg)
+    engine.warm_up()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    steps = []
+    while engine.has_work():
+        moved = engine.balancer.stats.layers_moved if engine.balancer else 0
+        for o in engine.step():
+            tokens[o.request_id] += o.new_tokens
+        r = engine.last_record
+        steps.append({"kind": str(r.kind), "wall_s": r.wall_s,
+                      "moved": (engine.balancer.stats.layers_moved if engine.balancer else 0) - moved})
+    load = expert_load(engine)
+    engine.shutdown()
+    Path(out).write_text(json.dumps({"tokens": [tokens[str(i)] for i in range(len(prompts))], "steps": steps,
+                                     "expert_load": load}))
+
+
+def step_percentiles(steps: list[dict], kind: str = "decode") -> dict:
+    """p50 / p99 / max wall milliseconds of the ``kind`` steps, over all of them and over those a move preceded."""
+    def pct(xs: list[float]) -> dict:
+        if not xs:
+            return {"steps": 0}
+        t = torch.tensor(xs) * 1e3
+        return {"steps": len(xs), "p50_ms": t.quantile(0.5).item(), "p99_ms": t.quantile(0.99).item(),
+                "max_ms": t.max().item()}
+    mine = [s for s in steps if s["kind"].endswith(kind)]
+    return {"all": pct([s["wall_s"] for s in mine]), "with_a_move": pct([s["wall_s"] for s in mine if s["moved"]])}

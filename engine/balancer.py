@@ -35,7 +35,8 @@ class BalancerStats:
     layers_kept: int = 0  # a rebalance's layers whose gain was below min_gain
     moved_bytes: int = 0
     move_seconds: float = 0.0
-    window_balancedness: list[float] = field(default_factory=list)  # the last window's, at the placement it ran on
+    # per window read: its step, each layer's balancedness at the placement the window ran on and at the starting one
+    windows: list[dict] = field(default_factory=list)
 
 
 class ExpertBalancer:
@@ -45,6 +46,7 @@ class ExpertBalancer:
         self.window: torch.Tensor | None = None  # [L, E] tokens per expert over the last complete window
         self.pending: list[tuple[int, tuple[int, ...]]] = []  # (MoE layer, slots) to move, in order
         self.stats = BalancerStats()
+        self.start = self._placements()  # [L, P] the placement serving began with
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -56,8 +58,9 @@ class ExpertBalancer:
         reads a window, rebalances and moves layers as their periods come."""
         if steps and steps % self.cfg.eplb_window_steps == 0:
             self.window = self._read()
-            placed = self._placements()
-            self.stats.window_balancedness = balancedness(self.window, placed, self._moe_ep).tolist()
+            self.stats.windows.append({
+                "step": steps, "balancedness": balancedness(self.window, self._placements(), self._moe_ep).tolist(),
+                "at_start_placement": balancedness(self.window, self.start, self._moe_ep).tolist()})
         if steps and steps % self.cfg.eplb_interval_steps == 0 and self.window is not None:
             self._rebalance()
         for _ in range(min(self.cfg.eplb_layers_per_step, len(self.pending))):

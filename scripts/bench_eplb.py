@@ -3,21 +3,35 @@ split in two (even-numbered ones to fit a placement on, odd-numbered ones to mea
 redundant slots per rank; the router as trained, and with a synthetic Zipf-shaped skew on its choice bias::
 
     python scripts/bench_eplb.py --out docs/eplb/heldout.json
+
+``--serving OUT``: the same model served by the engine on 8 gloo ranks (ep8, one redundant slot per rank,
+``engine.batch_invariant``, all 29 held-out prompts at once, 64 new tokens each), once with the balancer off
+(control) and once rebalancing every 8 steps: decode step-time percentiles with and without a move before the step,
+bytes moved, each window's balancedness at the placement it ran on (after the rebalances before it, computed on
+earlier windows) against the starting placement's on the same window, and whether the tokens are the same::
+
+    python scripts/bench_eplb.py --out docs/eplb/heldout.json --serving docs/eplb/serving.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import tempfile
 from pathlib import Path
 
-from bench.eplb import heldout_rows, skew_router
+from bench.eplb import heldout_rows, serving_rank, skew_router, step_percentiles
+from model.config import load_config
 from model.loader import load_model
 from parallelism.comm import build_groups
+from parallelism.expert_slots import EPLBConfig, initial_expert_slots
+from parallelism.launch import launch
 from parallelism.layout import Layout
 
 MOE_EP = 8
 REDUNDANT = (0, 8, 16)
+SERVING_TOKENS = 64
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 SKEW = {"exponent": 1.2, "scale": 0.3}  # the synthetic arm's Zipf bias on the router's choice scores
 
@@ -25,6 +39,7 @@ SKEW = {"exponent": 1.2, "scale": 0.3}  # the synthetic arm's Zipf bias on the r
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--serving", help="also run the serving comparison and write it here")
     args = ap.parse_args()
     zoo = ZOO
     prompts = [p["ids"] for p in json.loads((zoo / "eval_prompts.json").read_text())["prompts"]]
@@ -43,6 +58,40 @@ def main() -> None:
     result["skew"] = SKEW
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.serving:
+        serving(ZOO, args.serving)
+
+
+def serving(zoo: Path, out: str) -> None:
+    prompts = [p["ids"] for p in json.loads((zoo / "eval_prompts.json").read_text())["prompts"]]
+    base = Layout(world_size=8, attn_tp=8, moe_ep=8)
+    cfg = load_config(zoo / "target")
+    slots = initial_expert_slots(EPLBConfig(redundant_experts=8), sum(cfg.moe_layers), cfg.moe.num_experts, 8)
+    layout = dataclasses.replace(base, expert_slots=slots)
+    common = dict(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=512, batch_invariant=True)
+    arms = {"control": common, "rebalancing": common | dict(eplb_enabled=True, eplb_window_steps=8,
+                                                             eplb_interval_steps=8, eplb_min_gain=0.01)}
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm, keys in arms.items():
+            path = f"{tmp}/{arm}.json"
+            launch(8, serving_rank, layout, keys, prompts, SERVING_TOKENS, path, backend="gloo")
+            runs[arm] = json.loads(Path(path).read_text())
+    control, moving = runs["control"], runs["rebalancing"]
+    result = {"tokens_equal": control["tokens"] == moving["tokens"],
+              "decode_steps": {arm: step_percentiles(r["steps"]) for arm, r in runs.items()},
+              "balancer": moving["expert_load"]["balancer"],
+              "setup": {"layout": "ep8, 24 slots (16 experts + 8 redundant)", "prompts": len(prompts),
+                        "new_tokens": SERVING_TOKENS, "engine": arms}}
+    Path(out).write_text(json.dumps(result, indent=1))
+    c, m = result["decode_steps"]["control"]["all"], result["decode_steps"]["rebalancing"]
+    print(f"tokens equal: {result['tokens_equal']}; decode p50/p99 ms control {c['p50_ms']:.1f}/{c['p99_ms']:.1f}, "
+          f"rebalancing {m['all']['p50_ms']:.1f}/{m['all']['p99_ms']:.1f} (steps after a move: "
+          f"{m['with_a_move']})")
+    for w in result["balancer"]["windows"]:
+        print(f"  window to step {w['step']}: balancedness", " ".join(f"{b:.3f}" for b in w["balancedness"]),
+              "| at the starting placement", " ".join(f"{b:.3f}" for b in w["at_start_placement"]))
+    print("balancer", {k: v for k, v in result["balancer"].items() if k != "windows"})
 
 
 if __name__ == "__main__":
