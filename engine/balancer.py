@@ -53,6 +53,13 @@ class ExpertBalancer:
         """Every MoE layer's placement version (what a step plan carries)."""
         return tuple(self.maps.versions)
 
+    def figures(self) -> dict:
+        """What a step record carries (``/metrics``): the last window's balancedness per MoE layer at the placement it
+        ran on (None before the first window), and the totals of rebalances, bytes and seconds moved."""
+        s = self.stats
+        return {"balancedness": s.windows[-1]["balancedness"] if s.windows else None, "rebalances": s.rebalances,
+                "moved_bytes": s.moved_bytes, "move_seconds": s.move_seconds}
+
     def before_step(self, steps: int) -> None:
         """Called by the engine before step number ``steps`` (0-based, warm-up excluded) when no step is in flight:
         reads a window, rebalances and moves layers as their periods come."""

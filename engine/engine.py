@@ -114,6 +114,8 @@ class Engine:
         self._subscribers.append(fn)
 
     def _publish(self, record: StepRecord) -> None:
+        if self.balancer is not None:
+            record = replace(record, eplb=self.balancer.figures())
         self.last_record = record
         self.stats.observe(record)
         for fn in list(self._subscribers):

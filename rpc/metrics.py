@@ -144,6 +144,11 @@ FAMILIES = _families(
     Family("switchyard:pd_leased_blocks", "gauge", "KV blocks a prefill worker holds for decode workers to read."),
     Family("switchyard:pd_leases_ended", "counter", "Prefill leases ended: released by a decode worker or smg, or "
            "expired.", ("how",)),
+    Family("switchyard:eplb_balancedness", "gauge", "Mean over max tokens per EP rank of the expert balancer's last "
+           "window, at the placement it ran on, per MoE layer (1 = even).", ("layer",)),
+    Family("switchyard:eplb_rebalances", "counter", "Placements the expert balancer computed."),
+    Family("switchyard:eplb_moved_bytes", "counter", "Expert weight bytes the ranks sent to each other."),
+    Family("switchyard:eplb_rebalance_seconds", "counter", "Seconds steps waited for expert moves."),
     Family("switchyard:kv_blocks", "gauge", "KV blocks per attention-DP rank: used (referenced), cached (in the "
            "prefix index), free (empty or evictable).", ("dp_rank", "state")),
     Family("switchyard:acceptance_length", "histogram", "Committed tokens per speculative request per step (tau, "
@@ -227,6 +232,8 @@ class MetricsExporter:
                 _add(d["switchyard:comm_bytes"], key, nbytes)
             if r.telemetry:
                 self._telemetry(d, r)
+            if r.eplb is not None:
+                self._eplb(d, r.eplb)
             if r.kind is not None:
                 self._step(d, r)
 
@@ -283,6 +290,15 @@ class MetricsExporter:
                 d["switchyard:kv_tier_seconds"][(t.tier, direction)] = seconds
             for reason, n in t.errors.items():
                 d["switchyard:kv_store_errors"][(reason,)] = n
+
+    @staticmethod
+    def _eplb(d: dict, figures: dict) -> None:
+        """The expert balancer's figures (``StepRecord.eplb``): totals, and the last window's balancedness."""
+        d["switchyard:eplb_rebalances"][()] = figures["rebalances"]
+        d["switchyard:eplb_moved_bytes"][()] = figures["moved_bytes"]
+        d["switchyard:eplb_rebalance_seconds"][()] = figures["move_seconds"]
+        for layer, b in enumerate(figures["balancedness"] or ()):
+            d["switchyard:eplb_balancedness"][(str(layer),)] = b
 
     @staticmethod
     def _hand_offs(d: dict, h: HandOffs) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.step import Record, StepKind
 
@@ -112,6 +113,9 @@ class StepRecord:
     requests: RequestTimes = RequestTimes()
     telemetry: Mapping[int, dict] = field(default_factory=dict)
     idle_s: Mapping[str, float] = field(default_factory=dict)
+    # the expert balancer's figures (engine.balancer.ExpertBalancer.figures) when it runs: the last window's
+    # balancedness per MoE layer and the totals of rebalances, bytes and seconds moved
+    eplb: Mapping[str, Any] | None = None
 
     @property
     def tau(self) -> float | None:

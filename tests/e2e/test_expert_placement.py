@@ -82,6 +82,7 @@ def _placements_job(ctx, preset, path, dtype, methods, prompts):
             out[(kind, method)] = got
             if engine.balancer is not None:
                 out[("moves", method)] = engine.balancer.stats
+                out[("figures", method)] = engine.last_record.eplb  # what /metrics shows
     return out if ctx.rank == 0 else None
 
 
@@ -93,6 +94,9 @@ def _assert_same(out: dict, methods: tuple[str, ...]) -> None:
             assert out[(kind, method)] == linear, (kind, method)
         moves = out[("moves", method)]
         assert moves.rebalances >= 2 and moves.layers_moved >= 2 and moves.moved_bytes > 0, moves
+        figures = out[("figures", method)]
+        assert (figures["rebalances"], figures["moved_bytes"]) == (moves.rebalances, moves.moved_bytes)
+        assert len(figures["balancedness"]) == len(moves.windows[-1]["at_start_placement"])
 
 
 @pytest.mark.parametrize("preset", ["ep8", "dp8_ep8", "tp2_ep4"])

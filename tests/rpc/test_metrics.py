@@ -476,6 +476,25 @@ def test_exporter_on_fake_gpu_samples():
     assert not any(name.startswith("switchyard:cpu_") for name, _ in m)
 
 
+def test_the_expert_balancers_figures_reach_the_page():
+    """A step record's ``eplb`` figures (``ExpertBalancer.figures``): totals as counters, the last window's
+    balancedness per MoE layer as a gauge; before the first window, the totals only."""
+    from engine.core.step_record import StepRecord
+    from rpc.metrics import MetricsExporter
+
+    e = MetricsExporter("m")
+    figures = {"balancedness": None, "rebalances": 0, "moved_bytes": 0, "move_seconds": 0.0}
+    e.observe(StepRecord(step_id=None, kind=None, t_end=1.0, gap_s=1.0, wall_s=0.0, eplb=figures))
+    assert not any(name == "switchyard:eplb_balancedness" for name, _ in samples(e.text().decode()))
+    figures = {"balancedness": [0.91, 0.75], "rebalances": 3, "moved_bytes": 4096, "move_seconds": 0.25}
+    e.observe(StepRecord(step_id=None, kind=None, t_end=2.0, gap_s=1.0, wall_s=0.0, eplb=figures))
+    m = samples(e.text().decode())
+    assert m[("switchyard:eplb_balancedness", (("layer", "1"),))] == 0.75
+    assert m[("switchyard:eplb_rebalances_total", ())] == 3
+    assert m[("switchyard:eplb_moved_bytes_total", ())] == 4096
+    assert m[("switchyard:eplb_rebalance_seconds_total", ())] == 0.25
+
+
 # ------------------------------------------------------------------------------------------ the dashboard
 DASHBOARD = REPO_ROOT / "docs" / "grafana_dashboard.json"
 
