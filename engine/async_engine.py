@@ -39,6 +39,7 @@ from engine.kv_transfers import PeerLease
 from engine.messages import (
     AbortRequest,
     AddRequest,
+    BalanceExperts,
     EngineRequest,
     EngineSnapshot,
     FlushCache,
@@ -54,7 +55,7 @@ from engine.messages import (
 )
 from engine.params import Constraint, SamplingParams
 from engine.profiling import ProfilePlan
-from engine.snapshot import engine_facts, take_snapshot
+from engine.snapshot import engine_facts, expert_balance, take_snapshot
 from engine.step import RequestOutput
 from engine.worker.kv_loads import KVSource
 
@@ -221,11 +222,15 @@ class AsyncEngine:
         """The server takes no more requests: the engine counts the rest of its idle time as draining."""
         self._call(SetDraining(), reply=False)
 
-    async def start_profile(self, plan: ProfilePlan) -> None:
-        await self._call(StartProfile(plan))
+    async def profile(self, plan: ProfilePlan | None) -> list[str] | None:
+        """``plan``: start ``torch.profiler`` on every rank for its steps (replies None); None: stop and write every
+        rank's trace (replies the files). ProfileError when one runs / none runs."""
+        return await self._call(StartProfile(plan) if plan is not None else StopProfile())
 
-    async def stop_profile(self) -> list[str]:
-        return await self._call(StopProfile())
+    async def balance_experts(self, rebalance: bool = False) -> dict:
+        """The expert load and placement now (``engine.snapshot.expert_balance``); ``rebalance``: the balancer
+        rebalances at the next step boundary. RequestError naming the setting that is off."""
+        return await self._call(BalanceExperts(rebalance))
 
     async def stop(self) -> None:
         """Graceful stop: queued requests run, then ``engine.shutdown()`` releases the other ranks (at once when the
@@ -294,7 +299,8 @@ class EngineThread:
             AddRequest: self._add, AbortRequest: self._abort, Precompile: lambda r: engine.precompile(r.constraint),
             FlushCache: lambda r: engine.flush_cache(), TakeSnapshot: lambda r: take_snapshot(engine),
             SetDraining: self._set_draining, StartProfile: lambda r: engine.start_profile(r.plan),
-            StopProfile: lambda r: engine.stop_profile(), Stop: lambda r: self._timed("shutdown", engine.shutdown)}
+            StopProfile: lambda r: engine.stop_profile(), BalanceExperts: lambda r: expert_balance(engine, r.rebalance),
+            Stop: lambda r: self._timed("shutdown", engine.shutdown)}
         assert set(self.handlers) == set(REQUEST_TYPES), "every EngineRequest type has one handler"
         self.loads = Loads()
         self.dead: str | None = None

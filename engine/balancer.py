@@ -47,6 +47,7 @@ class ExpertBalancer:
         self.pending: list[tuple[int, tuple[int, ...]]] = []  # (MoE layer, slots) to move, in order
         self.stats = BalancerStats()
         self.start = self._placements()  # [L, P] the placement serving began with
+        self.requested = False  # an operator asked for a rebalance (BalanceExperts): at the next step boundary
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -60,9 +61,19 @@ class ExpertBalancer:
         return {"balancedness": s.windows[-1]["balancedness"] if s.windows else None, "rebalances": s.rebalances,
                 "moved_bytes": s.moved_bytes, "move_seconds": s.move_seconds}
 
+    def request_rebalance(self) -> None:
+        """Rebalance at the next step boundary from the counts since the last window (the last window's when there
+        are none), whatever the interval."""
+        self.requested = True
+
     def before_step(self, steps: int) -> None:
         """Called by the engine before step number ``steps`` (0-based, warm-up excluded) when no step is in flight:
-        reads a window, rebalances and moves layers as their periods come."""
+        reads a window, rebalances and moves layers as their periods come (or as an operator asked)."""
+        if self.requested:
+            self.requested = False
+            fresh = self._read()
+            self.window = fresh if fresh.sum() > 0 or self.window is None else self.window
+            self._rebalance()
         if steps and steps % self.cfg.eplb_window_steps == 0:
             self.window = self._read()
             self.stats.windows.append({

@@ -113,12 +113,20 @@ class StopProfile:
 
 
 @dataclass(frozen=True)
+class BalanceExperts:
+    """Replies the expert load and placement (``engine.snapshot.expert_balance``); with ``rebalance`` the balancer
+    also rebalances at the next step boundary (RequestError when it does not run)."""
+
+    rebalance: bool = False
+
+
+@dataclass(frozen=True)
 class Stop:
     """Drain the step in flight and release the other ranks (replies None); the engine thread ends."""
 
 
 EngineRequest = (AddRequest | AbortRequest | Precompile | FlushCache | TakeSnapshot | SetDraining | StartProfile
-                 | StopProfile | Stop)
+                 | StopProfile | BalanceExperts | Stop)
 
 
 @dataclass(frozen=True, kw_only=True)

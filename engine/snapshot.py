@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import torch
 
+from engine.config import RequestError
 from engine.engine import Engine
 from engine.messages import EngineFacts, EngineSnapshot
 from engine.worker.control import ReadExpertLoad
@@ -64,6 +65,28 @@ def expert_load(engine: Engine) -> dict | None:
         out["balancer"] = asdict(engine.balancer.stats) | {"versions": list(engine.balancer.versions),
                                                            "pending_layers": [la for la, _ in engine.balancer.pending]}
     return out
+
+
+def expert_balance(engine: Engine, rebalance: bool = False) -> dict:
+    """What an operator asks of the expert balancer (the engine's ``BalanceExperts`` request): ``load``, tokens per
+    expert per MoE layer over the balancer's last complete window (before the first one, or with the balancer off:
+    the counts so far) — a file of this document seeds ``eplb.placement_file`` — the current ``phy2log`` and
+    ``versions``, and :func:`expert_load`'s figures. ``rebalance``: the balancer rebalances from the counts it has at
+    the next step boundary. Raises RequestError naming the setting when the engine does not count."""
+    if engine.runner.expert_load is None:
+        raise RequestError("expert load is not counted on this worker: start it with eplb.enabled=true (or "
+                           "engine.expert_load=true to read the load without rebalancing)")
+    if rebalance and engine.balancer is None:
+        raise RequestError("no expert balancer runs on this worker: start it with eplb.enabled=true")
+    figures = expert_load(engine)
+    window = engine.balancer.window if engine.balancer is not None else None
+    if rebalance:
+        engine.balancer.request_rebalance()
+    return {"load": window.tolist() if window is not None else figures["tokens_per_expert"],
+            "load_is": "last complete window" if window is not None else "counts so far",
+            "phy2log": [list(m.dispatcher.placement.phy2log) for m in engine.runner.expert_maps.layers],
+            "versions": list(engine.runner.expert_maps.versions), "expert_load": figures,
+            "rebalance_requested": rebalance}
 
 
 def _kv(engine: Engine) -> dict:

@@ -27,7 +27,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 from smg_grpc_proto.generated import common_pb2
 
-from rpc import info
+from rpc import expert_admin, info
 from rpc.convert import uint32_of_int32
 
 
@@ -91,6 +91,9 @@ class Client:
         self.channel = grpc.insecure_channel(target)
         self.stub = pbg.VllmEngineStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._expert_balance = {m: self.channel.unary_unary(
+            f"/{expert_admin.SERVICE_NAME}/{m}", request_serializer=expert_admin.ExpertBalanceRequest.SerializeToString,
+            response_deserializer=expert_admin.ExpertBalanceResponse.FromString) for m in expert_admin.METHODS}
         self._engine_info = self.channel.unary_unary(
             info.METHOD, request_serializer=info.GetEngineInfoRequest.SerializeToString,
             response_deserializer=info.GetEngineInfoResponse.FromString)
@@ -170,6 +173,12 @@ class Client:
 
     def engine_info(self, timeout: float = 30.0) -> dict:
         return json.loads(self._engine_info(info.GetEngineInfoRequest(), timeout=timeout).json)
+
+    def expert_balance(self, rebalance: bool = False, timeout: float = 30.0) -> dict:
+        """``switchyard.v1.ExpertBalance``: the expert load and placement (``rpc/expert_admin.py``); ``rebalance``
+        asks for a rebalance at the next step boundary."""
+        call = self._expert_balance["Rebalance" if rebalance else "GetExpertLoad"]
+        return json.loads(call(expert_admin.ExpertBalanceRequest(), timeout=timeout).json)
 
     def server_info(self, timeout: float = 30.0) -> dict:
         """GetServerInfo's fields plus ``engine``: the switchyard.v1.EngineInfo document."""

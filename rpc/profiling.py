@@ -62,7 +62,7 @@ class ProfileRPCs:
             log.info("StartProfile: FAILED_PRECONDITION (%s)", err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"output_dir: {err}")
         try:
-            await self._profile_call("StartProfile", self.engine.start_profile(plan), context)
+            await self._profile_call("StartProfile", self.engine.profile(plan), context)
         except ProfileError as err:
             log.info("StartProfile: not started (%s)", err)
             return common_pb2.ProfileResponse(success=False, message=str(err))
@@ -75,7 +75,7 @@ class ProfileRPCs:
 
     async def StopProfile(self, request: common_pb2.StopProfileRequest, context) -> common_pb2.ProfileResponse:
         try:
-            files = await self._profile_call("StopProfile", self.engine.stop_profile(), context)
+            files = await self._profile_call("StopProfile", self.engine.profile(None), context)
         except ProfileError as err:
             log.info("StopProfile: nothing stopped (%s)", err)
             return common_pb2.ProfileResponse(success=False, message=str(err))

@@ -29,7 +29,8 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
 from engine.api import AsyncEngine, Engine, engine_facts
-from rpc import info
+from rpc import expert_admin, info
+from rpc.expert_admin import ExpertAdmin
 from rpc.hand_off import HandOffRole
 from rpc.health import Health
 from rpc.kv_events import KvEventHub
@@ -142,10 +143,10 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pbg.add_VllmEngineServicer_to_server(servicer, server)
-    server.add_generic_rpc_handlers((servicer.engine_info_handler(),))
+    server.add_generic_rpc_handlers((servicer.engine_info_handler(), ExpertAdmin(aengine).handler()))
     health.add_to_server(server)
-    reflection.enable_server_reflection((SERVICE_NAME, info.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME),
-                                        server)
+    reflection.enable_server_reflection((SERVICE_NAME, info.SERVICE_NAME, expert_admin.SERVICE_NAME, HEALTH_SERVICE,
+                                         reflection.SERVICE_NAME), server)
     try:
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     except RuntimeError:
