@@ -231,10 +231,13 @@ def step_bytes(layout: Layout | str, model: ModelShape, batch: int, context: int
 
 
 def step_flops(layout: Layout | str, model: ModelShape, batch: int, context: int,
-               tokens_per_seq: int = 1) -> dict[str, float]:
+               tokens_per_seq: int = 1, balancedness: float = 1.0) -> dict[str, float]:
     """FLOPs of the busiest rank in one decode step, by part: 2 × params touched × tokens, plus attention
     over ``context`` (MLA absorbed decode: ``2·(2·kv_lora + rope)`` per head per cached token; GQA ``4·d``).
-    Routed experts use the mean load ``tokens·k/ep``."""
+    Routed experts: the busiest EP rank's load, the mean ``tokens·k/ep`` ÷ ``balancedness`` (mean ÷ max tokens per
+    EP rank: 1 = uniform routing; ``docs/eplb.md``)."""
+    if not 0 < balancedness <= 1:
+        raise ValueError(f"balancedness is mean / max tokens per EP rank, in (0, 1]; got {balancedness}")
     lay, m = _resolve(layout), model
     _, t_rank, t_all = _ranks_tokens(lay, batch, tokens_per_seq)
     tp = lay.attn_tp
@@ -246,7 +249,8 @@ def step_flops(layout: Layout | str, model: ModelShape, batch: int, context: int
         "dense_mlp": 2 * t_rank * 3 * m.hidden * m.dense_intermediate / tp * m.num_dense_layers,
         "shared_experts": 2 * t_rank * m.num_shared_experts * m.expert_params / tp * m.num_moe_layers,
         "router": 2 * t_rank * m.num_experts * m.hidden * m.num_moe_layers,
-        "routed_experts": 2 * t_all * m.top_k / lay.moe_ep * m.expert_params / lay.moe_tp * m.num_moe_layers,
+        "routed_experts": 2 * t_all * m.top_k / lay.moe_ep / balancedness * m.expert_params / lay.moe_tp
+                          * m.num_moe_layers,
         "lm_head": 2 * t_rank * m.vocab / tp * m.hidden,
     }
 
@@ -356,16 +360,18 @@ class Floors:
 
 def step_floors(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, context: int,
                 comm_per_step: Mapping[str, Mapping[str, float]] | None = None, tokens_per_seq: int = 1,
-                efficiency: KernelEfficiency | None = None, touched: float | None = None) -> Floors:
+                efficiency: KernelEfficiency | None = None, touched: float | None = None,
+                balancedness: float = 1.0) -> Floors:
     """Memory floor = bytes read / ``mem_bw``; compute floor = FLOPs / ``peak_flops``; interconnect floor =
     Σ calls·α + bytes·factor/bandwidth over ``comm_per_step`` (``{"group/op": {"calls", "bytes"}}`` per step,
     e.g. a measured CommCounter delta divided by steps; default: :func:`step_comm` for ``model``).
     ``efficiency``: memory time = Σ part bytes / (part's measured fraction × copy fraction × ``mem_bw``).
     ``touched``: measured distinct experts per MoE layer (:func:`active_experts`); ``detail["experts"]`` says
-    which count the memory floor used."""
+    which count the memory floor used. ``balancedness``: the routed experts' load on the busiest EP rank
+    (:func:`step_flops`); the bytes keep uniform routing's active-expert count."""
     lay = _resolve(layout)
     b = step_bytes(lay, model, batch, context, tokens_per_seq, touched)
-    f = step_flops(lay, model, batch, context, tokens_per_seq)
+    f = step_flops(lay, model, batch, context, tokens_per_seq, balancedness)
     comm = step_comm(lay, model, batch, tokens_per_seq=tokens_per_seq) if comm_per_step is None else comm_per_step
     comm_s, comm_detail = comm_time(comm, lay, hw)
     active, source = active_experts(lay, model, batch, tokens_per_seq, touched)
@@ -414,7 +420,7 @@ class Projection:
 def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, context: int,
             comm_calls_per_token_by_op: Mapping[str, float] | None = None, *, tokens_per_seq: int = 1,
             tau: float = 1.0, host_overhead_s: float = 0.0, overlap: str = "serial",
-            efficiency: KernelEfficiency | None = None) -> Projection:
+            efficiency: KernelEfficiency | None = None, balancedness: float = 1.0) -> Projection:
     """Projected decode step time and tok/s of ``layout`` on ``hw`` for ``model``.
 
     ``batch`` concurrent sequences with ``context`` cached tokens each. ``comm_calls_per_token_by_op``: calls
@@ -424,7 +430,8 @@ def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, c
     tokens accepted per step; ``tok_s = batch·tau/step_s``. ``overlap``: "serial" (default) or "full", see
     the module docstring. ``host_overhead_s`` adds a fixed host/launch time per step (default 0: pure floors).
     ``efficiency`` (:func:`bench.cost.efficiency.load_efficiency`): memory time at the measured per-class
-    fractions instead of the ideal floor; ``floor_step_s`` keeps the ideal step either way.
+    fractions instead of the ideal floor; ``floor_step_s`` keeps the ideal step either way. ``balancedness``: mean
+    ÷ max tokens per EP rank of the routed experts (1 = uniform routing, the default; :func:`step_flops`).
     """
     if overlap not in ("serial", "full"):
         raise ValueError(f"overlap must be 'serial' or 'full', got {overlap!r}")
@@ -434,8 +441,9 @@ def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, c
     if comm_calls_per_token_by_op is not None:
         calls = {k: v * batch * tau for k, v in comm_calls_per_token_by_op.items()}
     comm = step_comm(lay, model, batch, calls, tokens_per_seq)
-    fl = step_floors(lay, hw, model, batch, context, comm, tokens_per_seq, efficiency)
-    ideal = fl if efficiency is None else step_floors(lay, hw, model, batch, context, comm, tokens_per_seq)
+    fl = step_floors(lay, hw, model, batch, context, comm, tokens_per_seq, efficiency, balancedness=balancedness)
+    ideal = fl if efficiency is None else step_floors(lay, hw, model, batch, context, comm, tokens_per_seq,
+                                                      balancedness=balancedness)
 
     def combine(memory_s: float) -> float:
         local = max(memory_s, fl.compute_s)

@@ -143,7 +143,7 @@ def install_routing(model, shape: SliceShape, routing: str, device: torch.device
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     gen = torch.Generator(device=device).manual_seed(1)
     for layer in _moe_layers(model):
-        if layer.dispatcher.name != "allreduce":  # the only one whose dispatch is the local_slot lookup alone
+        if layer.dispatcher.name != "allreduce":  # the only one whose dispatch is the slot lookup alone
             raise ValueError(f"routing emulation needs the allreduce dispatcher, got {layer.dispatcher.name!r}")
         cfg = dataclasses.replace(layer.gate.cfg, num_experts=shape.experts)
         gate = Router(shape.hidden, cfg).to(device)
@@ -163,6 +163,8 @@ def install_routing(model, shape: SliceShape, routing: str, device: torch.device
             local = torch.where(torch.arange(shape.experts, device=device) < n,
                                 torch.arange(shape.experts, device=device), -1)
         layer.dispatcher.local_slot = local
+        layer.dispatcher.log2phy = torch.arange(shape.experts, device=device)[:, None]  # slot e holds expert e
+        layer.dispatcher.replica_count = torch.ones(shape.experts, dtype=torch.int64, device=device)
     model.use_kernels(model.kernels)  # the new modules get the model's kernel set
 
 
