@@ -96,3 +96,22 @@ def step_percentiles(steps: list[dict], kind: str = "decode") -> dict:
                 "max_ms": t.max().item()}
     mine = [s for s in steps if s["kind"].endswith(kind)]
     return {"all": pct([s["wall_s"] for s in mine]), "with_a_move": pct([s["wall_s"] for s in mine if s["moved"]])}
+
+
+def projections(static: float, balanced: float, batches: dict[str, tuple[int, ...]], context: int = 4096) -> list:
+    """The cost model's decode tokens/s for Kimi K2.x (INT4 experts) at two balancedness values (mean ÷ max tokens
+    per EP rank; :func:`bench.cost.formulas.project`), per box, layout and batch: a projection, not a measurement."""
+    from bench.cost.formulas import project
+    from bench.cost.hardware import HARDWARE
+    from bench.cost.shapes import KIMI_K2_INT4
+
+    rows = []
+    for box in ("h200", "rtx_pro_6000"):
+        for layout, sizes in batches.items():
+            for batch in sizes:
+                a, b = (project(layout, HARDWARE[box], KIMI_K2_INT4, batch, context, balancedness=x)
+                        for x in (static, balanced))
+                rows.append({"hardware": box, "layout": layout, "batch": batch, "tok_s_static": a.tok_s,
+                             "tok_s_balanced": b.tok_s, "ratio": b.tok_s / a.tok_s, "bound_static": a.bound,
+                             "compute_ms_static": a.compute_s * 1e3, "memory_ms": a.memory_s * 1e3})
+    return rows

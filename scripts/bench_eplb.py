@@ -11,6 +11,13 @@ bytes moved, each window's balancedness at the placement it ran on (after the re
 earlier windows) against the starting placement's on the same window, and whether the tokens are the same::
 
     python scripts/bench_eplb.py --out docs/eplb/heldout.json --serving docs/eplb/serving.json
+
+``--project OUT``: the cost model's decode tokens/s for Kimi K2.x (INT4 experts) on 8×H200 and 8×RTX PRO 6000 at
+the serving run's balancedness — the starting placement's and the rebalanced one's, each the mean over the windows
+from step 32 on — for ep8 and dp8_ep8 at 8 and 128 tokens per rank: projections, labelled so (from a serving run
+already written: ``--serving-json FILE`` instead of ``--serving``)::
+
+    python scripts/bench_eplb.py --serving-json docs/eplb/serving.json --project docs/eplb/projection.json
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.eplb import heldout_rows, serving_rank, skew_router, step_percentiles
+from bench.eplb import heldout_rows, projections, serving_rank, skew_router, step_percentiles
 from model.config import load_config
 from model.loader import load_model
 from parallelism.comm import build_groups
@@ -38,28 +45,51 @@ SKEW = {"exponent": 1.2, "scale": 0.3}  # the synthetic arm's Zipf bias on the r
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--serving", help="also run the serving comparison and write it here")
+    ap.add_argument("--out", help="run the held-out placement bench and write it here")
+    ap.add_argument("--serving", help="run the serving comparison and write it here")
+    ap.add_argument("--serving-json", help="a serving comparison already written, for --project")
+    ap.add_argument("--project", help="project the serving run's balancedness onto Kimi K2 and write it here")
     args = ap.parse_args()
-    zoo = ZOO
-    prompts = [p["ids"] for p in json.loads((zoo / "eval_prompts.json").read_text())["prompts"]]
-    fit, heldout = prompts[0::2], prompts[1::2]
+    if args.out:
+        heldout(args.out)
+    if args.serving:
+        serving(ZOO, args.serving)
+    if args.project:
+        if not (args.serving or args.serving_json):
+            raise SystemExit("--project needs --serving or --serving-json")
+        project(args.serving or args.serving_json, args.project)
+
+
+def heldout(out: str) -> None:
+    prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"]]
+    fit, measured = prompts[0::2], prompts[1::2]
     result = {}
     for arm in ("as trained", "synthetic skew"):
-        model = load_model(zoo / "target", build_groups(Layout()))
+        model = load_model(ZOO / "target", build_groups(Layout()))
         if arm == "synthetic skew":
             skew_router(model, **SKEW)
-        result[arm] = heldout_rows(model, fit, heldout, MOE_EP, REDUNDANT)
+        result[arm] = heldout_rows(model, fit, measured, MOE_EP, REDUNDANT)
         print(f"{arm}: busiest expert / mean per layer",
               " ".join(f"{h:.2f}" for h in result[arm]["busiest_expert_over_mean"]))
         for row in result[arm]["rows"]:
             held, fitted = (" ".join(f"{b:.3f}" for b in row[k]) for k in ("heldout", "in_sample"))
             print(f"  {row['placement']:<18} R={row['redundant']:<3} held-out {held} | in-sample {fitted}")
     result["skew"] = SKEW
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.serving:
-        serving(ZOO, args.serving)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
+def project(serving_json: str, out: str) -> None:
+    windows = [w for w in json.loads(Path(serving_json).read_text())["balancer"]["windows"] if w["step"] >= 32]
+    static, balanced = (sum(b for w in windows for b in w[k]) / sum(len(w[k]) for w in windows)
+                        for k in ("at_start_placement", "balancedness"))
+    rows = projections(static, balanced, {"ep8": (8, 128), "dp8_ep8": (64, 1024)})
+    Path(out).write_text(json.dumps({"note": "cost-model projection, not a measurement", "balancedness_static": static,
+                                     "balancedness_balanced": balanced, "rows": rows}, indent=1, default=float))
+    print(f"projection at balancedness {static:.3f} (static) and {balanced:.3f} (rebalanced):")
+    for r in rows:
+        print(f"  {r['hardware']:<13} {r['layout']:<8} batch {r['batch']:<4} {r['tok_s_static']:8.0f} -> "
+              f"{r['tok_s_balanced']:8.0f} tok/s ({r['ratio']:.3f}x, {r['bound_static']} bound)")
 
 
 def serving(zoo: Path, out: str) -> None:

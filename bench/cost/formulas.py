@@ -311,8 +311,10 @@ def rescale_calls(calls: Mapping[str, float], layout: Layout | str, measured: tu
     return {k: v * dst[k] / src[k] if src.get(k) and k in dst else v for k, v in calls.items()}
 
 
-def _bytes_per_call(key: str, lay: Layout, m: ModelShape, batch: int, tokens_per_seq: int) -> float:
-    """Bytes per call (CommCounter's convention) of a ``"group/op"`` for the target model; 0 = α only."""
+def _bytes_per_call(key: str, lay: Layout, m: ModelShape, batch: int, tokens_per_seq: int,
+                    balancedness: float = 1.0) -> float:
+    """Bytes per call (CommCounter's convention) of a ``"group/op"`` for the target model; 0 = α only. The expert
+    dispatchers' rows reach the busiest EP rank at ``1 / balancedness`` times the mean."""
     group, op = key.split("/", 1)
     _, t_rank, _ = _ranks_tokens(lay, batch, tokens_per_seq)
     row = m.hidden * m.act_bytes
@@ -327,8 +329,8 @@ def _bytes_per_call(key: str, lay: Layout, m: ModelShape, batch: int, tokens_per
         return t_moe * row * (p if op == "reduce_scatter" else 1)
     hits = lay.moe_tp * lay.moe_ep * (1 - (1 - 1 / lay.moe_ep) ** m.top_k)  # ranks a token's rows go to
     if op == "all_to_all":  # dispatcher alltoall per MoE layer: counts, rows, routing, combine rows
-        return (p * 8 + t_moe * hits * (2 * row + 2 * m.top_k * 4)) / 4
-    if op == "all_gather":  # dispatcher allgather per MoE layer: counts, rows, routing
+        return (p * 8 + t_moe * hits * (2 * row + 2 * m.top_k * 4) / balancedness) / 4
+    if op == "all_gather":  # dispatcher allgather per MoE layer: counts, rows, routing (every rank gets all rows)
         return (8 + t_moe * (row + 2 * m.top_k * 4)) / 3
     if op == "reduce_scatter":
         return p * t_moe * row
@@ -336,12 +338,13 @@ def _bytes_per_call(key: str, lay: Layout, m: ModelShape, batch: int, tokens_per
 
 
 def step_comm(layout: Layout | str, model: ModelShape, batch: int, calls_per_step: Mapping[str, float] | None = None,
-              tokens_per_seq: int = 1) -> dict[str, dict[str, float]]:
+              tokens_per_seq: int = 1, balancedness: float = 1.0) -> dict[str, dict[str, float]]:
     """``{"group/op": {"calls", "bytes"}}`` of one step on the busiest rank for ``model``: calls from
-    ``calls_per_step`` (default: one forward by :func:`forward_calls`), bytes per call from the model's dims."""
+    ``calls_per_step`` (default: one forward by :func:`forward_calls`), bytes per call from the model's dims
+    (``balancedness``: see :func:`_bytes_per_call`)."""
     lay = _resolve(layout)
     calls = forward_calls(lay, model) if calls_per_step is None else calls_per_step
-    return {k: {"calls": c, "bytes": c * _bytes_per_call(k, lay, model, batch, tokens_per_seq)}
+    return {k: {"calls": c, "bytes": c * _bytes_per_call(k, lay, model, batch, tokens_per_seq, balancedness)}
             for k, c in calls.items()}
 
 
@@ -431,7 +434,8 @@ def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, c
     the module docstring. ``host_overhead_s`` adds a fixed host/launch time per step (default 0: pure floors).
     ``efficiency`` (:func:`bench.cost.efficiency.load_efficiency`): memory time at the measured per-class
     fractions instead of the ideal floor; ``floor_step_s`` keeps the ideal step either way. ``balancedness``: mean
-    ÷ max tokens per EP rank of the routed experts (1 = uniform routing, the default; :func:`step_flops`).
+    ÷ max tokens per EP rank of the routed experts (1 = uniform routing, the default): the busiest rank's expert
+    FLOPs (:func:`step_flops`) and all-to-all rows (:func:`step_comm`) grow by its inverse.
     """
     if overlap not in ("serial", "full"):
         raise ValueError(f"overlap must be 'serial' or 'full', got {overlap!r}")
@@ -440,7 +444,7 @@ def project(layout: Layout | str, hw: Hardware, model: ModelShape, batch: int, c
     calls = None
     if comm_calls_per_token_by_op is not None:
         calls = {k: v * batch * tau for k, v in comm_calls_per_token_by_op.items()}
-    comm = step_comm(lay, model, batch, calls, tokens_per_seq)
+    comm = step_comm(lay, model, batch, calls, tokens_per_seq, balancedness)
     fl = step_floors(lay, hw, model, batch, context, comm, tokens_per_seq, efficiency, balancedness=balancedness)
     ideal = fl if efficiency is None else step_floors(lay, hw, model, batch, context, comm, tokens_per_seq,
                                                       balancedness=balancedness)

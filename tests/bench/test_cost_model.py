@@ -24,6 +24,7 @@ from bench.cost.formulas import (
     rescale_calls,
     step_bytes,
     step_comm,
+    step_flops,
 )
 from bench.cost.hardware import B300_NVLINK5, H200_NVLINK4, HARDWARE, RTX_PRO_6000_PCIE5, Hardware, profile_for_gpu
 from bench.cost.shapes import KIMI_K2, KIMI_K2_INT4, ModelShape
@@ -430,3 +431,19 @@ def test_prepare_sets_the_env_and_refuses_deepep_off_nvlink():
     gloo = prepare("nvlink", deepep, pcie, env, backend="gloo")  # a device=cpu job on a GPU host: no NCCL at all
     assert (gloo["effective"], gloo["env"], env) == ("gloo: NCCL unused", {}, {})
 
+
+
+def test_balancedness_loads_the_busiest_ep_rank():
+    """Balancedness b (mean ÷ max tokens per EP rank): the busiest rank's routed-expert FLOPs and all-to-all rows
+    are 1/b times uniform routing's; everything else, and the allreduce dispatcher's bytes, stay."""
+    even, skewed = (step_flops("dp8_ep8", KIMI_K2, 64, 1024, balancedness=b) for b in (1.0, 0.5))
+    assert skewed["routed_experts"] == pytest.approx(2 * even["routed_experts"])
+    assert {k: v for k, v in skewed.items() if k != "routed_experts"} == {
+        k: v for k, v in even.items() if k != "routed_experts"}
+    a2a = [step_comm("dp8_ep8", KIMI_K2, 64, balancedness=b)["world/all_to_all"]["bytes"] for b in (1.0, 0.5)]
+    assert 1.9 * a2a[0] < a2a[1] < 2 * a2a[0]  # the counts do not grow
+    assert step_comm("ep8", KIMI_K2, 64, balancedness=0.5) == step_comm("ep8", KIMI_K2, 64)
+    assert project("dp8_ep8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 1024, 4096, balancedness=0.7).tok_s < project(
+        "dp8_ep8", RTX_PRO_6000_PCIE5, KIMI_K2_INT4, 1024, 4096).tok_s
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        step_flops("ep8", KIMI_K2, 8, 1024, balancedness=1.5)
