@@ -53,6 +53,13 @@ def slot_tensors(experts: nn.Module) -> list[torch.Tensor]:
     return [t for _, t in named if t.dim() and t.shape[0] == n]
 
 
+def staging_bytes(model: nn.Module) -> int:
+    """The most a move stages on one rank: one MoE layer's every local slot (what the KV cache leaves room for when
+    the balancer runs, ``engine.worker.kv_budget.size_kv_cache``)."""
+    layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    return max((sum(t.numel() * t.element_size() for t in slot_tensors(e)) for e in layers), default=0)
+
+
 class ExpertMaps:
     """Per MoE layer of ``model`` (in order): its placement, version and the tensors a move rewrites."""
 

@@ -8,8 +8,10 @@ import logging
 import torch
 
 from engine.config import EngineConfig
+from engine.worker.expert_moves import slot_tensors, staging_bytes
 from engine.worker.kv_cache import KVCacheSpec, KVSpec
 from engine.worker.spec_contract import Speculation
+from model.moe import MoE
 from model.transformer import CausalLM
 
 log = logging.getLogger("engine.kv")
@@ -52,6 +54,8 @@ def size_kv_cache(model: CausalLM, cfg: EngineConfig, speculation: Speculation |
         torch.cuda.synchronize(model.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(model.device)
+        if cfg.balancer.eplb_enabled:  # an expert move's staging buffers, allocated later, are counted now
+            free -= staging_bytes(model)
         mine = blocks_for_memory(free, total, per_block, utilization)
         n = min(model.groups.world.all_gather_objects(mine))
         if n < 1:
@@ -65,7 +69,22 @@ def size_kv_cache(model: CausalLM, cfg: EngineConfig, speculation: Speculation |
                  "for %d tokens per request: %.2fx per attention-DP rank", cfg.cache.num_blocks, cfg.cache.block_size,
                  cfg.cache.num_blocks * per_block / 2**20, per_block, how, cfg.scheduler.max_model_len,
                  max_concurrency(cfg.cache.num_blocks, cfg))
+        if model.groups.layout.expert_slots is not None or cfg.balancer.eplb_enabled:
+            log.info("expert slots: %s; a move stages up to %.1f MiB%s", expert_slot_memory(model),
+                     staging_bytes(model) / 2**20, " (kept free of KV)" if cfg.balancer.eplb_enabled else "")
     return cfg
+
+
+def expert_slot_memory(model: CausalLM) -> str:
+    """What the routed experts' slots cost on this rank, the redundant ones included (a log line's words)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return "no MoE layers"
+    placement = layers[0].dispatcher.placement
+    held = sum(t.numel() * t.element_size() for m in layers for t in slot_tensors(m.experts))
+    spare = placement.num_slots - placement.num_experts
+    return (f"{placement.slots_per_rank} per rank per MoE layer ({placement.num_experts} experts + {spare} redundant "
+            f"over {placement.moe_ep} EP ranks), {held / 2**20:.1f} MiB of expert weights per rank")
 
 
 def cache_namespace(model: CausalLM, speculation: Speculation | None) -> bytes:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.step import StepPlan
-from engine.worker.expert_moves import ExpertMaps, PlacementVersionError, slot_fills, slot_tensors
+from engine.worker.expert_moves import ExpertMaps, PlacementVersionError, slot_fills, slot_tensors, staging_bytes
+from engine.worker.kv_budget import expert_slot_memory
 from engine.worker.runner import ModelRunner
 from model.loader import load_model
 from parallelism.comm import build_groups
@@ -61,3 +62,14 @@ def test_a_move_rewrites_weights_and_tables_in_place_to_what_loading_the_new_pla
     assert layer.experts.global_ids == target.experts.global_ids
     assert addresses == [t.data_ptr() for t in slot_tensors(layer.experts)] + [
         getattr(layer.dispatcher, n).data_ptr() for n in tables]
+
+
+def test_what_the_slots_and_a_move_cost_is_reported(tiny_ckpts):
+    """A move stages at most one MoE layer's every local slot; the start-up line names slots, spares and bytes."""
+    model = load_model(tiny_ckpts["tiny_deepseek"], build_groups(Layout(expert_slots=(tuple(range(16)) + (0, 1),) * 2)))
+    per_layer = [sum(t.numel() * t.element_size() for t in slot_tensors(m.experts)) for m in ExpertMaps(
+        model, model.groups).layers]
+    assert staging_bytes(model) == max(per_layer) > 0
+    line = expert_slot_memory(model)
+    assert line.startswith("18 per rank per MoE layer (16 experts + 2 redundant over 1 EP ranks), ")
+    assert f"{sum(per_layer) / 2**20:.1f} MiB" in line
