@@ -7,9 +7,11 @@ load while serving, one MoE layer at a time, between two steps (``docs/eplb.md``
 - Every ``eplb_interval_steps`` steps it computes a placement from the last complete window
   (:func:`parallelism.eplb.rebalance`, the current slot count) and queues every layer whose predicted balancedness on
   that window rises by at least ``eplb_min_gain`` over the current placement's; the other layers stay.
-- Before each step it moves at most ``eplb_layers_per_step`` queued layers (``MoveExperts``: the weights move rank to
-  rank, then the routing tables switch, on every rank), and stamps the step's plan with every layer's placement
-  version, which each rank checks before it runs the step.
+- Before each step it first swaps in the layers whose moves it started before the previous step (``SwapExperts``:
+  every rank waits for its transfers, writes the weights and switches the routing tables), then starts moving at
+  most ``eplb_layers_per_step`` queued layers (``MoveExperts``: the weights travel rank to rank on a thread while
+  the next step runs with the current placement), and stamps the step's plan with every layer's placement version,
+  which each rank checks before it runs the step.
 
 Moves happen only at a step boundary with no step in flight: ``engine.overlap=on`` is refused with it.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import BalancerConfig
-from engine.worker.control import ControlPlane, MoveExperts, RankState, ReadExpertLoad
+from engine.worker.control import ControlPlane, MoveExperts, RankState, ReadExpertLoad, SwapExperts
 from parallelism.eplb import balancedness, rebalance
 
 
@@ -34,7 +36,7 @@ class BalancerStats:
     layers_moved: int = 0
     layers_kept: int = 0  # a rebalance's layers whose gain was below min_gain
     moved_bytes: int = 0
-    move_seconds: float = 0.0
+    move_seconds: float = 0.0  # steps waited on moves: starting them (local copies) and swapping them in
     # per window read: its step, each layer's balancedness at the placement the window ran on and at the starting one
     windows: list[dict] = field(default_factory=list)
 
@@ -45,6 +47,7 @@ class ExpertBalancer:
         self.maps = rank.runner.expert_maps
         self.window: torch.Tensor | None = None  # [L, E] tokens per expert over the last complete window
         self.pending: list[tuple[int, tuple[int, ...]]] = []  # (MoE layer, slots) to move, in order
+        self.moving: list[int] = []  # layers whose moves started at the last step boundary: swapped at the next
         self.stats = BalancerStats()
         self.start = self._placements()  # [L, P] the placement serving began with
         self.requested = False  # an operator asked for a rebalance (BalanceExperts): at the next step boundary
@@ -81,8 +84,9 @@ class ExpertBalancer:
                 "at_start_placement": balancedness(self.window, self.start, self._moe_ep).tolist()})
         if steps and steps % self.cfg.eplb_interval_steps == 0 and self.window is not None:
             self._rebalance()
+        self._swap()
         for _ in range(min(self.cfg.eplb_layers_per_step, len(self.pending))):
-            self._move(*self.pending.pop(0))
+            self._start(*self.pending.pop(0))
 
     @property
     def _moe_ep(self) -> int:
@@ -104,15 +108,26 @@ class ExpertBalancer:
         queued = {layer for layer, _ in self.pending}
         for layer in range(current.shape[0]):
             if gain[layer] >= self.cfg.eplb_min_gain and not torch.equal(proposed[layer], current[layer]):
+                if layer in self.moving:  # its move is in flight: the next rebalance sees its new placement
+                    continue
                 if layer in queued:  # a newer placement replaces a queued one
                     self.pending = [(la, s) for la, s in self.pending if la != layer]
                 self.pending.append((layer, tuple(proposed[layer].tolist())))
             else:
                 self.stats.layers_kept += 1
 
-    def _move(self, layer: int, slots: tuple[int, ...]) -> None:
+    def _start(self, layer: int, slots: tuple[int, ...]) -> None:
         t0 = time.perf_counter()
         sent = self.control.send(MoveExperts(layer, slots, self.maps.versions[layer] + 1), self.rank)
+        self.moving.append(layer)
         self.stats.moved_bytes += sum(sent)
-        self.stats.layers_moved += 1
+        self.stats.move_seconds += time.perf_counter() - t0
+
+    def _swap(self) -> None:
+        """Swaps in every layer whose move started at an earlier step boundary."""
+        t0 = time.perf_counter()
+        for layer in self.moving:
+            self.control.send(SwapExperts(layer), self.rank)
+            self.stats.layers_moved += 1
+        self.moving = []
         self.stats.move_seconds += time.perf_counter() - t0

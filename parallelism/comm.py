@@ -253,6 +253,15 @@ def build_groups(layout: Layout, counter: CommCounter | None = None) -> Parallel
     return ParallelGroups(layout=layout, rank=rank, counter=counter, **comms)
 
 
+def side_group(groups: ParallelGroups, kind: str) -> Comm:
+    """A second group over the whole world, for traffic that runs on a thread beside the steps' collectives (expert
+    moves): its own connections (the default backend's), its own counter. Collective: every rank calls it, in the
+    same order relative to every other group it makes."""
+    world = list(range(groups.layout.world_size))
+    group = dist.new_group(world) if groups.layout.world_size > 1 else None
+    return Comm(kind, group, world, CommCounter(), groups.mode)
+
+
 def init_distributed(rank: int, world_size: int, master_port: int, backend: str | None = None,
                      timeout_s: float = 300.0) -> None:
     """Initialises the default process group on loopback (gloo on CPU, NCCL on GPUs)."""

@@ -11,7 +11,8 @@ writing a source's blocks into given blocks off the step thread (the plan that f
 :class:`PutKV` writes committed blocks to the shared store, :class:`LoadOutcomes` gathers which loads failed softly,
 :class:`LeaseKV` gathers where a prefill's leased blocks are for a decode worker to read (a lease ends on rank 0
 alone: the ranks never hold one). Expert moves: :class:`ReadExpertLoad` gathers the expert load counts,
-:class:`MoveExperts` moves one MoE layer's experts to a new placement between two steps on every rank.
+:class:`MoveExperts` starts moving one MoE layer's experts in the background, :class:`SwapExperts` switches the
+layer to them between two steps on every rank.
 """
 
 from __future__ import annotations
@@ -246,9 +247,9 @@ class ReadExpertLoad(RankMessage):
 
 @dataclass(frozen=True)
 class MoveExperts(RankMessage):
-    """Switch MoE layer ``layer`` to the expert placement ``slots`` (the logical expert of each physical slot) as
-    ``version``: the weights move rank to rank and the routing tables switch, between two steps on every rank
-    (:meth:`~engine.worker.expert_moves.ExpertMaps.move`). Replies the bytes this rank sent."""
+    """Start moving MoE layer ``layer`` to the expert placement ``slots`` (the logical expert of each physical slot),
+    to be ``version``: the weights travel rank to rank on a thread while steps go on
+    (:meth:`~engine.worker.expert_moves.ExpertMaps.start`). Replies the bytes this rank sends."""
 
     layer: int
     slots: tuple[int, ...]
@@ -256,7 +257,18 @@ class MoveExperts(RankMessage):
     reply: ClassVar[Reply] = Reply.GATHER
 
     def run(self, rank: RankState) -> int:
-        return rank.runner.expert_maps.move(self.layer, self.slots, self.version)
+        return rank.runner.expert_maps.start(self.layer, self.slots, self.version)
+
+
+@dataclass(frozen=True)
+class SwapExperts(RankMessage):
+    """Between two steps: wait for MoE layer ``layer``'s move, write its weights and switch its routing tables
+    (:meth:`~engine.worker.expert_moves.ExpertMaps.swap`)."""
+
+    layer: int
+
+    def run(self, rank: RankState) -> None:
+        rank.runner.expert_maps.swap(self.layer)
 
 
 @dataclass(frozen=True)
