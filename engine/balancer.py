@@ -64,6 +64,14 @@ class ExpertBalancer:
         return {"balancedness": s.windows[-1]["balancedness"] if s.windows else None, "rebalances": s.rebalances,
                 "moved_bytes": s.moved_bytes, "move_seconds": s.move_seconds}
 
+    def run_figures(self) -> dict:
+        """``eplb_rebalances`` and ``eplb_balancedness``: per MoE layer, the mean over the run's windows of each
+        window's balancedness at the placement it ran on (None per layer before the first window)."""
+        windows = [w["balancedness"] for w in self.stats.windows]
+        layers = len(self.maps.layers)
+        mean = [sum(col) / len(col) for col in zip(*windows, strict=True)] if windows else [None] * layers
+        return {"eplb_rebalances": self.stats.rebalances, "eplb_balancedness": mean}
+
     def request_rebalance(self) -> None:
         """Rebalance at the next step boundary from the counts since the last window (the last window's when there
         are none), whatever the interval."""

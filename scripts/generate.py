@@ -93,6 +93,8 @@ def rank_main(rank: int, layout, ckpt: str, prompts, params, sched_cfg, seed: in
         "idle_s": s.idle_s,
         "expert_load": load,
     }
+    if engine.balancer is not None:  # eplb.enabled: rebalances and each layer's balancedness over the run's windows
+        stats |= engine.balancer.run_figures()
     Path(output).write_text(json.dumps({"outputs": outputs, "stats": stats}, indent=1))
     log.info("wrote %d outputs to %s (%.1f decode tok/s)", len(outputs), output, stats["decode_tokens_per_s"])
 

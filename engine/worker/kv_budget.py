@@ -71,7 +71,7 @@ def size_kv_cache(model: CausalLM, cfg: EngineConfig, speculation: Speculation |
                  max_concurrency(cfg.cache.num_blocks, cfg))
         if model.groups.layout.expert_slots is not None or cfg.balancer.eplb_enabled:
             log.info("expert slots: %s; a move stages up to %.1f MiB%s", expert_slot_memory(model),
-                     staging_bytes(model) / 2**20, " (kept free of KV)" if cfg.balancer.eplb_enabled else "")
+                     staging_bytes(model) / 2**20, " (kept free of KV on CUDA)" if cfg.balancer.eplb_enabled else "")
     return cfg
 
 
