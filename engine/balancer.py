@@ -42,6 +42,9 @@ class BalancerStats:
 
 
 class ExpertBalancer:
+    """Rank 0's side of expert load balancing: reads windows, rebalances, starts and swaps in layer moves through
+    ``control`` (rank 0's own share run on ``rank``)."""
+
     def __init__(self, control: ControlPlane, rank: RankState, cfg: BalancerConfig):
         self.control, self.rank, self.cfg = control, rank, cfg
         self.maps = rank.runner.expert_maps
@@ -49,7 +52,7 @@ class ExpertBalancer:
         self.pending: list[tuple[int, tuple[int, ...]]] = []  # (MoE layer, slots) to move, in order
         self.moving: list[int] = []  # layers whose moves started at the last step boundary: swapped at the next
         self.stats = BalancerStats()
-        self.start = self._placements()  # [L, P] the placement serving began with
+        self.initial = self._placements()  # [L, P] the placement serving began with
         self.requested = False  # an operator asked for a rebalance (BalanceExperts): at the next step boundary
 
     @property
@@ -89,7 +92,7 @@ class ExpertBalancer:
             self.window = self._read()
             self.stats.windows.append({
                 "step": steps, "balancedness": balancedness(self.window, self._placements(), self._moe_ep).tolist(),
-                "at_start_placement": balancedness(self.window, self.start, self._moe_ep).tolist()})
+                "at_start_placement": balancedness(self.window, self.initial, self._moe_ep).tolist()})
         if steps and steps % self.cfg.eplb_interval_steps == 0 and self.window is not None:
             self._rebalance()
         self._swap()
