@@ -13,7 +13,8 @@ load while serving, one MoE layer at a time, between two steps (``docs/eplb.md``
   the next step runs with the current placement), and stamps the step's plan with every layer's placement version,
   which each rank checks before it runs the step.
 
-Moves happen only at a step boundary with no step in flight: ``engine.overlap=on`` is refused with it.
+All of it happens at a step boundary with no step in flight. With ``engine.overlap=on`` the engine makes one
+(:meth:`ExpertBalancer.due`): the step before it is not overlapped, so it is read back before the next is planned.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ExpertBalancer:
         self.stats = BalancerStats()
         self.initial = self._placements()  # [L, P] the placement serving began with
         self.requested = False  # an operator asked for a rebalance (BalanceExperts): at the next step boundary
+        self.last_read = self.last_rebalance = 0  # the steps of the last window read and rebalance
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -80,6 +82,13 @@ class ExpertBalancer:
         are none), whatever the interval."""
         self.requested = True
 
+    def due(self, steps: int) -> bool:
+        """Whether the balancer has work at the boundary before step number ``steps``: a move to swap in or start, a
+        requested rebalance, a window to read or a rebalance to compute."""
+        return bool(self.moving or self.pending or self.requested
+                    or steps - self.last_read >= self.cfg.eplb_window_steps
+                    or steps - self.last_rebalance >= self.cfg.eplb_interval_steps)
+
     def before_step(self, steps: int) -> None:
         """Called by the engine before step number ``steps`` (0-based, warm-up excluded) when no step is in flight:
         reads a window, rebalances and moves layers as their periods come (or as an operator asked)."""
@@ -88,12 +97,13 @@ class ExpertBalancer:
             fresh = self._read()
             self.window = fresh if fresh.sum() > 0 or self.window is None else self.window
             self._rebalance()
-        if steps and steps % self.cfg.eplb_window_steps == 0:
-            self.window = self._read()
+        if steps - self.last_read >= self.cfg.eplb_window_steps:
+            self.last_read, self.window = steps, self._read()
             self.stats.windows.append({
                 "step": steps, "balancedness": balancedness(self.window, self._placements(), self._moe_ep).tolist(),
                 "at_start_placement": balancedness(self.window, self.initial, self._moe_ep).tolist()})
-        if steps and steps % self.cfg.eplb_interval_steps == 0 and self.window is not None:
+        if steps - self.last_rebalance >= self.cfg.eplb_interval_steps and self.window is not None:
+            self.last_rebalance = steps
             self._rebalance()
         self._swap()
         for _ in range(min(self.cfg.eplb_layers_per_step, len(self.pending))):

@@ -153,11 +153,6 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
 
-    def __post_init__(self) -> None:
-        if self.balancer.eplb_enabled and self.runner.overlap == "on":
-            raise RequestError("eplb.enabled moves experts at a step boundary with no step in flight; with "
-                               "engine.overlap=on there is always one (not built): turn one of them off")
-
     @staticmethod
     def flat(**keys) -> EngineConfig:
         """The config of the hydra group ``engine``'s keys (defaults for the others); an unknown key is named."""

@@ -256,8 +256,9 @@ class Engine:
         if self.balancer is not None and self._in_flight is None:
             self.balancer.before_step(self.stats.steps)
         plan = self.scheduler.schedule()
-        if self.balancer is not None:
-            plan = replace(plan, expert_versions=self.balancer.versions)
+        if self.balancer is not None:  # overlap: a step the balancer needs a boundary after is read back at once
+            plan = replace(plan, expert_versions=self.balancer.versions,
+                           overlap=plan.overlap and not self.balancer.due(self.stats.steps + 1))
         self.transfers.start_stores()
         self.transfers.start_loads()
         t1 = time.perf_counter()

@@ -50,8 +50,9 @@ def eplb_layout(base: Layout, path) -> Layout:
 
 
 PLACEMENTS = ("linear", "round_robin", "eplb", "rebalanced")
-# the balancer on, reading a window and rebalancing every 4 steps, every layer that changes moved (one per step)
-REBALANCING = dict(eplb_enabled=True, eplb_window_steps=4, eplb_interval_steps=4, eplb_min_gain=0.0)
+# the balancer on, reading a window and rebalancing every 4 steps, every layer that changes moved (one per step);
+# with engine.overlap on (plain decoding overlaps; DDTree steps drain): the engine makes the boundaries moves need
+REBALANCING = dict(eplb_enabled=True, eplb_window_steps=4, eplb_interval_steps=4, eplb_min_gain=0.0, overlap="on")
 
 
 def _placements_job(ctx, preset, path, dtype, methods, prompts):
