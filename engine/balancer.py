@@ -5,7 +5,8 @@ load while serving, one MoE layer at a time, between two steps (``docs/eplb.md``
   reset: tokens per logical expert per MoE layer, summed over the attention-DP groups); that window is what a
   rebalance sees.
 - Every ``eplb_interval_steps`` steps it computes a placement from the last complete window
-  (:func:`parallelism.eplb.rebalance`, the current slot count) and queues every layer whose predicted balancedness on
+  (:func:`parallelism.eplb.rebalance`, the current slot count; over ``eplb_num_nodes`` > 1, each expert group's
+  replicas on one node) and queues every layer whose predicted balancedness on
   that window rises by at least ``eplb_min_gain`` over the current placement's; the other layers stay.
 - Before each step it first swaps in the layers whose moves it started before the previous step (``SwapExperts``:
   every rank waits for its transfers, writes the weights and switches the routing tables), then starts moving at
@@ -123,7 +124,8 @@ class ExpertBalancer:
 
     def _rebalance(self) -> None:
         current = self._placements()
-        proposed = rebalance(self.window, current.shape[1], self._moe_ep)
+        proposed = rebalance(self.window, current.shape[1], self._moe_ep, self.cfg.eplb_num_nodes,
+                             self.rank.runner.model.cfg.moe.n_group)
         gain = balancedness(self.window, proposed, self._moe_ep) - balancedness(self.window, current, self._moe_ep)
         self.stats.rebalances += 1
         queued = {layer for layer, _ in self.pending}

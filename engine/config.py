@@ -122,16 +122,17 @@ class RunnerConfig:
 @dataclass(frozen=True)
 class BalancerConfig:
     """Expert load balancing while serving (the ``eplb`` group's ``enabled``, ``window_steps``, ``interval_steps``,
-    ``min_gain``, ``layers_per_step``, passed as ``engine.eplb_*``): docs/eplb.md."""
+    ``min_gain``, ``layers_per_step``, ``num_nodes``, passed as ``engine.eplb_*``): docs/eplb.md."""
 
     eplb_enabled: bool = False
     eplb_window_steps: int = 1000  # the load a rebalance sees: the last complete window of this many steps
     eplb_interval_steps: int = 3000  # steps between rebalances
     eplb_min_gain: float = 0.01  # a layer moves only if its predicted balancedness rises by at least this
     eplb_layers_per_step: int = 1  # layers moved between two steps, at most
+    eplb_num_nodes: int = 1  # nodes the EP ranks span: > 1 keeps each expert group's replicas on one node
 
     def __post_init__(self) -> None:
-        for name in ("eplb_window_steps", "eplb_interval_steps", "eplb_layers_per_step"):
+        for name in ("eplb_window_steps", "eplb_interval_steps", "eplb_layers_per_step", "eplb_num_nodes"):
             if getattr(self, name) < 1:
                 raise RequestError(f"{name.replace('eplb_', 'eplb.')} must be >= 1, got {getattr(self, name)}")
         if self.eplb_min_gain < 0:

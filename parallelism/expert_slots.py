@@ -7,6 +7,9 @@
   :func:`parallelism.eplb.rebalance` computes the slots. It wins over ``parallel.placement``.
 - ``eplb.redundant_experts``: physical slots beyond one per expert, a multiple of ``moe_ep`` (the same count on every
   rank). Without a file the load is taken as even.
+- ``eplb.num_nodes``: the nodes the EP ranks span (null: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, else 1). With
+  more than one, and the model's expert groups (``n_group``) a multiple of it, each group's replicas stay on one
+  node (DeepSeek's hierarchical policy: group-limited routing then crosses fewer nodes).
 
 Neither set: ``None``, one slot per expert by ``parallel.placement``.
 """
@@ -14,6 +17,7 @@ Neither set: ``None``, one slot per expert by ``parallel.placement``.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,16 +32,30 @@ class EPLBConfig:
 
     placement_file: str | None = None
     redundant_experts: int = 0
+    num_nodes: int = 1
 
     @property
     def active(self) -> bool:
         return bool(self.placement_file) or self.redundant_experts != 0
 
 
-def initial_expert_slots(cfg: EPLBConfig, num_moe_layers: int, num_experts: int,
-                         moe_ep: int) -> tuple[tuple[int, ...], ...] | None:
+def nodes(setting: int | None, environ: dict | None = None) -> int:
+    """``eplb.num_nodes``: as set, or (null) the nodes torchrun spans (``WORLD_SIZE // LOCAL_WORLD_SIZE``), else 1."""
+    if setting is not None:
+        if setting < 1:
+            raise EPLBError(f"eplb.num_nodes must be >= 1, got {setting}")
+        return setting
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:
+        return max(int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"]), 1)
+    return 1
+
+
+def initial_expert_slots(cfg: EPLBConfig, num_moe_layers: int, num_experts: int, moe_ep: int,
+                         num_groups: int = 1) -> tuple[tuple[int, ...], ...] | None:
     """``[num_moe_layers][num_experts + redundant_experts]`` logical expert per physical slot, or None when
-    ``cfg`` asks for nothing; raises :class:`EPLBError` naming the key and the numbers that do not fit."""
+    ``cfg`` asks for nothing; ``num_groups``: the model's expert groups (``n_group``), for ``cfg.num_nodes`` > 1.
+    Raises :class:`EPLBError` naming the key and the numbers that do not fit."""
     if not cfg.active:
         return None
     r = cfg.redundant_experts
@@ -50,7 +68,7 @@ def initial_expert_slots(cfg: EPLBConfig, num_moe_layers: int, num_experts: int,
                         f"parallel.moe_ep={moe_ep}")
     if not cfg.placement_file:
         load = torch.ones(num_moe_layers, num_experts)
-        return _rows(rebalance(load, num_slots, moe_ep))
+        return _rows(rebalance(load, num_slots, moe_ep, cfg.num_nodes, num_groups))
     data = _read(cfg.placement_file)
     where = f"eplb.placement_file={cfg.placement_file}"
     if "phy2log" in data:
@@ -66,7 +84,7 @@ def initial_expert_slots(cfg: EPLBConfig, num_moe_layers: int, num_experts: int,
         if load.dim() != 2 or load.shape[1] != num_experts:
             raise EPLBError(f"{where}: 'load' must be [MoE layers, {num_experts} experts], got {list(load.shape)}")
         _check_layers(where, load.shape[0], num_moe_layers)
-        return _rows(rebalance(load, num_slots, moe_ep))
+        return _rows(rebalance(load, num_slots, moe_ep, cfg.num_nodes, num_groups))
     raise EPLBError(f"{where} holds neither 'phy2log' nor 'load' (keys: {sorted(data)})")
 
 

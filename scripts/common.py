@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from model.config import load_config
 from model.loader import DeviceConfig
 from model.tiny import preset_dir
-from parallelism.expert_slots import EPLBConfig, initial_expert_slots
+from parallelism.expert_slots import EPLBConfig, initial_expert_slots, nodes
 from parallelism.layout import Layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,13 +33,14 @@ def layout_from(cfg: DictConfig) -> Layout:
     """The ``parallel`` group, with the ``eplb`` group's starting expert placement when it asks for one (its slots
     need the model's MoE layer and expert counts: ``config.json`` is read)."""
     layout = Layout(**OmegaConf.to_container(cfg.parallel, resolve=True))
-    eplb = EPLBConfig(cfg.eplb.placement_file, cfg.eplb.redundant_experts) if "eplb" in cfg else EPLBConfig()
+    eplb = EPLBConfig(cfg.eplb.placement_file, cfg.eplb.redundant_experts, nodes(cfg.eplb.num_nodes)) \
+        if "eplb" in cfg else EPLBConfig()
     if not eplb.active:
         return layout
     if eplb.placement_file:
         eplb = dataclasses.replace(eplb, placement_file=repo_path(eplb.placement_file))
     model = load_config(model_dir(cfg))
-    slots = initial_expert_slots(eplb, sum(model.moe_layers), model.moe.num_experts, layout.moe_ep)
+    slots = initial_expert_slots(eplb, sum(model.moe_layers), model.moe.num_experts, layout.moe_ep, model.moe.n_group)
     return dataclasses.replace(layout, expert_slots=slots)
 
 
@@ -52,7 +53,7 @@ def engine_keys(cfg: DictConfig) -> dict:
     keys = OmegaConf.to_container(cfg.engine, resolve=True)
     keys.pop("seed", None)
     if "eplb" in cfg:
-        keys |= {f"eplb_{k}": cfg.eplb[k] for k in BALANCER_KEYS}
+        keys |= {f"eplb_{k}": cfg.eplb[k] for k in BALANCER_KEYS} | {"eplb_num_nodes": nodes(cfg.eplb.num_nodes)}
     return keys
 
 

@@ -51,8 +51,10 @@ def eplb_layout(base: Layout, path) -> Layout:
 
 PLACEMENTS = ("linear", "round_robin", "eplb", "rebalanced")
 # the balancer on, reading a window and rebalancing every 4 steps, every layer that changes moved (one per step);
-# with engine.overlap on (plain decoding overlaps; DDTree steps drain): the engine makes the boundaries moves need
-REBALANCING = dict(eplb_enabled=True, eplb_window_steps=4, eplb_interval_steps=4, eplb_min_gain=0.0, overlap="on")
+# with engine.overlap on (plain decoding overlaps; DDTree steps drain): the engine makes the boundaries moves need;
+# the EP ranks taken as two nodes: each of tiny_kimi's 4 expert groups keeps its replicas on one node
+REBALANCING = dict(eplb_enabled=True, eplb_window_steps=4, eplb_interval_steps=4, eplb_min_gain=0.0, overlap="on",
+                   eplb_num_nodes=2)
 
 
 def _placements_job(ctx, preset, path, dtype, methods, prompts):

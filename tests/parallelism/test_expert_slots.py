@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from parallelism.eplb import EPLBError, balancedness
-from parallelism.expert_slots import EPLBConfig, initial_expert_slots
+from parallelism.expert_slots import EPLBConfig, initial_expert_slots, nodes
 
 
 def test_nothing_asked_keeps_one_slot_per_expert():
@@ -52,3 +52,23 @@ def test_what_does_not_fit_is_named(tmp_path, content, redundant, message):
 def test_an_unreadable_file_is_named(tmp_path):
     with pytest.raises(EPLBError, match="cannot be read"):
         initial_expert_slots(EPLBConfig(str(tmp_path / "absent.json")), 2, 16, 8)
+
+
+def test_two_nodes_keep_each_expert_groups_replicas_on_one_node():
+    """16 experts in 4 groups, 8 EP ranks over 2 nodes, one redundant slot per rank: every slot of a group's experts
+    sits on the ranks of one node (ranks 0-3 or 4-7)."""
+    slots = initial_expert_slots(EPLBConfig(redundant_experts=8, num_nodes=2), 1, 16, 8, num_groups=4)[0]
+    per_rank = len(slots) // 8
+    node_of_group = {}
+    for slot, expert in enumerate(slots):
+        node = (slot // per_rank) // 4
+        assert node_of_group.setdefault(expert // 4, node) == node, (expert, slot)
+    assert sorted(set(node_of_group.values())) == [0, 1]
+
+
+def test_the_node_count_comes_from_the_setting_or_torchrun():
+    assert nodes(2, {}) == 2
+    assert nodes(None, {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == 2
+    assert nodes(None, {}) == 1
+    with pytest.raises(EPLBError, match="eplb.num_nodes must be >= 1, got 0"):
+        nodes(0, {})
