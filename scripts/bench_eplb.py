@@ -25,12 +25,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sysconfig
 import tempfile
 from pathlib import Path
+
+from train_tiny import RunConfig, read_texts, split_files, stdlib_files
 
 from bench.eplb import heldout_rows, projections, serving_rank, skew_router, step_percentiles
 from model.config import load_config
 from model.loader import load_model
+from model.tokenizer import load_tokenizer
 from parallelism.comm import build_groups
 from parallelism.expert_slots import EPLBConfig, initial_expert_slots
 from parallelism.launch import launch
@@ -39,6 +43,7 @@ from parallelism.layout import Layout
 MOE_EP = 8
 REDUNDANT = (0, 8, 16)
 SERVING_TOKENS = 64
+WINDOW = 512  # tokens per forward of the held-out files
 ZOO = Path(__file__).resolve().parent.parent / "model" / "zoo" / "tiny_kimi"
 SKEW = {"exponent": 1.2, "scale": 0.3}  # the synthetic arm's Zipf bias on the router's choice scores
 
@@ -61,22 +66,39 @@ def main() -> None:
 
 
 def heldout(out: str) -> None:
-    prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"]]
-    fit, measured = prompts[0::2], prompts[1::2]
-    result = {}
-    for arm in ("as trained", "synthetic skew"):
-        model = load_model(ZOO / "target", build_groups(Layout()))
-        if arm == "synthetic skew":
-            skew_router(model, **SKEW)
-        result[arm] = heldout_rows(model, fit, measured, MOE_EP, REDUNDANT)
-        print(f"{arm}: busiest expert / mean per layer",
-              " ".join(f"{h:.2f}" for h in result[arm]["busiest_expert_over_mean"]))
-        for row in result[arm]["rows"]:
-            held, fitted = (" ".join(f"{b:.3f}" for b in row[k]) for k in ("heldout", "in_sample"))
-            print(f"  {row['placement']:<18} R={row['redundant']:<3} held-out {held} | in-sample {fitted}")
-    result["skew"] = SKEW
+    result = {"skew": SKEW, "traffic": {}}
+    for source, (fit, measured) in traffic().items():
+        result["traffic"][source] = arms = {}
+        for arm in ("as trained", "synthetic skew"):
+            model = load_model(ZOO / "target", build_groups(Layout()))
+            if arm == "synthetic skew":
+                skew_router(model, **SKEW)
+            arms[arm] = heldout_rows(model, fit, measured, MOE_EP, REDUNDANT)
+            print(f"{source}, {arm}: busiest expert / mean per layer",
+                  " ".join(f"{h:.2f}" for h in arms[arm]["busiest_expert_over_mean"]))
+            for row in arms[arm]["rows"]:
+                held, fitted = (" ".join(f"{b:.3f}" for b in row[k]) for k in ("heldout", "in_sample"))
+                print(f"  {row['placement']:<18} R={row['redundant']:<3} held-out {held} | in-sample {fitted}")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1))
+
+
+def traffic() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """Two sources, each (fit, measure): the zoo's 29 held-out prompts (even-numbered / odd-numbered), and the
+    standard-library files the tiny model's training held out (``scripts/train_tiny.py``'s split of this Python's
+    stdlib), tokenized and cut into windows of ``WINDOW`` tokens (even-numbered files / odd-numbered files)."""
+    prompts = [p["ids"] for p in json.loads((ZOO / "eval_prompts.json").read_text())["prompts"]]
+    run = RunConfig()
+    root = sysconfig.get_paths()["stdlib"]
+    _, held = split_files(stdlib_files(root, run.max_file_bytes), root, run.heldout_frac, run.seed)
+    tok = load_tokenizer(str(ZOO / "target"))
+
+    def windows(files: list[Path]) -> list[list[int]]:
+        ids = [t for text in read_texts(files) for t in tok.encode(text)]
+        return [ids[i:i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)]
+
+    return {"eval prompts": (prompts[0::2], prompts[1::2]), "held-out stdlib files": (windows(held[0::2]),
+                                                                                       windows(held[1::2]))}
 
 
 def project(serving_json: str, out: str) -> None:
