@@ -61,8 +61,10 @@ def test_tp_rank_1_reads_the_replicated_bytes_rank_0_wrote(tmp_path):
 
 
 def test_a_master_that_just_died_is_an_outage_even_when_the_library_answers_at_once(tmp_path):
-    """Right after the master dies the library answers lookups and puts with an error code in well under a millisecond
-    (later calls hang for seconds instead): the code counts as "unreachable" and the store is left alone."""
+    """Right after the master dies the library answers a lookup with an error code in well under a millisecond, or
+    (on a loaded box, once it has started reconnecting) hangs past the call's timeout: either way the outage is
+    counted once — "unreachable" for the code, "timeout" for the hang — and the store is left alone, the lookup
+    answering "nothing held"."""
     master = start_master(tmp_path / "master.log")
     client = _client(master, 0, torch.zeros(10, dtype=torch.bool))
     try:
@@ -70,10 +72,10 @@ def test_a_master_that_just_died_is_an_outage_even_when_the_library_answers_at_o
         master.kill()
         t0 = time.monotonic()
         assert client.held([21]) == 0
-        assert time.monotonic() - t0 < 1.0  # within the call's 2 s timeout: the error code, not a timeout
-        assert client.errors == {"unreachable": 1} and not client.up
+        fast = time.monotonic() - t0 < client.settings.timeout_s
+        assert client.errors == ({"unreachable": 1} if fast else {"timeout": 1}) and not client.up
         client.put([21], torch.zeros(1, 10, dtype=torch.uint8))  # dropped while down, counted once per outage
-        assert client.errors == {"unreachable": 1} and client.puts == 0
+        assert sum(client.errors.values()) == 1 and client.puts == 0
     finally:
         client.close()
         master.kill()
