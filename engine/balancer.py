@@ -27,7 +27,7 @@ import torch
 
 from engine.config import BalancerConfig
 from engine.worker.control import ControlPlane, MoveExperts, RankState, ReadExpertLoad, SwapExperts
-from parallelism.eplb import balancedness, rebalance
+from parallelism.eplb import balancedness, rank_loads, rebalance
 
 
 @dataclass
@@ -39,7 +39,8 @@ class BalancerStats:
     layers_kept: int = 0  # a rebalance's layers whose gain was below min_gain
     moved_bytes: int = 0
     move_seconds: float = 0.0  # steps waited on moves: starting them (local copies) and swapping them in
-    # per window read: its step, each layer's balancedness at the placement the window ran on and at the starting one
+    # per window read: its step, each layer's balancedness at the placement the window ran on and at the starting one,
+    # and the busiest EP rank's routed choices per step
     windows: list[dict] = field(default_factory=list)
 
 
@@ -99,10 +100,14 @@ class ExpertBalancer:
             self.window = fresh if fresh.sum() > 0 or self.window is None else self.window
             self._rebalance()
         if steps - self.last_read >= self.cfg.eplb_window_steps:
+            span, placed = steps - self.last_read, self._placements()
             self.last_read, self.window = steps, self._read()
             self.stats.windows.append({
-                "step": steps, "balancedness": balancedness(self.window, self._placements(), self._moe_ep).tolist(),
-                "at_start_placement": balancedness(self.window, self.initial, self._moe_ep).tolist()})
+                "step": steps, "balancedness": balancedness(self.window, placed, self._moe_ep).tolist(),
+                "at_start_placement": balancedness(self.window, self.initial, self._moe_ep).tolist(),
+                # what sets an EP step's time: the busiest rank's expert tokens (routed choices) per step
+                "max_rank_tokens_per_step": (rank_loads(self.window, placed, self._moe_ep).max(dim=1).values
+                                             / span).tolist()})
         if steps - self.last_rebalance >= self.cfg.eplb_interval_steps and self.window is not None:
             self.last_rebalance = steps
             self._rebalance()

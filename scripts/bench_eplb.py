@@ -101,6 +101,28 @@ def traffic() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
                                                                                        windows(held[1::2]))}
 
 
+def plot_windows(windows: list[dict], path: Path) -> None:
+    """Each window's balancedness (mean over MoE layers) at the placement it ran on and at the starting placement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [w["step"] for w in windows]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for key, label in (("balancedness", "placement it ran on (rebalancing)"),
+                       ("at_start_placement", "starting placement")):
+        ax.plot(steps, [sum(w[key]) / len(w[key]) for w in windows], marker="o", label=label)
+    ax.set_xlabel("window ending at step")
+    ax.set_ylabel("balancedness (mean / max rank tokens)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("tiny_kimi, ep8, 24 slots: the same windows under two placements (CPU)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def project(serving_json: str, out: str) -> None:
     windows = [w for w in json.loads(Path(serving_json).read_text())["balancer"]["windows"] if w["step"] >= 32]
     static, balanced = (sum(b for w in windows for b in w[k]) / sum(len(w[k]) for w in windows)
@@ -136,6 +158,7 @@ def serving(zoo: Path, out: str) -> None:
               "setup": {"layout": "ep8, 24 slots (16 experts + 8 redundant)", "prompts": len(prompts),
                         "new_tokens": SERVING_TOKENS, "engine": arms}}
     Path(out).write_text(json.dumps(result, indent=1))
+    plot_windows(result["balancer"]["windows"], Path(out).with_suffix(".png"))
     c, m = result["decode_steps"]["control"]["all"], result["decode_steps"]["rebalancing"]
     print(f"tokens equal: {result['tokens_equal']}; decode p50/p99 ms control {c['p50_ms']:.1f}/{c['p99_ms']:.1f}, "
           f"rebalancing {m['all']['p50_ms']:.1f}/{m['all']['p99_ms']:.1f} (steps after a move: "
