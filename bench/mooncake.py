@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from parallelism.launch import free_port
+from parallelism.launch import free_ports
 
 
 def installed_master() -> str | None:
@@ -21,7 +21,7 @@ def installed_master() -> str | None:
 
 class MooncakeMaster:
     def __init__(self, binary: str, log: Path):
-        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+        self.rpc, self.http, self.metrics = free_ports(3)
         self.proc = subprocess.Popen(
             [binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
              "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http}",

@@ -27,7 +27,7 @@ from bench.telemetry import compute_floors, energy_per_token_j, sampler_summary,
 from engine.worker.telemetry import TelemetrySampler
 from model.config import load_config
 from model.expert_tally import touched_per_layer
-from parallelism.launch import free_port
+from parallelism.launch import free_ports
 from parallelism.layout import Layout
 from rpc.client import Client
 
@@ -45,7 +45,7 @@ class Server:
 
     def __init__(self, overrides: list[str], log_path: Path, timeout_s: float, cpus: str | None = None):
         """``cpus``: pin the server's process (and its ranks) to these cores (``taskset -c``)."""
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = free_ports(2)
         pin = ["taskset", "-c", cpus] if cpus is not None else []
         cmd = [*pin, sys.executable, str(REPO / "scripts" / "serve.py"), *overrides,
                "server.host=127.0.0.1", f"server.port={self.port}", f"server.metrics_port={self.metrics_port}"]
@@ -77,7 +77,7 @@ class Gateway:
 
     def __init__(self, out: Path, name: str, workers: list[Server], policy: str, model_dir: Path,
                  pd: bool = False):
-        self.port, metrics = free_port(), free_port()
+        self.port, metrics = free_ports(2)
         urls = [f"grpc://127.0.0.1:{s.port}" for s in workers]
         route = (["--pd-disaggregation", "--prefill", urls[0], "--decode", urls[1]] if pd
                  else ["--worker-urls", *urls, "--policy", policy])

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 
 from model.tiny import CHAT_TEMPLATE, write_char_tokenizer  # noqa: E402,F401 - after the path insert; CHAT_TEMPLATE for the tests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallelism.launch import free_port, free_ports  # noqa: E402,F401 - free_port for the tests
 
 
 def with_tokenizer(src: str | Path, dst: str | Path) -> Path:
@@ -63,14 +57,14 @@ def smg_gateway(worker_target: str | tuple[str, str], ckpt: str | Path, log_path
     """``smg launch`` on 127.0.0.1 in front of the gRPC worker at ``worker_target`` (``host:port``; passthrough
     policy), or of a ``(prefill, decode)`` pair in PD mode, plus ``options``; yields its base URL once ``/v1/models``
     lists a model (``model``: that one). Killed on exit (smg's graceful stop waits a 5 s load-balancer window)."""
-    log_path, port = Path(log_path), free_port()
+    log_path, (port, prometheus_port) = Path(log_path), free_ports(2)
     workers = (["--pd-disaggregation", "--prefill", f"grpc://{worker_target[0]}", "--decode",
                 f"grpc://{worker_target[1]}"] if isinstance(worker_target, tuple)
                else ["--worker-urls", f"grpc://{worker_target}", "--policy", "passthrough"])
     with open(log_path, "w") as log:
         smg = subprocess.Popen([str(SMG), "launch", *workers, "--model-path", str(ckpt), "--host", "127.0.0.1",
                                 "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                                str(free_port()), "--log-level", "warn", *options],
+                                str(prometheus_port), "--log-level", "warn", *options],
                                stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -114,7 +108,8 @@ class ServerProcess:
         self._launch()
 
     def _launch(self) -> None:
-        self.port, self.metrics_port = self.fixed_port or free_port(), free_port()
+        ports = free_ports(2)
+        self.port, self.metrics_port = self.fixed_port or ports[0], ports[1]
         self.target = f"127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={self.ckpt}", "server.host=127.0.0.1",
