@@ -55,7 +55,7 @@ class ExpertBalancer:
         self.pending: list[tuple[int, tuple[int, ...]]] = []  # (MoE layer, slots) to move, in order
         self.moving: list[int] = []  # layers whose moves started at the last step boundary: swapped at the next
         self.stats = BalancerStats()
-        self.initial = self._placements()  # [L, P] the placement serving began with
+        self.initial = self.maps.placements()  # [L, P] the placement serving began with
         self.requested = False  # an operator asked for a rebalance (BalanceExperts): at the next step boundary
         self.last_read = self.last_rebalance = 0  # the steps of the last window read and rebalance
 
@@ -100,7 +100,7 @@ class ExpertBalancer:
             self.window = fresh if fresh.sum() > 0 or self.window is None else self.window
             self._rebalance()
         if steps - self.last_read >= self.cfg.eplb_window_steps:
-            span, placed = steps - self.last_read, self._placements()
+            span, placed = steps - self.last_read, self.maps.placements()
             self.last_read, self.window = steps, self._read()
             self.stats.windows.append({
                 "step": steps, "balancedness": balancedness(self.window, placed, self._moe_ep).tolist(),
@@ -123,12 +123,8 @@ class ExpertBalancer:
         counts = [c for c in self.control.send(ReadExpertLoad(reset=True), self.rank) if c is not None]
         return torch.stack(counts).sum(0).double()
 
-    def _placements(self) -> torch.Tensor:
-        """``[L, P]``: each MoE layer's current logical expert per physical slot."""
-        return torch.tensor([m.dispatcher.placement.phy2log for m in self.maps.layers])
-
     def _rebalance(self) -> None:
-        current = self._placements()
+        current = self.maps.placements()
         proposed = rebalance(self.window, current.shape[1], self._moe_ep, self.cfg.eplb_num_nodes,
                              self.rank.runner.model.cfg.moe.n_group)
         gain = balancedness(self.window, proposed, self._moe_ep) - balancedness(self.window, current, self._moe_ep)

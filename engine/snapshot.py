@@ -56,7 +56,7 @@ def expert_load(engine: Engine) -> dict | None:
     if engine.runner.expert_load is None:
         return None
     tokens = torch.stack([c for c in engine.control.send(ReadExpertLoad(), engine.rank) if c is not None]).sum(0)
-    slots = torch.tensor([m.dispatcher.placement.phy2log for m in engine.runner.expert_maps.layers])  # current
+    slots = engine.runner.expert_maps.placements()
     lay = engine.groups.layout
     out = {"tokens_per_expert": tokens.tolist(), "moe_ep": lay.moe_ep,
            "rank_tokens": rank_loads(tokens, slots, lay.moe_ep).tolist(),
@@ -84,7 +84,7 @@ def expert_balance(engine: Engine, rebalance: bool = False) -> dict:
         engine.balancer.request_rebalance()
     return {"load": window.tolist() if window is not None else figures["tokens_per_expert"],
             "load_is": "last complete window" if window is not None else "counts so far",
-            "phy2log": [list(m.dispatcher.placement.phy2log) for m in engine.runner.expert_maps.layers],
+            "phy2log": engine.runner.expert_maps.placements().tolist(),
             "versions": list(engine.runner.expert_maps.versions), "expert_load": figures,
             "rebalance_requested": rebalance}
 

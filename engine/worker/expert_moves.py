@@ -84,9 +84,12 @@ class ExpertMaps:
         self.groups = groups
         self.layers = [m for m in model.modules() if isinstance(m, MoE)]
         self.versions = [0] * len(self.layers)
-        self.moved_bytes = 0  # sent by this rank
         self.in_flight: dict[int, _Staged] = {}
         self._side: Comm | None = None  # the moves' own group, made by the first move (every rank, in order)
+
+    def placements(self) -> torch.Tensor:
+        """``[L, P]`` int64: each MoE layer's current logical expert per physical slot."""
+        return torch.tensor([m.dispatcher.placement.phy2log for m in self.layers])
 
     def check(self, versions: tuple[int, ...]) -> None:
         """Raises :class:`PlacementVersionError` if a plan's per-layer ``versions`` (empty: not tracked) differ from
@@ -143,9 +146,7 @@ class ExpertMaps:
         staged.thread = threading.Thread(target=transfer, name=f"expert-move-{layer}", daemon=True)
         staged.thread.start()
         self.in_flight[layer] = staged
-        sent = sum(b.numel() for _, _, b in sends)
-        self.moved_bytes += sent
-        return sent
+        return sum(b.numel() for _, _, b in sends)
 
     def swap(self, layer: int) -> None:
         """Waits for MoE layer ``layer``'s transfer, then writes the staged rows into their slots and switches the
