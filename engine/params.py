@@ -35,6 +35,16 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class Thought:
+    """A constrained request whose answer starts inside the model's thought (``engine/reasoning.py``): its constraint
+    applies once ``close_id`` is generated; ``close_id`` is the only token allowed after ``max_tokens`` thought tokens,
+    and no stop token ends the request before the thought closes."""
+
+    close_id: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. ``temperature == 0`` is greedy; ``top_k`` -1 or 0, ``top_p`` 1 and ``min_p``
     0 are off. ``logprobs`` is how many top log-probs to return per token (0 = none). ``stop``: strings that end
@@ -60,6 +70,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: Constraint | None = None
     n: int = 1
+    thought: Thought | None = None  # the constraint waits for the thought's close (set by a reasoning parser)
 
     def __post_init__(self) -> None:
         stop_ok = isinstance(self.stop_token_ids, tuple) and all(

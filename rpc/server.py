@@ -28,7 +28,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
-from engine.api import AsyncEngine, Engine, engine_facts
+from engine.api import REASONING_MARKERS, AsyncEngine, Engine, ReasoningParser, engine_facts
+from model.tokenizer import load_tokenizer
 from rpc import expert_admin, info
 from rpc.expert_admin import ExpertAdmin
 from rpc.hand_off import HandOffRole
@@ -67,6 +68,8 @@ class ServerConfig:
     kv_lease_s: float = 30.0  # a prefill's KV waits this long for its decode worker to read it
     kv_transfer_protocol: str = "tcp"  # the Mooncake transfer engine's protocol ("rdma" where the cluster has it)
     kv_recompute_on_failure: bool = False  # a hand-off that cannot be read: recompute (True) or fail UNAVAILABLE
+    reasoning_parser: str | None = None  # "kimi": constraints wait for the thought's close (engine/reasoning.py)
+    max_thinking_tokens: int = 128  # a constrained answer's thought is closed after this many tokens
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -79,9 +82,22 @@ class ServerConfig:
         for name in ("max_num_seqs", "drain_timeout_s", "step_timeout_s", "heartbeat_s", "telemetry_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_MARKERS:
+            raise ValueError(f"server.reasoning_parser={self.reasoning_parser!r} is not known; known: "
+                             f"{sorted(REASONING_MARKERS)} (or null)")
+        if self.max_thinking_tokens < 1:
+            raise ValueError(f"server.max_thinking_tokens must be >= 1, got {self.max_thinking_tokens}")
         for name in ("max_queue", "fatal_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def reasoning_parser(cfg: ServerConfig, model_dir: str) -> ReasoningParser | None:
+    """``server.reasoning_parser`` on the checkpoint's tokenizer (None: off); raises ValueError naming the setting
+    when the checkpoint lacks its markers (``scripts/serve.py`` checks it before the ranks start)."""
+    if cfg.reasoning_parser is None:
+        return None
+    return ReasoningParser.for_checkpoint(cfg.reasoning_parser, load_tokenizer(model_dir), cfg.max_thinking_tokens)
 
 
 def request_stop_on_signals() -> None:
@@ -139,7 +155,7 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
     hand_off = HandOffRole(cfg.kv_role, cfg.kv_connector, cfg.kv_lease_s, cfg.kv_transfer_protocol,
                            f"{cfg.host}:{cfg.port}", ef.kv_fingerprint, ef.layout, cfg.kv_recompute_on_failure)
     servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir,
-                        hand_off)
+                        hand_off, reasoning_parser(cfg, model_dir))
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pbg.add_VllmEngineServicer_to_server(servicer, server)

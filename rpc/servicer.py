@@ -40,6 +40,7 @@ from engine.api import (
     Overloaded,
     PeerKV,
     PeerLease,
+    ReasoningParser,
     RequestOutput,
 )
 from model.tokenizer import tiktoken_file
@@ -112,11 +113,14 @@ def _snapshot(loads: Loads, dp: int, max_running: int) -> pb.SchedulerLoad:
 
 class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
     def __init__(self, engine: AsyncEngine, facts: ModelFacts, ranks: list[dict], server_facts: dict,
-                 kv_events: KvEventHub, profile_dir: str | None = None, hand_off: HandOffRole | None = None):
+                 kv_events: KvEventHub, profile_dir: str | None = None, hand_off: HandOffRole | None = None,
+                 reasoning: ReasoningParser | None = None):
         """``profile_dir``: where StartProfile may write traces (``server.profile_dir``; None: profiling off);
-        ``hand_off``: the worker's prefill/decode role (None: ``both`` without a connector, as in tests)."""
+        ``hand_off``: the worker's prefill/decode role (None: ``both`` without a connector, as in tests);
+        ``reasoning``: the reasoning parser constraints wait for (``server.reasoning_parser``; None: off)."""
         self.engine, self.facts, self.ranks, self.server_facts = engine, facts, ranks, server_facts
         self.kv_events, self.profile_dir, self.hand_off = kv_events, profile_dir, hand_off
+        self.reasoning = reasoning
         self.limits = convert.Limits(facts.vocab_size, facts.max_model_len)
         self.draining = False
         self.started = time.time()
@@ -156,6 +160,8 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             try:
                 req.prompt_tokens = len(request.tokenized.input_ids)
                 prompt, params = convert.generate_request(request, self.limits)
+                if self.reasoning is not None:
+                    params = self.reasoning.gate(prompt, params, request.sampling_params.grammar_from_first_token)
                 dp_rank, retain_kv, blob = convert.kv_hints(request)
                 kv, lease = self._hand_off(blob)
                 missing = self.hand_off is not None and self.hand_off.kv_missing(blob)
@@ -279,7 +285,8 @@ class Servicer(UnsupportedRPCs, ProfileRPCs, pbg.VllmEngineServicer):
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=f.dp_size,
             kv_cache_dtype=f.dtype.removeprefix("torch."), block_size=f.kv_block_size,
             attention_backend=f"torch-paged-{f.attention}", model_dtype=f.dtype, max_num_seqs=f.max_num_seqs,
-            constrained_decoding_start="first_token",  # no reasoning parser here: a grammar runs from token one
+            engine_reasoning_parser=self.reasoning.name if self.reasoning is not None else "",
+            constrained_decoding_start="after_reasoning" if self.reasoning is not None else "first_token",
             **(self.hand_off.server_info() if self.hand_off is not None else {}))
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:

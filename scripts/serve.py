@@ -32,6 +32,7 @@ from preflight import debug_requested, one_line, one_line_errors, preflight
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.reasoning import ReasoningParser
 from engine.sampling.grammar import GrammarBackend
 from engine.worker.kv_budget import size_kv_cache
 from engine.worker.loop import make_runner, worker_loop
@@ -112,6 +113,9 @@ def main(cfg: DictConfig) -> None:
     model_cfg = preflight(layout, ckpt, drafter=spec.drafter_path if spec.enabled else None,
                           bind=(server_cfg.host, server_cfg.port), metrics_port=server_cfg.metrics_port)
     sched_cfg = sched_cfg.for_model(model_cfg.max_position_embeddings)
+    if server_cfg.reasoning_parser is not None:  # the checkpoint holds its markers: refused here, before the ranks
+        ReasoningParser.for_checkpoint(server_cfg.reasoning_parser, load_tokenizer(ckpt),
+                                       server_cfg.max_thinking_tokens)
     device, backend, _ = prepare_ranks(cfg, layout)
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     rank0_pid = ctx.RawValue("i", 0)

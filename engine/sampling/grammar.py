@@ -29,6 +29,8 @@ from torch import Tensor
 
 from engine.params import Constraint
 from engine.sampling.logits_processors import Rows
+from engine.sampling.thought_gate import ThoughtGate
+from engine.sampling.tool_call_tags import forced_calls_end_the_turn
 from engine.staging import to_device
 from engine.step import NewRequest
 
@@ -200,7 +202,8 @@ class GrammarBackend:
                 raise ConstraintError(f"{c.field} must list at least one string, got {c.text[:200]}")
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
         if c.kind == "structural_tag":
-            return compiler.compile_structural_tag(json.dumps(_bounded_whitespace(json.loads(c.text))))
+            tag = forced_calls_end_the_turn(json.loads(c.text))
+            return compiler.compile_structural_tag(json.dumps(_bounded_whitespace(tag)))
         raise ConstraintError(f"{c.field}: unknown constraint kind")
 
     def matcher(self, c: Constraint):
@@ -266,6 +269,8 @@ class GrammarMasks:
             return
         started, ahead = time.perf_counter(), self.backend.under_way(c)
         m = self.backend.matcher(c)
+        if req.params.thought is not None:
+            m = ThoughtGate(m, req.params.thought, self.backend.eos_ids + req.params.stop_token_ids, self.words)
         if not ahead:  # every rank of the group waits for this one at the next collective
             log.warning("request %s: its %s compiled on the step path (%.1f ms; Engine.precompile announces it)",
                         req.request_id, c.field, 1e3 * (time.perf_counter() - started))

@@ -1,6 +1,10 @@
 """A recording worker for what smg sends: a gRPC proxy on 127.0.0.1 that forwards every call to a real worker as
 bytes — the ``VllmEngine`` service, health, reflection, anything — and keeps each ``GenerateRequest`` it forwarded,
-so a test sees exactly what arrived at the worker while the client still gets the real worker's answer."""
+so a test sees exactly what arrived at the worker while the client still gets the real worker's answer.
+
+With :attr:`RecordingWorker.script` set, ``Generate`` is answered with those tokens instead (streamed one per chunk
+when the request streams, else in the final message), the way the real worker answers: what smg's parsers make of a
+given token sequence (``scripts/record_kimi_tool_parser.py``)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ class RecordingWorker(grpc.GenericRpcHandler):
 
     def __init__(self, worker_target: str):
         self.requests: list[pb.GenerateRequest] = []
+        self.script: tuple[list[int], str] | None = None  # (tokens, finish reason) Generate answers with
         self._lock = threading.Lock()
         self._channel = grpc.insecure_channel(worker_target)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.so_reuseport", 0)])
@@ -42,6 +47,8 @@ class RecordingWorker(grpc.GenericRpcHandler):
 
     def service(self, details: grpc.HandlerCallDetails):
         path = details.method
+        if path == GENERATE and self.script is not None:
+            return grpc.unary_stream_rpc_method_handler(self._scripted)
         if path in STREAMING:
             call = self._channel.unary_stream(path)
 
@@ -63,6 +70,21 @@ class RecordingWorker(grpc.GenericRpcHandler):
                 context.abort(err.code(), err.details())
 
         return grpc.unary_unary_rpc_method_handler(unary)
+
+    def _scripted(self, request: bytes, context: grpc.ServicerContext):
+        self._record(GENERATE, request)
+        req = pb.GenerateRequest.FromString(request)
+        tokens, reason = self.script
+        prompt = len(req.tokenized.input_ids)
+        if req.stream:
+            for t in tokens:
+                yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
+                    token_ids=[t], prompt_tokens=prompt, completion_tokens=1)).SerializeToString()
+        done = pb.GenerateComplete(output_ids=[] if req.stream else tokens, finish_reason=reason,
+                                   prompt_tokens=prompt, completion_tokens=len(tokens))
+        if reason == "stop" and tokens:
+            done.matched_token_id = tokens[-1]
+        yield pb.GenerateResponse(complete=done).SerializeToString()
 
     def _record(self, path: str, request: bytes) -> None:
         if path == GENERATE:
