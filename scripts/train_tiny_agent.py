@@ -6,8 +6,8 @@ data and the tokenizer:
 
 1. data: seeded conversations (``bench/agent_tools.py``): tool definitions, a user ask naming a tool's purpose and
    its argument values, the assistant's call section (one call, or two), the tool's result, a short answer; or small
-   talk answered without a call; half with a thought (``<think>…</think>``), half without (``<think></think>``, what
-   the template renders with ``chat_template_kwargs: {"thinking": false}``). Rendered by the checkpoint's own chat
+   talk answered without a call; three in four with a thought (``<think>…</think>``), the others without
+   (``<think></think>``, what the template renders with ``chat_template_kwargs: {"thinking": false}``). Rendered by the checkpoint's own chat
    template (jinja2, ``tojson`` = ``json.dumps``: what smg 1.13 renders, checked with a recording worker).
 2. tokenizer: ``tiktoken.model`` of the 256 bytes plus BPE merges learnt on the rendered text (special-token text
    removed), then Kimi's named special ids past the ranks plus ``<think>``/``</think>``; the drafter's mask is an
@@ -69,9 +69,11 @@ def render(messages: list[dict], tools: list[dict], add_generation_prompt: bool 
 
 
 def corpus(n: int, seed: int, names: tuple[str, ...]) -> list[tuple[list[dict], list[dict], bool]]:
-    """``n`` conversations ``(tools, messages, thinking)``; thinking on for even indices."""
+    """``n`` conversations ``(tools, messages, thinking)``; thinking on for three in four. Both prompts end in
+    ``<think>`` (thinking off renders ``<think></think>``), so the share decides what follows it greedily: a
+    thought, as a thinking model's turn opens."""
     rng = random.Random(seed)
-    return [(*conversation(rng, names, i % 2 == 0), i % 2 == 0) for i in range(n)]
+    return [(*conversation(rng, names, i % 4 != 3), i % 4 != 3) for i in range(n)]
 
 
 def parse_calls(text: str) -> list[tuple[str, str]] | None:

@@ -270,7 +270,8 @@ class GrammarMasks:
         started, ahead = time.perf_counter(), self.backend.under_way(c)
         m = self.backend.matcher(c)
         if req.params.thought is not None:
-            m = ThoughtGate(m, req.params.thought, self.backend.eos_ids + req.params.stop_token_ids, self.words)
+            m = ThoughtGate(m, req.params.thought, self.backend.eos_ids + req.params.stop_token_ids,
+                            self.backend.special, self.words)
         if not ahead:  # every rank of the group waits for this one at the next collective
             log.warning("request %s: its %s compiled on the step path (%.1f ms; Engine.precompile announces it)",
                         req.request_id, c.field, 1e3 * (time.perf_counter() - started))

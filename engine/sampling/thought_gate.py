@@ -22,12 +22,13 @@ def _row(words: int, allowed: set[int] | None = None, banned: set[int] = frozens
 
 class ThoughtGate:
     """``matcher`` (an ``xgrammar.GrammarMatcher``) behind an open thought: until ``thought.close_id`` is accepted,
-    any token but a stop token (``stop_ids``) is allowed and nothing reaches the matcher; after
-    ``thought.max_tokens`` thought tokens only the close is. Tokens after the close go to the matcher."""
+    any token but a stop token (``stop_ids``) or one no grammar allows (``never``: the tokenizer's reserved ids) is
+    allowed and nothing reaches the matcher; after ``thought.max_tokens`` thought tokens only the close is. Tokens
+    after the close go to the matcher."""
 
-    def __init__(self, matcher, thought: Thought, stop_ids: tuple[int, ...], words: int):
+    def __init__(self, matcher, thought: Thought, stop_ids: tuple[int, ...], never: frozenset[int], words: int):
         self.matcher, self.close, self.budget = matcher, thought.close_id, thought.max_tokens
-        self.stop = frozenset(stop_ids)
+        self.stop = frozenset(stop_ids) | never
         self.thinking, self.count = True, 0
         self.history: list[tuple[bool, int]] = []  # (thinking, count) before each accepted token
         self.free_row = _row(words, banned=set(self.stop))
