@@ -73,10 +73,10 @@ class Server:
 
 class Gateway:
     """``smg launch`` on loopback over gRPC ``workers`` with ``policy``, or (``pd``) over a prefill and a decode
-    worker in its PD mode; ``model_dir`` holds the tokenizer."""
+    worker in its PD mode; ``model_dir`` holds the tokenizer; ``options``: more smg flags (parsers)."""
 
     def __init__(self, out: Path, name: str, workers: list[Server], policy: str, model_dir: Path,
-                 pd: bool = False):
+                 pd: bool = False, options: tuple[str, ...] = ()):
         self.port, metrics = free_ports(2)
         urls = [f"grpc://127.0.0.1:{s.port}" for s in workers]
         route = (["--pd-disaggregation", "--prefill", urls[0], "--decode", urls[1]] if pd
@@ -85,7 +85,7 @@ class Gateway:
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "smg"), "launch", *route, "--model-path", str(model_dir),
              "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-             str(metrics), "--block-size", "16", "--log-level", "warn"],
+             str(metrics), "--block-size", "16", "--log-level", "warn", *options],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         self.url, self.metrics_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{metrics}/metrics"
         deadline = time.monotonic() + 120

@@ -4,11 +4,12 @@ tokens, a Kimi-style chat template) and its DFlash drafter, on synthetic agent c
 The stages are ``scripts/train_tiny.py``'s (target on packed sequences, self-distilled drafter); what differs is the
 data and the tokenizer:
 
-1. data: seeded conversations (``bench/agent_tools.py``): tool definitions, a user ask naming a tool's purpose and
-   its argument values, the assistant's call section (one call, or two), the tool's result, a short answer; or small
-   talk answered without a call; three in four with a thought (``<think>…</think>``), the others without
-   (``<think></think>``, what the template renders with ``chat_template_kwargs: {"thinking": false}``). Rendered by the checkpoint's own chat
-   template (jinja2, ``tojson`` = ``json.dumps``: what smg 1.13 renders, checked with a recording worker).
+1. data: seeded conversations (``bench/agent_tools.py``): tool definitions, a user ask naming a tool's purpose (or
+   its name) and its argument values, the assistant's call section (one call, or two), the tool's result, a short
+   answer; or small talk answered without a call; three in four with a thought (``<think>…</think>``), the others
+   without (``<think></think>``, what the template renders with ``chat_template_kwargs: {"thinking": false}``).
+   Rendered by the checkpoint's own chat template (jinja2, ``tojson`` = ``json.dumps``: what smg 1.13 renders,
+   checked with a recording worker).
 2. tokenizer: ``tiktoken.model`` of the 256 bytes plus BPE merges learnt on the rendered text (special-token text
    removed), then Kimi's named special ids past the ranks plus ``<think>``/``</think>``; the drafter's mask is an
    unnamed reserved id (never generated, never allowed by a grammar).

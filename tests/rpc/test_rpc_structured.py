@@ -7,9 +7,9 @@
   GetServerInfo says the grammar starts at the first token.
 - smg (``--tool-call-parser kimik2``) in front of a Kimi-style tiktoken checkpoint (random weights, Kimi's special
   tokens): ``response_format`` json_schema gives content valid under the schema, and ``tool_choice="required"`` with
-  two tools makes smg send a ``structural_tag`` whose parsed ``tool_calls`` validate against their tools' schemas.
-  After a call the tag allows any token, so such a request runs to EOS or ``max_tokens`` (here: ``length``). ``n > 1``
-  through smg: choice i equals a standalone request seeded s + i."""
+  two tools makes smg send a ``structural_tag`` that the worker compiles as one call section (one or more calls) and
+  a stop: parsed ``tool_calls`` that validate against their tools' schemas, even from random weights (which may call
+  on until ``max_tokens``). ``n > 1`` through smg: choice i equals a standalone request seeded s + i."""
 
 from __future__ import annotations
 
@@ -202,28 +202,20 @@ def test_openai_response_format_json_schema_through_smg(kimi_gateway):
 
 
 def test_kimi_tool_choice_required_through_smg_gives_valid_tool_calls(kimi_gateway):
-    """Every answer starts with a call (the tag's ``at_least_one``), and the calls smg parses validate against their
-    tools' schemas. Which prompt the random model answers how follows the checkpoint's learnt vocabulary
-    (``model/tiny_tiktoken.py``): several prompts, at least one parsed. (For some, the random model writes a valid call,
-    then ``$<|im_system|>`` and EOS, and smg 1.13's kimik2 parser returns that as content with no tool_calls: a
-    gateway parse of a worker output that obeys the tag.)"""
+    """Random weights under the forced tag: every answer is a call section, which smg 1.13's kimik2 parser returns as
+    ``tool_calls`` that validate against their tools' schemas (before the worker compiled the tag as a section, some
+    answers were a bare call followed by free text and came back as content). The section may hold more calls than
+    one: random weights rarely pick its end, so ``length`` is allowed here (the trained agent model ends its turn:
+    ``tests/e2e/test_kimi_tool_calls.py``)."""
     kimi_gateway, _ = kimi_gateway
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    parsed = 0
     for text in ("hi", "weather?", "Set an alarm", "call a tool"):
         r = kimi_gateway.chat.completions.create(model="kimi", messages=[{"role": "user", "content": text}],
                                                  tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0)
         choice = r.choices[0]
-        calls = choice.message.tool_calls or []
-        assert calls or re.match(r"(<\|tool_calls_section_begin\|>)?<\|tool_call_begin\|>functions\.",
-                                 choice.message.content or ""), choice
-        for call in calls:
+        assert choice.message.tool_calls and choice.finish_reason in ("tool_calls", "length"), choice
+        for call in choice.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        parsed += bool(calls)
-        # after a call the tag allows any token: the request runs to EOS or max_tokens (smg names an EOS after a
-        # parsed call "tool_calls")
-        assert choice.finish_reason in (("tool_calls", "stop", "length") if calls else ("stop", "length")), choice
-    assert parsed >= 1
 
 
 def test_n_samples_through_smg_equal_standalone_seeded_requests(kimi_gateway):

@@ -1,0 +1,135 @@
+"""Tool calls through smg on the bundled agent model (``bench/tool_calls.py``), one run::
+
+    python scripts/bench_tool_calls.py --out docs/tool_calls/bench.json
+
+Two single-rank workers on ``model=tiny_kimi_agent`` with ``server.reasoning_parser=kimi`` (plain decoding and
+DDTree), each behind two smg 1.13 gateways with ``--tool-call-parser kimik2``: one without a reasoning parser for
+thinking off (``chat_template_kwargs: {"thinking": false}``), one with ``--reasoning-parser kimi_thinking`` for thinking
+on. Cells: ``tool_choice`` required / named / auto × ``parallel_tool_calls`` on / off × concurrency 1 and 16 ×
+thinking on / off × DDTree on / off; every request sent once without streaming and once streaming (``--requests``
+per cell, held-out tools, the same requests in every cell of a ``tool_choice``). Per cell: the share of responses with
+valid ``tool_calls`` (a response cut at ``max_tokens`` fails), streamed = non-streamed calls, finish reasons, tokens
+per call, and with DDTree the tokens committed per speculative step (the worker's own count over the cell). Writes
+the JSON and a plot beside it (``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.run import Gateway, Server  # noqa: E402
+from bench.tool_calls import CHOICES, requests, run_cell, summarize  # noqa: E402
+
+log = logging.getLogger("bench_tool_calls")
+TARGET = ROOT / "model" / "zoo" / "tiny_kimi_agent" / "target"
+WORKER = ["parallel=single", "model=tiny_kimi_agent", "server.served_model_name=kimi", "engine.max_model_len=4096",
+          "server.reasoning_parser=kimi"]
+GATEWAYS = {False: ("--tool-call-parser", "kimik2"),
+            True: ("--tool-call-parser", "kimik2", "--reasoning-parser", "kimi_thinking")}
+
+
+def spec_counts(server: Server) -> tuple[int, int]:
+    """(speculative request steps, tokens they committed) so far on ``server``."""
+    s = server.client.engine_info()["spec_decode"]
+    return s["request_steps"], s["committed_tokens"]
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = doc["cells"]
+    fig, ax = plt.subplots(figsize=(10, 0.22 * len(cells) + 1.5))
+    labels = [c["cell"] for c in cells]
+    ax.barh(range(len(cells)), [100 * c["valid_tool_calls"] for c in cells], color=[
+        {"required": "tab:blue", "named": "tab:green", "auto": "tab:orange"}[c["tool_choice"]] for c in cells])
+    ax.set_yticks(range(len(cells)), labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("responses with valid tool_calls (%)")
+    ax.set_xlim(0, 100)
+    ax.set_title("tiny_kimi_agent through smg kimik2: held-out tools (blue required, green named, orange auto)",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    from openai import OpenAI
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--requests", type=int, default=16, help="requests per cell (each sent twice: plain, streamed)")
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the OpenAI SDK's line per request
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_tool_calls_"))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    reqs = {c: requests(args.requests, c, args.seed + i) for i, c in enumerate(CHOICES)}
+    cells, started = [], time.time()
+    for ddtree in (False, True):
+        server = Server([*WORKER, f"model.path={TARGET}", *(["spec_decode=ddtree"] if ddtree else [])],
+                        tmp / f"worker_ddtree_{ddtree}.log", timeout_s=300)
+        try:
+            for thinking in (False, True):
+                gw = Gateway(tmp, f"smg_{ddtree}_{thinking}", [server], "round_robin", TARGET,
+                             options=GATEWAYS[thinking])
+                oa = OpenAI(base_url=f"{gw.url}/v1", api_key="none", max_retries=0, timeout=600)
+                try:
+                    for choice, parallel, conc in itertools.product(CHOICES, (True, False), concurrencies):
+                        before = spec_counts(server) if ddtree else None
+                        t0 = time.time()
+                        answers = run_cell(oa, reqs[choice], thinking, parallel, args.max_tokens, conc)
+                        cell = {"cell": f"{choice} parallel={'on' if parallel else 'off'} c={conc} thinking="
+                                        f"{'on' if thinking else 'off'} ddtree={'on' if ddtree else 'off'}",
+                                "tool_choice": choice, "parallel_tool_calls": parallel, "concurrency": conc,
+                                "thinking": thinking, "ddtree": ddtree, "seconds": round(time.time() - t0, 2),
+                                **summarize(reqs[choice], answers)}
+                        if ddtree:
+                            steps, committed = (a - b for a, b in zip(spec_counts(server), before, strict=True))
+                            cell["committed_per_spec_step"] = round(committed / steps, 3) if steps else None
+                        cells.append(cell)
+                        log.info("%s: %.0f%% valid, stream equal %.0f%%, %s", cell["cell"],
+                                 100 * cell["valid_tool_calls"], 100 * cell["stream_equal"], cell["finish_reasons"])
+                finally:
+                    gw.stop()
+        finally:
+            server.stop()
+    forced = [c for c in cells if c["tool_choice"] != "auto"]
+    doc = {"command": "python scripts/bench_tool_calls.py " + " ".join(sys.argv[1:]),
+           "machine": platform.processor() or platform.machine(), "seconds": round(time.time() - started, 1),
+           "setup": "tiny_kimi_agent, one rank per worker (plain / DDTree), server.reasoning_parser=kimi; smg 1.13 "
+                    "kimik2 (thinking off) and kimik2 + kimi_thinking (thinking on); held-out tools, 2-8 per request",
+           "requests_per_cell": args.requests, "max_tokens": args.max_tokens,
+           "forced_valid_min": min(c["valid_tool_calls"] for c in forced),
+           "forced_truncated": sum(c["truncated"] for c in forced),
+           "stream_equal_min": min(c["stream_equal"] for c in cells),
+           "auto_valid_mean": round(sum(c["valid_tool_calls"] for c in cells if c["tool_choice"] == "auto")
+                                    / sum(c["tool_choice"] == "auto" for c in cells), 4),
+           "cells": cells}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc, out.with_suffix(".png"))
+    log.info("forced: min %.0f%% valid, %d truncated; stream equal min %.0f%%; auto mean %.0f%% valid (%s)",
+             100 * doc["forced_valid_min"], doc["forced_truncated"], 100 * doc["stream_equal_min"],
+             100 * doc["auto_valid_mean"], out)
+
+
+if __name__ == "__main__":
+    main()
