@@ -122,6 +122,20 @@ def call_id(name: str, index: int) -> str:
     return f"functions.{name}:{index}"
 
 
+def render(messages: list[dict], tools: list[dict], add_generation_prompt: bool = False,
+           thinking: bool = True) -> str:
+    """The agent checkpoint's chat template (``model.tiny_tiktoken.AGENT_TEMPLATE``) as smg renders it: ``tojson`` =
+    ``json.dumps`` with its default separators (``tests/e2e/test_kimi_tool_calls.py`` compares with what smg sends)."""
+    import jinja2
+
+    from model.tiny_tiktoken import AGENT_TEMPLATE
+
+    env = jinja2.Environment()
+    env.filters["tojson"] = json.dumps
+    return env.from_string(AGENT_TEMPLATE).render(messages=messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt, thinking=thinking)
+
+
 def conversation(rng: random.Random, names: tuple[str, ...], thinking: bool) -> tuple[list[dict], list[dict]]:
     """``(tools, messages)`` of one synthetic agent turn in OpenAI format, ending with the assistant's last message:
     most often a call of one tool (two in one message sometimes), the tool's result, a short answer; sometimes small

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_tiny as tt  # noqa: E402
 
-from bench.agent_tools import HELDOUT_NAMES, TRAIN_NAMES, conversation  # noqa: E402
+from bench.agent_tools import HELDOUT_NAMES, TRAIN_NAMES, conversation, render  # noqa: E402
 from model.tiny_tiktoken import AGENT_TEMPLATE, SPECIALS, THINK_SPECIALS, learn_merges, write_tiktoken_tokenizer  # noqa: E402,I001
 from model.tokenizer import load_tokenizer  # noqa: E402
 from spec_decode.dflash import DFlashDrafter  # noqa: E402
@@ -56,17 +56,6 @@ SPECIAL_TEXT = re.compile("|".join(re.escape(s) for s in AGENT_SPECIALS.values()
 SECTION = re.compile(r"<\|tool_calls_section_begin\|>(.*?)<\|tool_calls_section_end\|>", re.S)
 CALL = re.compile(r"<\|tool_call_begin\|>functions\.([\w-]+):(\d+)<\|tool_call_argument_begin\|>(.*?)"
                   r"<\|tool_call_end\|>", re.S)
-
-
-def render(messages: list[dict], tools: list[dict], add_generation_prompt: bool = False,
-           thinking: bool = True) -> str:
-    """The checkpoint's chat template as smg renders it (``tojson`` = ``json.dumps`` with its default separators)."""
-    import jinja2
-
-    env = jinja2.Environment()
-    env.filters["tojson"] = json.dumps
-    return env.from_string(AGENT_TEMPLATE).render(messages=messages, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt, thinking=thinking)
 
 
 def corpus(n: int, seed: int, names: tuple[str, ...]) -> list[tuple[list[dict], list[dict], bool]]:

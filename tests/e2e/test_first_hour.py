@@ -205,6 +205,9 @@ CASES = {  # name: (script, args given tmp, what the one line must say)
     "max_model_len above the model's context": (
         "serve.py", lambda t: ["engine.max_model_len=2048"],
         [r"engine\.max_model_len=2048 is above the model's context length 1024"]),
+    "a reasoning parser the checkpoint has no markers for": (
+        "serve.py", lambda t: ["server.reasoning_parser=kimi"],
+        [r"server\.reasoning_parser=kimi: the checkpoint's tokenizer has no single token for '<think>'"]),
     "unwritable output": ("generate.py", lambda t: [f"generate.input={ROOT}/model/zoo/tiny_kimi/sample_prompts.json",
                                                     f"generate.output={t}/no/such/dir/out.json", *TWO_RANKS],
                           [r"generate\.output=.*/no/such/dir/out\.json: directory .* does not exist"]),

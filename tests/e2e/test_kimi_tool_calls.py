@@ -7,19 +7,24 @@ a named tool, streaming and not: parsed ``tool_calls`` whose arguments validate 
 ``finish_reason: "tool_calls"``, fewer tokens than ``max_tokens``; the streamed deltas reassemble to the same calls;
 with thinking on the worker's answer holds the thought's close before the call (the grammar waited for it) and smg
 returns the call as ``tool_calls``, not as reasoning. Each request smg sent, replayed to a plain-decoding worker,
-gives the same tokens (DDTree is lossless under the forced grammar and under the held-back one).
+gives the same tokens (DDTree is lossless under the forced grammar and under the held-back one). smg renders an agent
+history (tools, a call, its result) into the very tokens the model was trained on, and the worker reports its
+reasoning parser and ``constrained_decoding_start: "after_reasoning"``.
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 import grpc
 import jsonschema
 import pytest
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
+from bench.agent_tools import TRAIN_NAMES, conversation, render
 from model.tokenizer import load_tokenizer
+from rpc.client import Client
 from tests.support.paths import REPO_ROOT
 from tests.support.recording_worker import RecordingWorker
 from tests.support.rpc_helpers import ServerProcess, smg_gateway
@@ -129,6 +134,20 @@ def test_ddtree_gives_plain_decodings_tokens_under_forced_and_held_back_grammars
             assert (close in outs[0]) is opens_a_thought  # the grammar waited for the thought's close
             held_back += opens_a_thought
     assert len(sent) >= 4 and (held_back or not thinking)
+
+
+def test_smg_renders_the_training_format_and_the_worker_reports_after_reasoning(gateway):
+    oa, thinking, rec, (ddtree, _) = gateway
+    tools, messages = conversation(random.Random(5), TRAIN_NAMES, thinking)
+    history = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages[:-1]]  # as clients send
+    assert any(m.get("tool_calls") for m in history) and history[-1]["role"] == "tool"
+    oa.chat.completions.create(model="kimi", messages=history, tools=tools, max_tokens=4, temperature=0,
+                               extra_body={"chat_template_kwargs": {"thinking": thinking}})
+    tok = load_tokenizer(TARGET)
+    assert list(rec.last().tokenized.input_ids) == tok.encode(render(history, tools, True, thinking))
+    with Client(ddtree.target) as client:
+        info = client.server_info()
+    assert (info["engine_reasoning_parser"], info["constrained_decoding_start"]) == ("kimi", "after_reasoning")
 
 
 def _output(stub, req) -> list[int]:

@@ -1,0 +1,42 @@
+"""The tool-call benchmark's parts: drawn arguments are valid under their drawn schemas, held-out tool names are
+disjoint from training's, and a response is scored a success only with parsed calls of the request's tools (the named
+one when named), valid arguments and no cut at ``max_tokens``."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+
+from bench.agent_tools import HELDOUT_NAMES, TRAIN_NAMES, make_tools, sample_value
+from bench.tool_calls import Answer, requests, succeeded, summarize
+
+
+def test_drawn_arguments_validate_and_held_out_names_were_never_trained_on():
+    rng = random.Random(0)
+    for _ in range(200):
+        for tool in make_tools(rng, TRAIN_NAMES, 2, 8):
+            jsonschema.validate(sample_value(tool.parameters, rng), tool.parameters)
+    assert not set(HELDOUT_NAMES) & set(TRAIN_NAMES) and len(HELDOUT_NAMES) >= 8
+    reqs = requests(6, "named", seed=3)
+    assert reqs == requests(6, "named", seed=3)  # the same requests in every cell
+    assert all(2 <= len(r.tools) <= 8 and r.wanted in {t["function"]["name"] for t in r.tools} for r in reqs)
+    assert all(t["function"]["name"] in HELDOUT_NAMES for r in reqs for t in r.tools)
+
+
+def test_success_needs_parsed_valid_calls_of_the_requests_tools_and_no_truncation():
+    req = requests(1, "named", seed=1)[0]
+    other = next(t["function"]["name"] for t in req.tools if t["function"]["name"] != req.wanted)
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in req.tools}[req.wanted]
+    args = json.dumps(sample_value(schema, random.Random(2)))
+    good = Answer([(req.wanted, args)], "tool_calls", 30, None)
+    assert succeeded(req, good)
+    assert not succeeded(req, Answer([], "stop", 30, None))
+    assert not succeeded(req, Answer([(req.wanted, args)], "length", 400, None))
+    assert not succeeded(req, Answer([(other, "{}")], "tool_calls", 30, None))  # not the named tool
+    assert not succeeded(req, Answer([("no_such_tool", args)], "tool_calls", 30, None))
+    assert not succeeded(req, Answer([(req.wanted, args[:-1])], "tool_calls", 30, None))  # arguments not JSON
+    cell = summarize([req, req], [(good, good), (good, Answer([], "length", 400, None))])
+    assert (cell["responses"], cell["valid_tool_calls"], cell["truncated"], cell["stream_equal"]) == (4, 0.75, 1, 0.5)
+    assert cell["finish_reasons"] == {"tool_calls": 3, "length": 1} and cell["tokens_per_call"] == round(490 / 3, 2)
