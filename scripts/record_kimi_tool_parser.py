@@ -48,6 +48,7 @@ W, A = call("get_weather", 0, {"city": "oslo"}), call("set_alarm", 1, {"hour": 7
 CASES = {  # name → (text, finish reason); "stop" cases end with <|im_end|>
     "section_one_call": (S + W + E, "stop"),
     "section_two_calls": (S + W + A + E, "stop"),
+    "section_same_call_twice": (S + W + W + E, "stop"),
     "section_second_call_same_tool_next_index": (S + W + call("get_weather", 1, {"city": "paris"}) + E, "stop"),
     "section_call_index_not_the_tool_position": (S + call("set_alarm", 0, {"hour": 7}) + E, "stop"),
     "section_one_call_cut_by_length": (S + W + E, "length"),

@@ -99,6 +99,34 @@ def test_a_forced_kimi_tag_is_one_section_of_calls_then_a_stop(agent):
     assert all("<|tool_calls_section_end|>".startswith(tok.decode([t])) for t in nxt), [tok.decode([t]) for t in nxt]
 
 
+def test_every_answer_the_forced_grammar_allows_is_one_smg_returns_as_tool_calls(agent):
+    """The recorded answers (``scripts/record_kimi_tool_parser.py``): each one the forced grammar of the recorded tag
+    accepts to the end, a stop included, is one smg 1.13's kimik2 parser returned as ``tool_calls`` with
+    ``finish_reason: "tool_calls"``, streaming and not — thinking off, and thinking on behind the thought gate with
+    ``kimi_thinking``. Some answers smg would parse are refused (text before the section, no section end): the
+    grammar is narrower than the parser, never wider."""
+    backend, tok = agent
+    fixture = json.loads(FIXTURE.read_text())
+    c = Constraint("structural_tag", fixture["forced"]["kimik2/worker_first_token"]["required_thinking_off"][
+        "structural_tag"])
+    close = tok.encode("</think>")[0]
+    allowed = 0
+    for name, case in fixture["cases"].items():
+        if case["worker_finish"] != "stop":
+            continue
+        for gate, lead, recorded in ((False, "", "kimik2/thinking_off"),
+                                     (True, "I call the weather tool.</think>", "kimik2+kimi_thinking/thinking_on")):
+            m = gated(backend, c, close, 128) if gate else backend.matcher(c)
+            tokens = tok.encode(lead + case["text"]) + [backend.eos_ids[-1]]
+            if not all(m.accept_token(t) for t in tokens):
+                continue
+            allowed += 1
+            for mode in ("non_stream", "stream"):
+                parsed = case[recorded][mode]
+                assert parsed["tool_calls"] and parsed["finish_reason"] == "tool_calls", (name, recorded, mode)
+    assert allowed >= 6  # one call, two calls, the same call twice; each with and without a thought
+
+
 def test_other_structural_tags_are_compiled_as_sent(agent):
     """A tag that is not a forced Kimi call list keeps xgrammar's meaning: after a triggered tag, free text."""
     backend, tok = agent
