@@ -11,7 +11,6 @@ from engine.kv_transfers import PeerLease
 from engine.messages import EngineFacts, EngineSnapshot, FlushResult, HandOffs, KVTier
 from engine.params import Constraint, SamplingError, SamplingParams
 from engine.profiling import ProfileError, ProfilePlan, trace_path
-from engine.reasoning import MARKERS as REASONING_MARKERS
 from engine.reasoning import ReasoningParser
 from engine.snapshot import engine_facts
 from engine.step import RequestOutput
@@ -19,7 +18,7 @@ from engine.worker.kv_peer import PeerKV, PeerShard
 from engine.worker.telemetry import THROTTLE_REASONS
 
 __all__ = [
-    "HOST_PHASES", "IDLE_REASONS", "LAUNCH_PARTS", "NO_PARENT", "REASONING_MARKERS", "THROTTLE_REASONS",
+    "HOST_PHASES", "IDLE_REASONS", "LAUNCH_PARTS", "NO_PARENT", "THROTTLE_REASONS",
     "AsyncEngine", "Constraint", "Engine", "EngineDead", "EngineFacts", "EngineFailure", "EngineSnapshot",
     "FlushResult", "HandOffs", "KvEvent", "KVTier", "Loads", "Overloaded", "PeerKV", "PeerLease", "PeerShard",
     "ProfileError", "ProfilePlan", "RankLoad", "ReasoningParser",

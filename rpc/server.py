@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
-from engine.api import REASONING_MARKERS, AsyncEngine, Engine, ReasoningParser, engine_facts
+from engine.api import AsyncEngine, Engine, ReasoningParser, engine_facts
 from model.tokenizer import load_tokenizer
 from rpc import expert_admin, info
 from rpc.expert_admin import ExpertAdmin
@@ -82,11 +82,6 @@ class ServerConfig:
         for name in ("max_num_seqs", "drain_timeout_s", "step_timeout_s", "heartbeat_s", "telemetry_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_MARKERS:
-            raise ValueError(f"server.reasoning_parser={self.reasoning_parser!r} is not known; known: "
-                             f"{sorted(REASONING_MARKERS)} (or null)")
-        if self.max_thinking_tokens < 1:
-            raise ValueError(f"server.max_thinking_tokens must be >= 1, got {self.max_thinking_tokens}")
         for name in ("max_queue", "fatal_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
