@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     dres = tt.train_drafter(drafter, target, tt.mixed_sampler(pool, stream, 2, 2, torch.Generator().manual_seed(
         args.seed + 3)), dsched, 64, 7.0, args.seed + 4)
     drafter.save(out / "drafter")
-    greedy = [(p["ids"].tolist(), int(lo)) for p, lo in
-              zip([{"ids": r} for r in pool["ids"][:16]], pool["prefix_len"][:16], strict=True)]
+    greedy = [(row.tolist(), int(lo)) for row, lo in zip(pool["ids"][:16], pool["prefix_len"][:16], strict=True)]
     agree = tt.drafter_agreement(drafter.eval(), target, greedy, stride=4)
     times["total_s"] = round(time.time() - t_start, 1)
     doc = {"command": command, "torch": torch.__version__, "threads": args.threads, "args": vars(args),

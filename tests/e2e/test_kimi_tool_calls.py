@@ -23,6 +23,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2_grpc as pbg
 
 from bench.agent_tools import TRAIN_NAMES, conversation, render
+from bench.tool_calls import ToolRequest, chat
 from model.tokenizer import load_tokenizer
 from rpc.client import Client
 from tests.support.paths import REPO_ROOT
@@ -41,7 +42,6 @@ ALARM = {"type": "object", "properties": {"hour": {"type": "integer", "minimum":
 TOOLS = [{"type": "function", "function": {"name": name, "description": text, "parameters": schema}}
          for name, text, schema in (("get_weather", "Get a weather", WEATHER), ("set_alarm", "Set a alarm", ALARM))]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "set_alarm"}}}
 GATEWAYS = {"kimik2": ([], False), "kimik2+kimi_thinking": (["--reasoning-parser", "kimi_thinking"], True)}
 MAX_TOKENS = 400
 
@@ -73,39 +73,17 @@ def gateway(request, workers):
         yield OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0), thinking, rec, pair
 
 
-def ask(oa, choice, thinking: bool, stream: bool):
-    """``(calls [(name, arguments)], finish_reason, completion tokens, reasoning text)``; streamed deltas
-    reassembled by call index."""
-    kw = dict(model="kimi", messages=[{"role": "user", "content": "Get a weather with city oslo"}], tools=TOOLS,
-              tool_choice=choice, max_tokens=MAX_TOKENS, temperature=0,
-              extra_body={"chat_template_kwargs": {"thinking": thinking}})
-    if not stream:
-        r = oa.chat.completions.create(**kw)
-        c = r.choices[0]
-        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
-        return calls, c.finish_reason, r.usage.completion_tokens, (c.message.model_extra or {}).get(
-            "reasoning_content")
-    calls, finish, used, reasoning = {}, None, None, ""
-    for chunk in oa.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
-        used = chunk.usage.completion_tokens if chunk.usage else used
-        for c in chunk.choices:
-            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
-            for t in c.delta.tool_calls or []:
-                name, args = calls.get(t.index, ("", ""))
-                calls[t.index] = (name + (t.function.name or ""), args + (t.function.arguments or ""))
-            finish = c.finish_reason or finish
-    return [calls[i] for i in sorted(calls)], finish, used, reasoning or None
-
-
-@pytest.mark.parametrize("choice", list(CHOICES))
+@pytest.mark.parametrize("choice", ("required", "named"))
 def test_forced_calls_come_back_as_tool_calls_streaming_or_not(gateway, choice):
     oa, thinking, rec, _ = gateway
     close = load_tokenizer(TARGET).encode("</think>")[0]
     answers = {}
+    req = ToolRequest(TOOLS, "Get a weather with city oslo", "set_alarm", choice)
     for stream in (False, True):
-        calls, finish, used, reasoning = ask(oa, CHOICES[choice], thinking, stream)
-        assert calls and finish == "tool_calls", (stream, calls, finish, reasoning)
-        assert used < MAX_TOKENS
+        a = chat(oa, req, thinking, True, MAX_TOKENS, stream)
+        calls = a.calls
+        assert calls and a.finish_reason == "tool_calls", (stream, a)
+        assert a.completion_tokens < MAX_TOKENS
         for name, args in calls:
             jsonschema.validate(json.loads(args), SCHEMAS[name])
         if choice == "named":
