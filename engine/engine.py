@@ -51,7 +51,7 @@ from engine.worker.control import (
     WarmUpShape,
 )
 from engine.worker.cuda_graphs import StepShape
-from engine.worker.kv_budget import cache_namespace
+from engine.worker.kv_budget import cache_namespace, kv_shape
 from engine.worker.kv_loads import HostKV, KVSource
 from engine.worker.loop import control_plane, make_runner
 from engine.worker.runner import Launched
@@ -97,7 +97,7 @@ class Engine:
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
         self.rank = RankState(self.runner, telemetry, RankProfiler(model.groups.rank, model.device))  # rank 0's share
-        self.transfers = KVTransfers(self.control, self.rank, self.scheduler)
+        self.transfers = KVTransfers(self.control, self.rank, self.scheduler, kv_shape(model, speculation))
         self.profiling = ProfileDriver(lambda control: self.control.send(Profile(control), self.rank))
         self.balancer = ExpertBalancer(self.control, self.rank, cfg.balancer) if cfg.balancer.eplb_enabled else None
         self.draining = False  # set by the server on SIGTERM: counts as an idle reason (docs/metrics.md)
@@ -139,11 +139,12 @@ class Engine:
         """``dp_rank``: the attention-DP rank to run on (None: the scheduler places it); ``retain_kv``: keep its blocks
         past plain LRU when it ends (``engine.kv_retention_s``); ``arrival``: when it arrived (``time.monotonic``;
         None: now), where its time to first token and queue time start; ``kv``: where the KV of its leading prompt
-        tokens is (``kv.num_tokens`` of them, made by an engine on the same weights and layout): it is loaded into
-        the blocks admission reserves, off the step thread, and the request waits for it without holding up the
-        others; ``lease``: when it finishes, keep its prompt's KV for a decode worker to read (its last output's
-        ``kv_transfer_params`` says where); ``kv_missing``: a decode worker got it without a hand-off, so the prompt
-        tokens it computes count as recomputed."""
+        tokens is (``kv.num_tokens`` of them, made by an engine on the same weights and attention-TP split): it is
+        loaded into the blocks admission reserves, off the step thread, and the request waits for it without holding
+        up the others (a hand-off from an engine of another numerics mode or attention-DP size is indexed apart from
+        this engine's own KV: ``KVTransfers.origin``); ``lease``: when it finishes, keep its prompt's KV for a
+        decode worker to read (its last output's ``kv_transfer_params`` says where); ``kv_missing``: a decode worker
+        got it without a hand-off, so the prompt tokens it computes count as recomputed."""
         if kv is not None:
             self.transfers.check(kv)
         if params.constraint is not None:
@@ -157,7 +158,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.scheduler.add(request_id, prompt, params, seed, dp_rank=dp_rank, retain_kv=retain_kv,
                            kv_tokens=kv.num_tokens if kv is not None else 0,
-                           lease_s=lease.seconds if lease is not None else 0.0)
+                           lease_s=lease.seconds if lease is not None else 0.0,
+                           kv_origin=self.transfers.origin(kv) if kv is not None else "")
         if kv is not None:
             self.transfers.sources[request_id] = kv
         if lease is not None:

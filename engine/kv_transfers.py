@@ -40,7 +40,8 @@ class PeerLease:
 
 
 class KVTransfers:
-    def __init__(self, control: ControlPlane, rank: RankState, scheduler: Scheduler):
+    def __init__(self, control: ControlPlane, rank: RankState, scheduler: Scheduler, shape: bytes):
+        """``shape``: what this engine's KV bytes hold (``engine.worker.kv_budget.kv_shape``)."""
         self.control, self.rank, self.scheduler = control, rank, scheduler
         self.sources: dict[str, KVSource] = {}  # requests whose KV arrives from elsewhere, until their load starts
         self.loading: set[int] = set()  # loads started whose rank-0 share is not done
@@ -54,8 +55,10 @@ class KVTransfers:
         self.recomputed = 0  # prompt tokens computed beyond the last of requests handed off to this worker
         self.hand_off_failures: Counter[str] = Counter()
         cache = rank.runner.cache
-        space = scheduler.kv.cfg.namespace + f"|{cache.block_bytes()} bytes|{cache.kv_block_size} tokens".encode()
-        self.fingerprint = hashlib.blake2b(space, digest_size=8).hexdigest()
+        space = shape + f"|{cache.block_bytes()} bytes|{cache.kv_block_size} tokens".encode()
+        self.fingerprint = hashlib.blake2b(space, digest_size=8).hexdigest()  # KV made here copies where it is equal
+        self.namespace = hashlib.blake2b(scheduler.kv.cfg.namespace, digest_size=8).hexdigest()  # and is cached
+        # by a receiver with the prefix cache where this is equal too (same numerics and attention-DP size)
 
     def check(self, kv: KVSource) -> None:
         """Refuses a source whose rank-0 blocks do not fit this cache (another model, dtype or layout)."""
@@ -131,6 +134,11 @@ class KVTransfers:
             self.received[0] += blocks
             self.received[1] += blocks * runner.cache.block_bytes() * runner.model.groups.attn_tp.size
 
+    def origin(self, kv: KVSource) -> str:
+        """Where ``kv`` was made when its blocks must be indexed apart from this engine's own: a hand-off from an
+        engine of another cache namespace (its digest); ``""`` otherwise."""
+        return kv.namespace if isinstance(kv, PeerKV) and kv.namespace != self.namespace else ""
+
     def take_refused(self) -> list[tuple[str, str]]:
         """Requests whose hand-off failed with recompute off, and why: the engine ends them (their KV freed)."""
         refused, self.refused = self.refused, []
@@ -154,7 +162,8 @@ class KVTransfers:
         replies = self.control.send(LeaseKV(lease.dp_rank, lease.blocks, policy.host, policy.protocol), self.rank)
         return replace(out, kv_transfer_params={
             "switchyard_hand_off": 1, "lease": lease.key, "num_tokens": lease.num_tokens,
-            "fingerprint": self.fingerprint, "layout": self.rank.runner.model.groups.layout.describe(),
+            "fingerprint": self.fingerprint, "namespace": self.namespace,
+            "layout": self.rank.runner.model.groups.layout.describe(),
             "protocol": policy.protocol, "lease_s": policy.seconds,
             "shards": [{"session": s.session, "tensors": [list(t) for t in s.tensors], "blocks": list(s.blocks),
                         "digests": list(s.digests)} for s in replies if s is not None]})

@@ -147,7 +147,7 @@ class EngineFacts:
     draft_positions: int  # speculation: drafted positions per request step (0: off)
     drafted_per_step: int  # speculation: draft tokens verified per request step (0: off)
     grammar: bool  # structured output is available (the checkpoint has a tokenizer)
-    kv_fingerprint: str = ""  # KV made here loads only where this is equal (cache namespace, block bytes and size)
+    kv_fingerprint: str = ""  # KV made here loads only where this is equal (kv_shape, block bytes and size)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,13 +85,13 @@ class HandOffRole:
         if blob.get("fingerprint") != self.fingerprint:
             raise HandOffError(f"kv_transfer_params_json: KV made under layout {blob.get('layout')!r} (fingerprint "
                                f"{blob.get('fingerprint')}) does not fit this worker's layout {self.layout!r} "
-                               f"(fingerprint {self.fingerprint}): pair workers of the same model, dtype, block size "
-                               "and attention layout")
+                               f"(fingerprint {self.fingerprint}): pair workers of the same model, drafter, KV dtype, "
+                               "block size and attention-TP size")
         try:
             shards = tuple(PeerShard(s["session"], tuple(tuple(t) for t in s["tensors"]), tuple(s["blocks"]),
                                      tuple(s["digests"])) for s in blob["shards"])
             return PeerKV(int(blob["num_tokens"]), shards, self.address.rsplit(":", 1)[0], str(blob["protocol"]),
-                          self.recompute_on_failure)
+                          self.recompute_on_failure, str(blob.get("namespace", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise HandOffError(f"kv_transfer_params_json: a malformed hand-off ({e!r})") from None
 

@@ -242,6 +242,7 @@ class KVRequest(Protocol):
     dp_rank: int | None
     retain_kv: bool
     hashes: list[int] | None
+    kv_origin: str  # "" or where its prompt's KV was made, when not here (its blocks are indexed apart)
 
     @property
     def tokens(self) -> list[int]: ...
@@ -256,22 +257,28 @@ class PrefixIndex:
     def __init__(self, block_size: int, namespace: bytes):
         self.block_size, self.namespace = block_size, namespace
 
-    def hashes(self, tokens: list[int]) -> list[int]:
+    def space(self, origin: str) -> bytes:
+        """The namespace of blocks whose prompt KV was made under ``origin`` (another engine's cache namespace, a
+        prefill worker of another layout): apart from this engine's own (``""``), so they never serve its requests."""
+        return self.namespace + f"|prompt KV made under {origin}".encode() if origin else self.namespace
+
+    def hashes(self, tokens: list[int], origin: str = "") -> list[int]:
         """Chained hashes of the full blocks of ``tokens`` that a hit may cover: never the block holding the last
         token, whose logits must be computed."""
-        bs, out, parent = self.block_size, [], NO_PARENT
+        bs, out, parent, space = self.block_size, [], NO_PARENT, self.space(origin)
         for i in range((len(tokens) - 1) // bs):
-            parent = chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]), self.namespace)
+            parent = chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]), space)
             out.append(parent)
         return out
 
-    def index(self, pool: BlockPool, blocks: RequestBlocks, tokens: list[int], committed: int) -> None:
+    def index(self, pool: BlockPool, blocks: RequestBlocks, tokens: list[int], committed: int,
+              origin: str = "") -> None:
         """Hashes every full block the first ``committed`` of ``tokens`` complete and stores it in ``pool``."""
-        bs = self.block_size
+        bs, space = self.block_size, self.space(origin)
         for i in range(len(blocks.hashes), min(committed // bs, len(blocks.table))):
             parent = blocks.hashes[-1] if blocks.hashes else NO_PARENT
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, block_tokens, self.namespace)
+            h = chain_hash(parent, block_tokens, space)
             blocks.hashes.append(h)
             if blocks.table[i] not in pool.hash_of:
                 pool.store(blocks.table[i], h, parent, block_tokens)
@@ -281,10 +288,11 @@ class NoPrefixIndex(PrefixIndex):
     """Prefix caching off (``engine.prefix_caching=false``): no request has a hash, so none hits, and nothing is
     indexed."""
 
-    def hashes(self, tokens: list[int]) -> list[int]:
+    def hashes(self, tokens: list[int], origin: str = "") -> list[int]:
         return []
 
-    def index(self, pool: BlockPool, blocks: RequestBlocks, tokens: list[int], committed: int) -> None:
+    def index(self, pool: BlockPool, blocks: RequestBlocks, tokens: list[int], committed: int,
+              origin: str = "") -> None:
         return None
 
 
@@ -316,9 +324,10 @@ class KVManager:
 
     # ---- lookups -----------------------------------------------------------------------------------------
     def hashes(self, req: KVRequest) -> list[int]:
-        """``req``'s prefix-block hashes, computed once from its feed tokens (none with prefix caching off)."""
+        """``req``'s prefix-block hashes, computed once from its feed tokens (none with prefix caching off), under
+        its KV's origin (:meth:`PrefixIndex.space`)."""
         if req.hashes is None:
-            req.hashes = self.index.hashes(req.feed_tokens)
+            req.hashes = self.index.hashes(req.feed_tokens, req.kv_origin)
         return req.hashes
 
     def cached_blocks(self, dp: int, hashes: list[int]) -> int:
@@ -399,7 +408,7 @@ class KVManager:
         if blocks is None:
             return
         done = len(blocks.hashes)
-        self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed)
+        self.index.index(self.pools[req.dp_rank], blocks, req.tokens, committed, req.kv_origin)
         if self.host is not None:
             self.host.committed(req.dp_rank, blocks.table[done:len(blocks.hashes)], blocks.hashes[done:])
         if self.store_writes is not None and len(blocks.hashes) > done:

@@ -42,6 +42,7 @@ class Request:
     kv_tokens: int = 0  # leading prompt tokens whose KV arrives from elsewhere (a KV source) at admission
     loading: int = -1  # the id of its KV load while it runs (admitted, blocks reserved, not fed until it is done)
     lease_s: float = 0.0  # > 0: when it finishes, its prompt's blocks stay leased this long (a prefill worker's)
+    kv_origin: str = ""  # its KV source's cache namespace when not this engine's: its blocks are indexed apart
 
     @property
     def tokens(self) -> list[int]:
@@ -92,12 +93,14 @@ class RequestTable:
             raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}), got {dp_rank}")
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
-            retain_kv: bool = False, kv_tokens: int = 0, lease_s: float = 0.0) -> Request:
+            retain_kv: bool = False, kv_tokens: int = 0, lease_s: float = 0.0, kv_origin: str = "") -> Request:
         """Validates and queues a request. ``params.n > 1``: one request prefills the prompt but its last token and
         then forks into n samples (:meth:`samples_of`); a one-token prompt has nothing to share and queues the
         samples at once. ``kv_tokens``: leading prompt tokens whose KV a source holds (loaded at admission, a partial
         last block included, up to the prompt's last token, which is fed to sample). ``lease_s``: keep its prompt's
-        blocks leased that long when it finishes (``engine.core.leases``)."""
+        blocks leased that long when it finishes (``engine.core.leases``). ``kv_origin``: the source's cache namespace
+        when it is not this engine's (KV of another layout): the request's blocks are indexed apart from this engine's
+        own (``PrefixIndex.space``)."""
         self.validate(request_id, prompt, params, dp_rank)
         if (kv_tokens or lease_s) and params.n > 1:
             raise RequestError(f"n={params.n}: a request whose KV arrives from elsewhere, or is leased to another "
@@ -105,7 +108,7 @@ class RequestTable:
         if params.n == 1:
             return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,
                                        retain_kv=retain_kv, kv_tokens=min(kv_tokens, len(prompt) - 1),
-                                       lease_s=lease_s))
+                                       lease_s=lease_s, kv_origin=kv_origin))
         self.groups[request_id] = set()
         if len(prompt) > 1:
             return self._queue(Request(request_id, list(prompt), params, seed, dp_rank=dp_rank, pinned_dp=dp_rank,

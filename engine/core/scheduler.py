@@ -99,9 +99,9 @@ class Scheduler:
         self._blocked = ""
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, dp_rank: int | None = None,
-            retain_kv: bool = False, kv_tokens: int = 0, lease_s: float = 0.0) -> Request:
+            retain_kv: bool = False, kv_tokens: int = 0, lease_s: float = 0.0, kv_origin: str = "") -> Request:
         """Queues a request (:meth:`RequestTable.add`); raises RequestError naming the field."""
-        return self.table.add(request_id, prompt, params, seed, dp_rank, retain_kv, kv_tokens, lease_s)
+        return self.table.add(request_id, prompt, params, seed, dp_rank, retain_kv, kv_tokens, lease_s, kv_origin)
 
     def take_loads(self) -> list[KVLoad]:
         """The KV loads admission started since the last call (:meth:`Admission.take_loads`)."""

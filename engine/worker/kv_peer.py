@@ -134,13 +134,15 @@ class PeerEndpoint:
 class PeerKV:
     """A KV source in another worker's leased blocks: ``shards[t]`` is attention-TP rank ``t``'s share; ``num_tokens``
     prompt tokens' KV; read over ``protocol`` from an endpoint on ``host``. ``recompute``: when the read fails, the
-    request computes the tokens itself (counted) instead of failing."""
+    request computes the tokens itself (counted) instead of failing. ``namespace``: the digest of the prefill
+    engine's cache namespace (``KVTransfers.namespace``); when it is not the reader's, the blocks are indexed apart."""
 
     num_tokens: int
     shards: tuple[PeerShard, ...]
     host: str = "127.0.0.1"
     protocol: str = "tcp"
     recompute: bool = False
+    namespace: str = ""
 
     def read(self, at, blocks: list[int]) -> torch.Tensor:
         return at.peer(self.host, self.protocol).read(self.shards[at.tp_rank], blocks)

@@ -241,6 +241,42 @@ def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(tmp_path):
             srv.close()
 
 
+def test_a_mixed_pair_is_greedy_equal_and_keeps_the_received_kv_out_of_its_own_prefix_cache(gateways, tmp_path):
+    """The module's one-rank prefill worker behind smg with a decode worker of two ranks (attention DP2, experts
+    EP2; MLA: each DP rank reads the whole latent): the same greedy tokens as the aggregated worker, no prompt token
+    recomputed. The received blocks are indexed apart (another layout's numerics): a second hand-off of the prompt
+    fetches only its last block, while the decode worker's own run of it hits nothing and answers the same tokens."""
+    _, agg, prefill, _ = gateways
+    dp2 = [*BASE, "parallel.world_size=2", "parallel.attn_tp=1", "parallel.attn_dp=2", "parallel.moe_tp=1",
+           "parallel.moe_ep=2", "server.kv_role=decode"]
+    decode = ServerProcess(str(ZOO / "target"), dp2, tmp_path / "decode.log")
+    try:
+        decode.wait_ready().close()
+        with smg_gateway((prefill.target, decode.target), ZOO / "target", tmp_path / "smg.log", *SMG_OPTIONS,
+                         model=MODEL) as pd:
+            prompt = PROMPT * 2
+            want = _completions(agg, prompt=prompt, max_tokens=16, temperature=0.0)
+            assert _completions(pd, prompt=prompt, max_tokens=16, temperature=0.0)["choices"] == want["choices"]
+            first = _metrics_once(decode, lambda m: m["switchyard:pd_kv_blocks_received_total"] > 0)
+            assert first["switchyard:pd_kv_blocks_received_total"] == -(-want["usage"]["prompt_tokens"] // 16)
+            assert _completions(pd, prompt=prompt, max_tokens=16, temperature=0.0)["choices"] == want["choices"]
+            again = _metrics_once(decode, lambda m: m["switchyard:pd_kv_blocks_received_total"] >
+                                  first["switchyard:pd_kv_blocks_received_total"])
+            assert again["switchyard:pd_kv_blocks_received_total"] - first[
+                "switchyard:pd_kv_blocks_received_total"] == 1
+            assert again["switchyard:pd_prompt_tokens_recomputed_total"] == 0
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(ZOO / "target")
+        ids = tok.encode(prompt, add_special_tokens=False)
+        assert len(ids) == want["usage"]["prompt_tokens"]  # what smg sent
+        with Client(decode.target) as d:
+            own = d.generate(ids, max_tokens=16, temperature=0.0)
+        assert own.cached_tokens == 0 and tok.decode(own.token_ids) == want["choices"][0]["text"]
+    finally:
+        decode.close()
+
+
 def test_smg_refuses_a_pair_whose_block_sizes_differ_before_any_request_runs(gateways, tmp_path):
     """What this worker reports in GetServerInfo is what smg pairs by: a decode worker with 32-token blocks behind
     the module's 16-token prefill worker gets every request refused (503 ``no_compatible_pd_pair``), and neither

@@ -35,6 +35,8 @@ def test_a_decode_worker_takes_kv_of_its_own_layout_only():
     decode = HandOffRole("decode", **FACE)
     source = decode.source(BLOB)
     assert source.num_tokens == 20 and source.shards[0].blocks == (3, 4) and source.shards[0].tensors == ((4096, 64),)
+    assert source.namespace == "" and decode.source(dict(BLOB, namespace="n1")).namespace == "n1"  # the engine
+    # compares it with its own (KVTransfers.origin)
     other = dict(BLOB, fingerprint="def", layout="attn dp2, moe ep2 (alltoall)")
     with pytest.raises(HandOffError, match=r"'attn dp2, moe ep2 \(alltoall\)'.*'attn tp1, moe tp1 \(allreduce\)'"):
         decode.source(other)

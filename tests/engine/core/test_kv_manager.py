@@ -1,6 +1,6 @@
 """The KV manager by hand (``engine/core/kv_manager.py``): chained hashes, a hit never covering the prompt's last token,
 LRU eviction tail-first, retention, flush refused while blocks are referenced, the events that describe the index,
-forks sharing full blocks."""
+forks sharing full blocks, KV made under another namespace indexed apart."""
 
 from __future__ import annotations
 
@@ -45,6 +45,22 @@ def test_hashes_chain_and_a_hit_stops_before_the_last_prompt_tokens_block():
     assert kv.blocks_in_use() == 0 and kv.pools[0].num_free == 8 and kv.pools[0].consistent()
     assert kv.admit(b, 0, 10) == 8  # the two cached blocks, then one fresh
     assert kv.table(b)[:2] == kv.pools[0].cached_prefix(hashes) and kv.hit_rate == 8 / 20
+
+
+def test_kv_made_elsewhere_is_indexed_apart_and_serves_only_kv_of_the_same_origin():
+    """A request whose prompt KV came from an engine of another namespace (a hand-off from another layout) commits
+    its blocks under that origin: this engine's own requests never hit them, another from the same origin does."""
+    kv = manager(num_blocks=12)
+    tokens = list(range(10))
+    handed = Request("h", tokens, SamplingParams(), 0, dp_rank=0, kv_origin="n1")
+    assert kv.admit(handed, 0, 10) == 0
+    kv.commit(handed, 9)
+    kv.free(handed)
+    assert kv.pools[0].num_cached == 2
+    own, same, other = (Request(rid, tokens, SamplingParams(), 0, dp_rank=0, kv_origin=origin)
+                        for rid, origin in (("own", ""), ("same", "n1"), ("other", "n2")))
+    assert kv.admit(same, 0, 10) == 8 and kv.admit(own, 0, 10) == 0 and kv.admit(other, 0, 10) == 0
+    assert kv.hashes(own)[0] == chain_hash(NO_PARENT, (0, 1, 2, 3), b"test") != kv.hashes(same)[0]
 
 
 def test_eviction_takes_empty_blocks_first_then_lru_tail_first():
