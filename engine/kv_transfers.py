@@ -113,26 +113,30 @@ class KVTransfers:
             failed.update(reply)
         for load_id in done:
             self.loading.discard(load_id)
+            refused = self._count_hand_off(load_id, failed.get(load_id))
             if load_id in failed:
                 self.failed_loads += 1
-                log.warning("KV load %d failed (%s): its request computes those tokens", load_id, failed[load_id])
-            self._count_hand_off(load_id, failed.get(load_id))
+                log.warning("KV load %d failed (%s): %s", load_id, failed[load_id],
+                            "its request ends" if refused else "its request computes those tokens")
             self.scheduler.loaded(load_id, failed=load_id in failed)
 
-    def _count_hand_off(self, load_id: int, failure: str | None) -> None:
+    def _count_hand_off(self, load_id: int, failure: str | None) -> bool:
+        """Counts a finished load of a hand-off (if it was one); True when its request is to end (failed, recompute
+        off)."""
         blocks, tokens, request_id, recompute = self.peer_loads.pop(load_id, (0, 0, "", True))
         if not blocks:
-            return
+            return False
         if failure is not None:  # "KV hand-off <reason>: …"
             self.hand_off_failures[failure.split(":")[0].split()[-1]] += 1
             if recompute:
                 self.recomputed += tokens
             else:
                 self.refused.append((request_id, failure))
-        else:
-            runner = self.rank.runner
-            self.received[0] += blocks
-            self.received[1] += blocks * runner.cache.block_bytes() * runner.model.groups.attn_tp.size
+            return not recompute
+        runner = self.rank.runner
+        self.received[0] += blocks
+        self.received[1] += blocks * runner.cache.block_bytes() * runner.model.groups.attn_tp.size
+        return False
 
     def origin(self, kv: KVSource) -> str:
         """Where ``kv`` was made when its blocks must be indexed apart from this engine's own: a hand-off from an

@@ -8,8 +8,10 @@
   fingerprint, and where to release the lease (its own gRPC address: an ``Abort`` naming the lease key).
 - A decode worker (``decode`` or ``both``) given such JSON loads the KV from the prefill's ranks (a ``PeerKV`` source)
   and computes only the prompt's last token; once the request's first output shows the KV arrived, it releases the
-  lease. KV whose fingerprint differs from its own is refused (INVALID_ARGUMENT naming both layouts). A read that
-  fails ends the request UNAVAILABLE naming the cause (smg retries it, re-running the prefill), or, with
+  lease. KV whose fingerprint (the KV's shape: model, drafter, dtype, attention TP, block size) differs from its own
+  is refused (INVALID_ARGUMENT naming both layouts); KV of another numerics mode or attention-DP size is taken and
+  kept out of its own prefix cache. A read that fails, or is not done within ``server.kv_transfer_timeout_s``, ends
+  the request UNAVAILABLE naming the cause (smg retries it, re-running the prefill), or, with
   ``server.kv_recompute_on_failure``, the request computes the prompt itself (counted).
 """
 
@@ -50,6 +52,7 @@ class HandOffRole:
     fingerprint: str
     layout: str
     recompute_on_failure: bool = False
+    transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -58,8 +61,9 @@ class HandOffRole:
             raise ValueError(f"server.kv_connector={self.connector!r}: smg writes its own transfer parameters for "
                              "that connector and would replace this worker's; use another name (the default, "
                              "SwitchyardConnector)")
-        if not self.lease_s > 0:
-            raise ValueError(f"server.kv_lease_s must be > 0, got {self.lease_s}")
+        for name in ("lease_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"server.kv_{name} must be > 0, got {getattr(self, name)}")
 
     def server_info(self) -> dict:
         """The ``GetServerInfoResponse`` fields smg pairs workers by (none for ``both``: a plain worker, which still
@@ -91,7 +95,7 @@ class HandOffRole:
             shards = tuple(PeerShard(s["session"], tuple(tuple(t) for t in s["tensors"]), tuple(s["blocks"]),
                                      tuple(s["digests"])) for s in blob["shards"])
             return PeerKV(int(blob["num_tokens"]), shards, self.address.rsplit(":", 1)[0], str(blob["protocol"]),
-                          self.recompute_on_failure, str(blob.get("namespace", "")))
+                          self.recompute_on_failure, str(blob.get("namespace", "")), self.transfer_timeout_s)
         except (KeyError, TypeError, ValueError) as e:
             raise HandOffError(f"kv_transfer_params_json: a malformed hand-off ({e!r})") from None
 

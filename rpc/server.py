@@ -68,6 +68,7 @@ class ServerConfig:
     kv_lease_s: float = 30.0  # a prefill's KV waits this long for its decode worker to read it
     kv_transfer_protocol: str = "tcp"  # the Mooncake transfer engine's protocol ("rdma" where the cluster has it)
     kv_recompute_on_failure: bool = False  # a hand-off that cannot be read: recompute (True) or fail UNAVAILABLE
+    kv_transfer_timeout_s: float = 30.0  # a decode worker's read of a hand-off fails when not done by then
     reasoning_parser: str | None = None  # "kimi": constraints wait for the thought's close (engine/reasoning.py)
     max_thinking_tokens: int = 128  # a constrained answer's thought is closed after this many tokens
 
@@ -148,7 +149,8 @@ async def _serve(engine: Engine, model_dir: str, cfg: ServerConfig, ranks: list[
                           on_kv_events=kv_events.publish, diagnose=lambda: gone_ranks(ranks, host))
     facts = ModelFacts.read(model_dir, cfg.served_model_name, ef)
     hand_off = HandOffRole(cfg.kv_role, cfg.kv_connector, cfg.kv_lease_s, cfg.kv_transfer_protocol,
-                           f"{cfg.host}:{cfg.port}", ef.kv_fingerprint, ef.layout, cfg.kv_recompute_on_failure)
+                           f"{cfg.host}:{cfg.port}", ef.kv_fingerprint, ef.layout, cfg.kv_recompute_on_failure,
+                           cfg.kv_transfer_timeout_s)
     servicer = Servicer(aengine, facts, ranks, dict(asdict(cfg), capacity=capacity), kv_events, cfg.profile_dir,
                         hand_off, reasoning_parser(cfg, model_dir))
 

@@ -8,14 +8,18 @@
 - A decode worker's load of a :class:`PeerKV` source has each rank read its shard (attention-TP rank ``t`` reads
   the prefill's TP rank ``t`` of the DP group that ran the request) into a registered host buffer, one transfer of
   every region of the blocks asked for, then checks every block's digest before the bytes are written into its
-  cache. A failed read or a digest that does not match raises :class:`TransferError` (the load fails softly: the
-  request computes those tokens, counted).
+  cache. A failed read, one not done within the source's ``timeout_s`` (a frozen prefill worker: the transport itself
+  only gives up after 30 s without progress) or a digest that does not match raises :class:`TransferError` (the load
+  fails softly: the request ends naming why, or computes those tokens, counted). A read given up on keeps its
+  staging buffer to itself until the transport ends it, so late bytes land nowhere the reader still uses.
 """
 
 from __future__ import annotations
 
 import hashlib
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +29,8 @@ from engine.worker.kv_store import StoreError
 
 
 class TransferError(StoreError):
-    """A hand-off read that failed; ``reason``: "unreachable" (the prefill worker or its lease is gone), "checksum"
-    or "layout"."""
+    """A hand-off read that failed; ``reason``: "unreachable" (the prefill worker or its lease is gone), "timeout"
+    (not done within the source's ``timeout_s``), "checksum" or "layout"."""
 
     def __init__(self, reason: str, what: str):
         RuntimeError.__init__(self, f"KV hand-off {reason}: {what}")
@@ -83,6 +87,8 @@ class PeerEndpoint:
             if self.engine.register_memory(store.data_ptr(), store.numel()) != 0:
                 raise TransferError("unreachable", "the transfer engine refused to register the KV cache")
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-peer-read")  # a frozen peer's read
+        # holds one until the transport gives up on it
 
     def shard(self, blocks: list[int]) -> PeerShard:
         """This rank's share of a lease of ``blocks``."""
@@ -98,9 +104,28 @@ class PeerEndpoint:
                 raise TransferError("unreachable", "the transfer engine refused to register a staging buffer")
         return self._buffer[:nbytes]
 
-    def read(self, shard: PeerShard, picks: list[int]) -> torch.Tensor:
+    def _transfer(self, session: str, local: list[int], remote: list[int], lengths: list[int],
+                  timeout_s: float) -> None:
+        """One batched read into the staging buffer, given up on after ``timeout_s`` (the buffer then stays with the
+        read until it ends, and the next read registers a fresh one)."""
+        future = self._reads.submit(self.engine.batch_transfer_sync_read, session, local, remote, lengths)
+        try:
+            status = future.result(timeout=timeout_s)
+        except FutureTimeout:
+            self._abandon(future)
+            raise TransferError("timeout", f"reading {len(local)} region(s) from {session} took over {timeout_s} s "
+                                "(server.kv_transfer_timeout_s; is the prefill worker stalled?)") from None
+        if status != 0:
+            raise TransferError("unreachable", f"reading from {session} failed (the prefill worker is gone or its "
+                                "lease ended)")
+
+    def _abandon(self, read: Future) -> None:
+        stale, self._buffer = self._buffer, torch.empty(0, dtype=torch.uint8)
+        read.add_done_callback(lambda _: self.engine.unregister_memory(stale.data_ptr()))
+
+    def read(self, shard: PeerShard, picks: list[int], timeout_s: float) -> torch.Tensor:
         """Blocks ``shard.blocks[i]`` for ``i`` in ``picks`` of the peer: ``[len(picks), block_bytes]`` uint8, each
-        checked against its digest."""
+        checked against its digest, read within ``timeout_s``."""
         widths = [w for _, w in shard.tensors]
         block_bytes = self.cache.block_bytes()
         if sum(widths) != block_bytes:
@@ -115,9 +140,7 @@ class PeerEndpoint:
                 remote.append(address + shard.blocks[picks[start]] * width)
                 lengths.append(run * width)
             at += n * width
-        if self.engine.batch_transfer_sync_read(shard.session, local, remote, lengths) != 0:
-            raise TransferError("unreachable", f"reading {n} blocks from {shard.session} failed (the "
-                                "prefill worker is gone or its lease ended)")
+        self._transfer(shard.session, local, remote, lengths, timeout_s)
         parts, at = [], 0
         for _, width in shard.tensors:
             parts.append(out[at:at + n * width].view(n, width))
@@ -135,7 +158,8 @@ class PeerKV:
     """A KV source in another worker's leased blocks: ``shards[t]`` is attention-TP rank ``t``'s share; ``num_tokens``
     prompt tokens' KV; read over ``protocol`` from an endpoint on ``host``. ``recompute``: when the read fails, the
     request computes the tokens itself (counted) instead of failing. ``namespace``: the digest of the prefill
-    engine's cache namespace (``KVTransfers.namespace``); when it is not the reader's, the blocks are indexed apart."""
+    engine's cache namespace (``KVTransfers.namespace``); when it is not the reader's, the blocks are indexed apart.
+    ``timeout_s``: each rank's read fails ("timeout") when not done by then."""
 
     num_tokens: int
     shards: tuple[PeerShard, ...]
@@ -143,6 +167,7 @@ class PeerKV:
     protocol: str = "tcp"
     recompute: bool = False
     namespace: str = ""
+    timeout_s: float = 30.0
 
     def read(self, at, blocks: list[int]) -> torch.Tensor:
-        return at.peer(self.host, self.protocol).read(self.shards[at.tp_rank], blocks)
+        return at.peer(self.host, self.protocol).read(self.shards[at.tp_rank], blocks, self.timeout_s)

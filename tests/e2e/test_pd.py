@@ -11,6 +11,7 @@ smg refuses a pair whose block sizes differ, as the workers report them."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -211,6 +212,72 @@ def test_a_lease_nobody_reads_expires_and_a_dead_prefill_fails_only_its_hand_off
             c.close()
         prefill.close()
         lenient.close()
+
+
+def _failed_decode_leg(client, prompt: list[int], rid: str, blob: str) -> tuple[grpc.RpcError, float]:
+    """The decode leg's error and when it came (``time.monotonic``)."""
+    with pytest.raises(grpc.RpcError) as err:
+        _decode_leg(client, prompt, rid, blob)
+    return err.value, time.monotonic()
+
+
+def _used_blocks(client) -> int:
+    return client.engine_info()["kv"]["per_dp"][0]["blocks_used"]
+
+
+def test_a_stalled_prefill_times_out_and_one_killed_during_a_read_fails_only_its_hand_off(tmp_path):
+    """A decode worker (``server.kv_transfer_timeout_s=3``) reading from a prefill worker that stops answering
+    (SIGSTOP, after one hand-off went through): the read gives up at the timeout, the request ends UNAVAILABLE naming
+    it, while another request on the decode worker is answered meanwhile; then a prefill worker killed while a read
+    from it is outstanding fails that hand-off at once, ``unreachable``. Each time the decode worker holds no block
+    afterwards and serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefill = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=prefill"], tmp_path / "prefill.log")
+    decode = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=decode", "server.kv_transfer_timeout_s=3"],
+                           tmp_path / "decode.log")
+    clients, pool = [], ThreadPoolExecutor(1)
+    try:
+        p, d = clients[:] = [srv.wait_ready() for srv in (prefill, decode)]
+        prompt, other = [(7 * k) % 140 + 3 for k in range(60)], [(11 * k) % 140 + 3 for k in range(30)]
+        assert _decode_leg(d, prompt, "warm", _prefill_leg(p, prompt, "warm"))  # the two endpoints know each other
+        blob = _prefill_leg(p, prompt, "stalled")
+        prefill.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        failing = pool.submit(_failed_decode_leg, d, prompt, "stalled", blob)
+        time.sleep(0.5)
+        assert _used_blocks(d) == 4  # admitted, its blocks reserved, waiting for the read
+        assert len(d.generate(other, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids) == 8
+        answered = time.monotonic()
+        err, failed_at = failing.result(timeout=30)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "KV hand-off timeout" in err.details()
+        assert answered < failed_at and 3 <= failed_at - t0 < 10
+        assert _used_blocks(d) == 0
+        prefill.proc.send_signal(signal.SIGCONT)
+        blob = _prefill_leg(p, prompt, "killed")
+        prefill.proc.send_signal(signal.SIGSTOP)
+        failing = pool.submit(_failed_decode_leg, d, prompt, "killed", blob)
+        time.sleep(0.5)
+        assert _used_blocks(d) == 4
+        prefill.proc.kill()
+        killed = time.monotonic()
+        prefill.proc.wait()
+        err, failed_at = failing.result(timeout=30)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "KV hand-off unreachable" in err.details()
+        assert failed_at - killed < 2  # the kill ended it, not the timeout
+        assert _used_blocks(d) == 0
+        assert len(d.generate(other, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids) == 8
+        m = _metrics(decode)
+        assert m['switchyard:pd_transfer_failures_total{reason="timeout"}'] == 1
+        assert m['switchyard:pd_transfer_failures_total{reason="unreachable"}'] == 1
+    finally:
+        pool.shutdown(wait=False)
+        for c in clients:
+            c.close()
+        if prefill.proc.poll() is None:
+            prefill.proc.send_signal(signal.SIGCONT)
+        for srv in (prefill, decode):
+            srv.close()
 
 
 def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(tmp_path):

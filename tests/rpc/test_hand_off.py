@@ -17,7 +17,9 @@ BLOB = {"switchyard_hand_off": 1, "lease": "r#1", "num_tokens": 20, "fingerprint
 
 @pytest.mark.parametrize(("change", "error"), [({"role": "mixed"}, "server.kv_role must be one of"),
                                                ({"connector": "NixlConnector"}, "smg writes its own"),
-                                               ({"lease_s": 0.0}, "server.kv_lease_s must be > 0")])
+                                               ({"lease_s": 0.0}, "server.kv_lease_s must be > 0"),
+                                               ({"transfer_timeout_s": -1.0},
+                                                "server.kv_transfer_timeout_s must be > 0")])
 def test_start_up_refuses_what_cannot_work(change, error):
     with pytest.raises(ValueError, match=error):
         HandOffRole(**{"role": "decode", **FACE, **change})
