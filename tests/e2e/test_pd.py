@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -171,9 +173,10 @@ def _decode_leg(client, prompt: list[int], rid: str, blob: str) -> list[int]:
     return [list(r.complete.output_ids) for r in client.stub.Generate(req, timeout=60)][-1]
 
 
-def test_a_lease_nobody_reads_expires_and_a_dead_prefill_fails_only_its_hand_off(gateways, tmp_path):
-    """A prefill worker of its own (leases of 1.5 s): a lease no decode worker reads ends by itself; then the prefill
-    worker is killed with a hand-off outstanding — the decode worker ends that request UNAVAILABLE naming the cause,
+def test_a_lease_whose_reader_dies_expires_and_a_dead_prefill_fails_only_its_hand_off(gateways, tmp_path):
+    """A prefill worker of its own (leases of 1.5 s): a decode side killed while it reads a lease
+    (``tests/support/kv_reader.py``) leaves the lease to end by itself, and the prefill worker serves on; then it is
+    killed with a hand-off outstanding — the decode worker ends that request UNAVAILABLE naming the cause,
     holds no block for it and serves on; a decode worker with ``server.kv_recompute_on_failure=true`` computes the
     prompt instead and answers the aggregated worker's tokens."""
     _, _, _, decode = gateways
@@ -187,7 +190,15 @@ def test_a_lease_nobody_reads_expires_and_a_dead_prefill_fails_only_its_hand_off
         d = Client(decode.target)
         clients += [p, lenient_client, d]
         prompt = [(5 * k) % 140 + 3 for k in range(40)]
-        _prefill_leg(p, prompt, "forgotten")
+        reader = subprocess.Popen([sys.executable, "-m", "tests.support.kv_reader"], cwd=REPO_ROOT,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert reader.stdout.readline().strip() == "ready"
+        reader.stdin.write(_prefill_leg(p, prompt, "forgotten") + "\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "reading"
+        time.sleep(0.3)
+        reader.kill()  # a decode side killed while it reads (batches back to back)
+        reader.wait()
         assert _metrics(prefill)["switchyard:pd_leased_blocks"] == 3
         ok, why = p.flush_cache(timeout_s=0.0)
         assert not ok and "leases for decode workers hold 3 block(s)" in why
