@@ -4,9 +4,12 @@ greedy and seeded T=1 — answers bit for bit what the same request gets from an
 gateway (``engine.batch_invariant=true``; tiny_kimi, MLA), the decode worker computes no prompt token but the last
 (``switchyard:pd_prompt_tokens_recomputed_total`` stays 0) while it receives the prompts' blocks, a session's second
 turn fetches only its new blocks, the prefill worker's leases are all released, and a DDTree pair answers the
-aggregated worker's greedy tokens. Faults: a lease nobody reads expires; a dead prefill worker fails only its
-outstanding hand-off, UNAVAILABLE and named, leaking no block on the decode worker (or is recomputed when asked);
-smg refuses a pair whose block sizes differ, as the workers report them."""
+aggregated worker's greedy tokens; a one-rank prefill worker and a DP2/EP2 decode worker are greedy-equal, the
+received KV kept out of the decode worker's own prefix cache. Faults: a lease whose reader is killed mid-read
+expires; a dead prefill worker fails only its outstanding hand-off, UNAVAILABLE and named, leaking no block on the
+decode worker (or is recomputed when asked); a stalled one times out (``server.kv_transfer_timeout_s``) while the
+decode worker serves on, and one killed during a read fails it at once; smg's retry of a timed-out decode leg streams
+every token once; smg refuses a pair whose block sizes differ, as the workers report them."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +29,7 @@ from bench.pd import pd_samples
 from rpc.client import Client, generate_request
 from tests.support.mooncake import master_binary
 from tests.support.paths import REPO_ROOT
+from tests.support.recording_worker import RecordingWorker
 from tests.support.rpc_helpers import ServerProcess, smg_gateway
 
 ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
@@ -287,6 +292,55 @@ def test_a_stalled_prefill_times_out_and_one_killed_during_a_read_fails_only_its
             c.close()
         if prefill.proc.poll() is None:
             prefill.proc.send_signal(signal.SIGCONT)
+        for srv in (prefill, decode):
+            srv.close()
+
+
+def test_smg_retries_a_decode_leg_whose_read_timed_out_and_the_stream_has_every_token_once(gateways, tmp_path):
+    """smg with its retries on, in front of a prefill worker and (through a recording proxy) a decode worker with
+    ``server.kv_transfer_timeout_s=2``: when the first decode leg arrives the prefill worker is stopped for 2.5 s, so
+    that leg's read times out (UNAVAILABLE); smg runs the prefill again and a second decode leg, whose hand-off is
+    read. The client's stream holds the aggregated worker's tokens exactly once (a decode leg fails only before its
+    first token: the read comes first), and both leases end released."""
+    _, agg, _, _ = gateways
+    prefill = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=prefill"], tmp_path / "prefill.log")
+    decode = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=decode", "server.kv_transfer_timeout_s=2"],
+                           tmp_path / "decode.log")
+    proxy, timers = None, []
+
+    def stall_the_prefill_once(req) -> None:
+        if req.kv_transfer_params_json and not timers:
+            prefill.proc.send_signal(signal.SIGSTOP)
+            timers.append(threading.Timer(2.5, prefill.proc.send_signal, (signal.SIGCONT,)))
+            timers[0].start()
+
+    try:
+        for srv in (prefill, decode):
+            srv.wait_ready().close()
+        proxy = RecordingWorker(decode.target)
+        proxy.on_generate = stall_the_prefill_once
+        want = _completions(agg, prompt=PROMPT, max_tokens=16, temperature=0.0)["choices"][0]["text"]
+        with smg_gateway((prefill.target, proxy.target), ZOO / "target", tmp_path / "smg.log",
+                         "--disable-circuit-breaker", model=MODEL) as pd:
+            req = urllib.request.Request(f"{pd}/v1/completions", json.dumps(
+                {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0.0, "stream": True}).encode(),
+                {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: {")]
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events if json.loads(e)["choices"]) == want
+        legs = [json.loads(r.kv_transfer_params_json)["lease"] for r in proxy.requests]
+        assert len(legs) == 2 and len(set(legs)) == 2  # the retry read a fresh lease of the re-run prefill
+        m = _metrics(decode)
+        assert m['switchyard:pd_transfer_failures_total{reason="timeout"}'] == 1
+        assert m["switchyard:pd_prompt_tokens_recomputed_total"] == 0
+        leases = _metrics_once(prefill, lambda m: m['switchyard:pd_leases_ended_total{how="released"}'] == 2)
+        assert leases["switchyard:pd_leased_blocks"] == 0  # the unread lease too (smg's Abort after the failure)
+        assert leases['switchyard:pd_leases_ended_total{how="released"}'] == 2
+    finally:
+        for t in timers:
+            t.join()
+        if proxy is not None:
+            proxy.close()
         for srv in (prefill, decode):
             srv.close()
 

@@ -1,6 +1,7 @@
 """A recording worker for what smg sends: a gRPC proxy on 127.0.0.1 that forwards every call to a real worker as
 bytes — the ``VllmEngine`` service, health, reflection, anything — and keeps each ``GenerateRequest`` it forwarded,
-so a test sees exactly what arrived at the worker while the client still gets the real worker's answer.
+so a test sees exactly what arrived at the worker while the client still gets the real worker's answer
+(:attr:`RecordingWorker.on_generate` runs before each ``Generate`` is forwarded: a test's moment to act).
 
 With :attr:`RecordingWorker.script` set, ``Generate`` is answered with those tokens instead (streamed one per chunk
 when the request streams, else in the final message), the way the real worker answers: what smg's parsers make of a
@@ -9,6 +10,7 @@ given token sequence (``scripts/record_kimi_tool_parser.py``)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -26,6 +28,7 @@ class RecordingWorker(grpc.GenericRpcHandler):
     def __init__(self, worker_target: str):
         self.requests: list[pb.GenerateRequest] = []
         self.script: tuple[list[int], str] | None = None  # (tokens, finish reason) Generate answers with
+        self.on_generate: Callable[[pb.GenerateRequest], None] | None = None  # called before one is forwarded
         self._lock = threading.Lock()
         self._channel = grpc.insecure_channel(worker_target)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.so_reuseport", 0)])
@@ -88,8 +91,11 @@ class RecordingWorker(grpc.GenericRpcHandler):
 
     def _record(self, path: str, request: bytes) -> None:
         if path == GENERATE:
+            req = pb.GenerateRequest.FromString(request)
             with self._lock:
-                self.requests.append(pb.GenerateRequest.FromString(request))
+                self.requests.append(req)
+            if self.on_generate is not None:
+                self.on_generate(req)
 
 
 def _forwardable(context: grpc.ServicerContext) -> list[tuple[str, str]]:
