@@ -33,6 +33,9 @@ overrides one, 0 skips it) inside the whole run's ``--budget-s``; each is record
   Kimi-K2-shaped rank against the HBM floor;
 - ``quant`` (GPU; on CPU only when named, the kernel choice alone): ``bench.gpu.quant_check.run``, the INT4 and FP8
   kernels in bf16 against their references, W4A16 MoE decode bytes/s vs the copy rate, FP8 vs bf16 GEMM.
+- ``hand_off`` (GPU; on CPU only when named, the same at 64 MiB): ``bench.gpu.hand_off.run``, the prefill/decode
+  hand-off between two processes: device → pinned host → Mooncake transfer engine over loopback TCP → pinned host
+  → device, each stage's GB/s against a device copy, and the 80K-token Kimi K2 projection.
 
 Writes ``gpu_report.json`` and ``gpu_report.md`` to ``--out``, else ``$OUT``, else a new directory under the
 system temp dir (its path is printed; never the checkout unless ``--out`` says so). The last console lines say

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import draft_check, engine_check, graph_check, invariance, quant_check, roofline, step_check
+from bench.gpu import draft_check, engine_check, graph_check, hand_off, invariance, quant_check, roofline, step_check
 from bench.gpu.kernels import (
     CUDA,
     NO_GPU,
@@ -40,11 +40,11 @@ from bench.gpu.power import PowerMeter
 log = logging.getLogger("gpu_check")
 
 # Seconds per section (estimates for one H200; the first GPU run's ``section_seconds`` should reset them). The
-# sections that run on a GPU sum to 445 s, under the whole run's default --budget-s of 450 s; aot_compile runs only
+# sections that run on a GPU sum to 450 s, at the whole run's default --budget-s of 450 s; aot_compile runs only
 # without a GPU. A section past its budget + min(30 s, 10 s + budget / 4) is stopped (SIGALRM).
 BUDGETS_S = {"environment": 5, "kernel_select": 5, "aot_compile": 120, "correctness": 50, "moe_timing": 25,
-             "bandwidth": 25, "power": 5, "cuda_graphs": 30, "draft_graphs": 25, "spec_steps": 25, "engine": 95,
-             "invariance": 60, "roofline": 70, "quant": 25}
+             "bandwidth": 25, "power": 5, "cuda_graphs": 30, "draft_graphs": 25, "spec_steps": 25, "engine": 90,
+             "invariance": 60, "roofline": 65, "quant": 25, "hand_off": 15}
 TOTAL_BUDGET_S = 450.0
 NOT_SELECTED = "not in --sections"
 
@@ -114,6 +114,7 @@ SECTIONS: dict[str, Callable[[Context, float], object]] = {
     "invariance": lambda ctx, b: invariance.run("cuda", b) if CUDA else NO_GPU,
     "roofline": _roofline,
     "quant": lambda ctx, b: NO_GPU if ctx.device("quant") is None else quant_check.run(b),
+    "hand_off": lambda ctx, b: NO_GPU if ctx.device("hand_off") is None else hand_off.run(ctx.device("hand_off"), b),
 }
 assert SECTIONS.keys() == BUDGETS_S.keys()
 

@@ -20,7 +20,7 @@ from tests.support.paths import REPO_ROOT
 
 REPO = REPO_ROOT
 GPU_ONLY = ("moe_timing", "bandwidth", "power", "cuda_graphs", "draft_graphs", "spec_steps", "engine", "invariance",
-            "roofline", "quant")
+            "roofline", "quant", "hand_off")
 
 
 def gpu_check(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
