@@ -24,12 +24,12 @@ def test_a_peer_reads_leased_blocks_bit_for_bit_and_refuses_what_does_not_match(
     prefill.write_blocks(list(range(12)), torch.randint(0, 256, (12, prefill.block_bytes()), dtype=torch.uint8))
     source, reader = PeerEndpoint(prefill, "127.0.0.1", "tcp"), PeerEndpoint(decode, "127.0.0.1", "tcp")
     shard = source.shard([3, 4, 5, 9])
-    got = reader.read(shard, [0, 1, 2, 3])
+    got = reader.read(shard, [0, 1, 2, 3], 10.0)
     assert torch.equal(got, prefill.read_blocks([3, 4, 5, 9]))
-    assert torch.equal(reader.read(shard, [3, 1]), prefill.read_blocks([9, 4]))
+    assert torch.equal(reader.read(shard, [3, 1], 10.0), prefill.read_blocks([9, 4]))
     bad = dataclasses.replace(shard, digests=(shard.digests[0], "0" * 32, *shard.digests[2:]))
     with pytest.raises(TransferError, match="KV hand-off checksum: block 4"):
-        reader.read(bad, [0, 1])
+        reader.read(bad, [0, 1], 10.0)
     gone = dataclasses.replace(shard, session="127.0.0.1:1")
     with pytest.raises(TransferError, match="KV hand-off unreachable"):
-        reader.read(gone, [0])
+        reader.read(gone, [0], 10.0)
