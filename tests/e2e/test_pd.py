@@ -240,6 +240,13 @@ def _used_blocks(client) -> int:
     return client.engine_info()["kv"]["per_dp"][0]["blocks_used"]
 
 
+def _wait_for_used_blocks(client, n: int, within_s: float = 2.0) -> None:
+    deadline = time.monotonic() + within_s
+    while _used_blocks(client) != n:
+        assert time.monotonic() < deadline, f"{_used_blocks(client)} blocks used, not {n}"
+        time.sleep(0.05)
+
+
 def test_a_stalled_prefill_times_out_and_one_killed_during_a_read_fails_only_its_hand_off(tmp_path):
     """A decode worker (``server.kv_transfer_timeout_s=3``) reading from a prefill worker that stops answering
     (SIGSTOP, after one hand-off went through): the read gives up at the timeout, the request ends UNAVAILABLE naming
@@ -260,8 +267,7 @@ def test_a_stalled_prefill_times_out_and_one_killed_during_a_read_fails_only_its
         prefill.proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         failing = pool.submit(_failed_decode_leg, d, prompt, "stalled", blob)
-        time.sleep(0.5)
-        assert _used_blocks(d) == 4  # admitted, its blocks reserved, waiting for the read
+        _wait_for_used_blocks(d, 4)  # admitted, its blocks reserved, waiting for the read
         assert len(d.generate(other, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids) == 8
         answered = time.monotonic()
         err, failed_at = failing.result(timeout=30)
@@ -272,8 +278,8 @@ def test_a_stalled_prefill_times_out_and_one_killed_during_a_read_fails_only_its
         blob = _prefill_leg(p, prompt, "killed")
         prefill.proc.send_signal(signal.SIGSTOP)
         failing = pool.submit(_failed_decode_leg, d, prompt, "killed", blob)
-        time.sleep(0.5)
-        assert _used_blocks(d) == 4
+        _wait_for_used_blocks(d, 4)
+        time.sleep(0.2)  # the read is under way
         prefill.proc.kill()
         killed = time.monotonic()
         prefill.proc.wait()
