@@ -22,6 +22,7 @@ from engine.core.scheduler import Scheduler
 from engine.messages import HandOffs, KVTier
 from engine.step import RequestOutput
 from engine.worker.control import ControlPlane, LeaseKV, LoadKV, LoadOutcomes, PutKV, RankState, ReadKV, StoreKV
+from engine.worker.kv_cache import PagedKVCache
 from engine.worker.kv_loads import HostKV, KVSource, TierKV
 from engine.worker.kv_peer import PeerKV
 
@@ -39,6 +40,16 @@ class PeerLease:
     protocol: str = "tcp"
 
 
+def transfer_fingerprint(shape: bytes, cache: PagedKVCache, attn_tp: int) -> str:
+    """The digest two engines' KV must share to be copied from one cache into the other (``kv_engine_id``):
+    ``shape`` (``engine.worker.kv_budget.kv_shape``), the cache's block bytes and size, and the attention-TP size —
+    unless every byte of a block is the same on each attention-TP rank (MLA's latent, the drafter's context), when
+    any TP size reads any other's."""
+    split = "" if bool(cache.replicated_bytes().all()) else f"|attn_tp={attn_tp}"
+    space = shape + f"{split}|{cache.block_bytes()} bytes|{cache.kv_block_size} tokens".encode()
+    return hashlib.blake2b(space, digest_size=8).hexdigest()
+
+
 class KVTransfers:
     def __init__(self, control: ControlPlane, rank: RankState, scheduler: Scheduler, shape: bytes):
         """``shape``: what this engine's KV bytes hold (``engine.worker.kv_budget.kv_shape``)."""
@@ -54,9 +65,7 @@ class KVTransfers:
         self.received = [0, 0]  # hand-off blocks and bytes read
         self.recomputed = 0  # prompt tokens computed beyond the last of requests handed off to this worker
         self.hand_off_failures: Counter[str] = Counter()
-        cache = rank.runner.cache
-        space = shape + f"|{cache.block_bytes()} bytes|{cache.kv_block_size} tokens".encode()
-        self.fingerprint = hashlib.blake2b(space, digest_size=8).hexdigest()  # KV made here copies where it is equal
+        self.fingerprint = transfer_fingerprint(shape, rank.runner.cache, rank.runner.model.groups.attn_tp.size)
         self.namespace = hashlib.blake2b(scheduler.kv.cfg.namespace, digest_size=8).hexdigest()  # and is cached
         # by a receiver with the prefix cache where this is equal too (same numerics and attention-DP size)
 

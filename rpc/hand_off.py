@@ -8,11 +8,12 @@
   fingerprint, and where to release the lease (its own gRPC address: an ``Abort`` naming the lease key).
 - A decode worker (``decode`` or ``both``) given such JSON loads the KV from the prefill's ranks (a ``PeerKV`` source)
   and computes only the prompt's last token; once the request's first output shows the KV arrived, it releases the
-  lease. KV whose fingerprint (the KV's shape: model, drafter, dtype, attention TP, block size) differs from its own
-  is refused (INVALID_ARGUMENT naming both layouts); KV of another numerics mode or attention-DP size is taken and
-  kept out of its own prefix cache. A read that fails, or is not done within ``server.kv_transfer_timeout_s``, ends
-  the request UNAVAILABLE naming the cause (smg retries it, re-running the prefill), or, with
-  ``server.kv_recompute_on_failure``, the request computes the prompt itself (counted).
+  lease. KV whose fingerprint (the KV's shape: model, drafter, dtype, block size, and attention-TP size unless every
+  byte is replicated over TP ranks, as with MLA) differs from its own is refused (INVALID_ARGUMENT naming both
+  layouts); KV of another numerics mode or attention layout is taken and kept out of its own prefix cache. A read that
+  fails, or is not done within ``server.kv_transfer_timeout_s``, ends the request UNAVAILABLE naming the cause (smg
+  retries it, re-running the prefill), or, with ``server.kv_recompute_on_failure``, the request computes the prompt
+  itself (counted).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class HandOffRole:
             raise HandOffError(f"kv_transfer_params_json: KV made under layout {blob.get('layout')!r} (fingerprint "
                                f"{blob.get('fingerprint')}) does not fit this worker's layout {self.layout!r} "
                                f"(fingerprint {self.fingerprint}): pair workers of the same model, drafter, KV dtype, "
-                               "block size and attention-TP size")
+                               "block size and (for KV split over attention-TP ranks, as GQA's is) attention-TP size")
         try:
             shards = tuple(PeerShard(s["session"], tuple(tuple(t) for t in s["tensors"]), tuple(s["blocks"]),
                                      tuple(s["digests"])) for s in blob["shards"])

@@ -88,18 +88,19 @@ def expert_slot_memory(model: CausalLM) -> str:
 
 
 def kv_shape(model: CausalLM, speculation: Speculation | None) -> bytes:
-    """What a block's bytes hold, whoever computed them: the model (its parsed config), the drafter (its context K/V
-    sits in the same blocks), the KV dtype and each attention-TP rank's share. Two engines whose ``kv_shape`` (and
-    block size) agree can copy KV to each other (the prefill/decode hand-off), whatever their attention-DP size or
-    numerics mode."""
-    parts = (repr(model.cfg), repr(speculation.facts) if speculation is not None else "no drafter", str(model.dtype),
-             f"attn_tp={model.groups.layout.attn_tp}")
+    """What a block's bytes hold, whoever computed them and however attention is split: the model (its parsed
+    config), the drafter (its context K/V sits in the same blocks) and the KV dtype. Two engines whose ``kv_shape``
+    (and block size, and — unless every byte is replicated over attention-TP ranks — attention-TP size) agree can
+    copy KV to each other (the prefill/decode hand-off, ``KVTransfers.fingerprint``), whatever their attention-DP
+    size or numerics mode."""
+    parts = (repr(model.cfg), repr(speculation.facts) if speculation is not None else "no drafter", str(model.dtype))
     return "|".join(parts).encode()
 
 
 def cache_namespace(model: CausalLM, speculation: Speculation | None) -> bytes:
     """What a prefix-cache hash is computed under, so KV made one way never serves another: :func:`kv_shape`, the
-    numerics mode (batch-invariant or not, kernel backend) and the attention-DP size."""
+    numerics mode (batch-invariant or not, kernel backend) and the attention layout."""
+    lay = model.groups.layout
     return kv_shape(model, speculation) + (f"|batch_invariant={model.kernels.batch_invariant} "
-                                           f"backend={model.kernels.backend}|attn_dp={model.groups.layout.attn_dp}"
-                                           ).encode()
+                                           f"backend={model.kernels.backend}|attn_tp={lay.attn_tp} "
+                                           f"attn_dp={lay.attn_dp}").encode()

@@ -5,13 +5,15 @@
   cache's tensors with it once (the regions are fixed for the life of the process: ``PagedKVCache.regions``); each
   answers :class:`~engine.worker.control.LeaseKV` with a :class:`PeerShard`: its endpoint's session, where its
   tensors are, the leased blocks and a digest of each block's bytes.
-- A decode worker's load of a :class:`PeerKV` source has each rank read its shard (attention-TP rank ``t`` reads
-  the prefill's TP rank ``t`` of the DP group that ran the request) into a registered host buffer, one transfer of
-  every region of the blocks asked for, then checks every block's digest before the bytes are written into its
-  cache. A failed read, one not done within the source's ``timeout_s`` (a frozen prefill worker: the transport itself
-  only gives up after 30 s without progress) or a digest that does not match raises :class:`TransferError` (the load
-  fails softly: the request ends naming why, or computes those tokens, counted). A read given up on keeps its
-  staging buffer to itself until the transport ends it, so late bytes land nowhere the reader still uses.
+- A decode worker's load of a :class:`PeerKV` source has each rank read its shard (attention-TP rank ``t`` reads the
+  prefill's TP rank ``t`` of the DP group that ran the request; when every byte is replicated over TP ranks, as MLA's
+  latent is, the two sides' TP sizes may differ and rank ``t`` reads shard ``t`` mod the prefill's TP size) into a
+  registered host buffer, one transfer of every region of the blocks asked for, then checks every block's digest
+  before the bytes are written into its cache. A failed read, one not done within the source's ``timeout_s`` (a frozen
+  prefill worker: the transport itself only gives up after 30 s without progress) or a digest that does not match
+  raises :class:`TransferError` (the load fails softly: the request ends naming why, or computes those tokens,
+  counted). A read given up on keeps its staging buffer to itself until the transport ends it, so late bytes land
+  nowhere the reader still uses.
 """
 
 from __future__ import annotations
@@ -170,4 +172,6 @@ class PeerKV:
     timeout_s: float = 30.0
 
     def read(self, at, blocks: list[int]) -> torch.Tensor:
-        return at.peer(self.host, self.protocol).read(self.shards[at.tp_rank], blocks, self.timeout_s)
+        # as many shards as this engine's attention-TP ranks, or (KV replicated over them) any number: all the same
+        shard = self.shards[at.tp_rank % len(self.shards)]
+        return at.peer(self.host, self.protocol).read(shard, blocks, self.timeout_s)

@@ -350,9 +350,11 @@ def test_smg_retries_a_decode_leg_whose_read_timed_out_and_the_stream_has_every_
             srv.close()
 
 
-def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(tmp_path):
+def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(gateways, tmp_path):
     """Prefill and decode workers of two ranks each (attention TP2, experts EP2): each decode rank reads the
-    prefill's rank of its own TP place; the decode leg answers what the decode worker then computes cold."""
+    prefill's rank of its own TP place; the decode leg answers what the decode worker then computes cold. MLA's
+    latent is the same on both TP ranks, so the module's one-rank decode worker takes the TP2 prefill's hand-off too
+    (reading shard 0) and answers the same greedy tokens."""
     tp2 = [*BASE, "parallel.world_size=2", "parallel.attn_tp=2", "parallel.attn_dp=1", "parallel.moe_tp=1",
            "parallel.moe_ep=2"]
     servers = [ServerProcess(str(ZOO / "target"), [*tp2, f"server.kv_role={role}"], tmp_path / f"{role}.log")
@@ -371,6 +373,8 @@ def test_a_two_rank_pair_hands_each_attention_tp_rank_its_shard(tmp_path):
         assert d.flush_cache()[0]  # the received blocks leave its prefix cache: the next run computes everything
         own = d.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
         assert handed == own.token_ids and own.cached_tokens == 0
+        with Client(gateways[3].target) as single:
+            assert _decode_leg(single, prompt, "tp2-to-1", _prefill_leg(p, prompt, "tp2-to-1")) == handed
     finally:
         for c in clients:
             c.close()

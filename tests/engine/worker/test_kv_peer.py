@@ -1,17 +1,27 @@
 """The hand-off's transfer (``engine/worker/kv_peer.py``) between two caches in one process over the Mooncake
 transfer engine on loopback TCP: blocks read in runs of consecutive ids land bit for bit in ``read_blocks``' layout,
-a digest that does not match and a peer that is gone raise :class:`TransferError` naming why."""
+a digest that does not match and a peer that is gone raise :class:`TransferError` naming why; the fingerprint that
+pairs two caches ignores the attention-TP size only where every byte is replicated over TP ranks."""
 
 import dataclasses
 
 import pytest
 import torch
 
+from engine.kv_transfers import transfer_fingerprint
 from engine.worker.kv_cache import KVCacheSpec, KVSpec, PagedKVCache
 from engine.worker.kv_peer import PeerEndpoint, TransferError, runs
 from tests.support.mooncake import master_binary
 
 SPEC = KVCacheSpec.of(KVSpec(((4,), (2,)), 2, torch.float32, True), KVSpec(((1, 2), (1, 2)), 1, torch.bfloat16, True))
+
+
+def test_the_fingerprint_ignores_the_tp_size_only_for_kv_replicated_over_tp_ranks():
+    split = KVCacheSpec.of(KVSpec(((2, 4), (2, 4)), 2), KVSpec(((1, 2), (1, 2)), 1, torch.bfloat16, True))  # GQA
+    mla, gqa, fp = PagedKVCache(SPEC, 4, 4), PagedKVCache(split, 4, 4), transfer_fingerprint
+    assert fp(b"m", mla, 1) == fp(b"m", mla, 2) != fp(b"n", mla, 2)
+    assert fp(b"m", gqa, 1) != fp(b"m", gqa, 2)
+    assert fp(b"m", mla, 1) != fp(b"m", PagedKVCache(SPEC, 4, 8), 1)  # another block size
 
 
 def test_runs_of_consecutive_block_ids():
