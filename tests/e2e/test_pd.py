@@ -188,7 +188,7 @@ def test_a_lease_whose_reader_dies_expires_and_a_dead_prefill_fails_only_its_han
                                                    "server.heartbeat_s=0.3"], tmp_path / "prefill.log")
     lenient = ServerProcess(str(ZOO / "target"), [*BASE, "server.kv_role=decode",
                                                    "server.kv_recompute_on_failure=true"], tmp_path / "lenient.log")
-    clients = []
+    clients, reader = [], None
     try:
         p, lenient_client = prefill.wait_ready(), lenient.wait_ready()
         d = Client(decode.target)
@@ -223,6 +223,8 @@ def test_a_lease_whose_reader_dies_expires_and_a_dead_prefill_fails_only_its_han
         assert _decode_leg(lenient_client, prompt, "orphan", blob) == want
         assert _metrics(lenient)["switchyard:pd_prompt_tokens_recomputed_total"] == len(prompt) - 1
     finally:
+        if reader is not None and reader.poll() is None:
+            reader.kill()
         for c in clients:
             c.close()
         prefill.close()
