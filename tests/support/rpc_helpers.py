@@ -56,7 +56,8 @@ def smg_gateway(worker_target: str | tuple[str, str], ckpt: str | Path, log_path
                 model: str | None = None) -> Iterator[str]:
     """``smg launch`` on 127.0.0.1 in front of the gRPC worker at ``worker_target`` (``host:port``; passthrough
     policy), or of a ``(prefill, decode)`` pair in PD mode, plus ``options``; yields its base URL once ``/v1/models``
-    lists a model (``model``: that one). Killed on exit (smg's graceful stop waits a 5 s load-balancer window)."""
+    lists a model (``model``: that one, and ``/v1/tokenizers`` its tokenizer). Killed on exit (smg's graceful stop
+    waits a 5 s load-balancer window)."""
     log_path, (port, prometheus_port) = Path(log_path), free_ports(2)
     workers = (["--pd-disaggregation", "--prefill", f"grpc://{worker_target[0]}", "--decode",
                 f"grpc://{worker_target[1]}"] if isinstance(worker_target, tuple)
@@ -73,8 +74,10 @@ def smg_gateway(worker_target: str | tuple[str, str], ckpt: str | Path, log_path
             assert smg.poll() is None, log_path.read_text()[-3000:]
             try:
                 listed = json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=2)).get("data", [])
-                if any(model is None or m["id"] == model for m in listed):
-                    break
+                tokenizers = json.load(urllib.request.urlopen(f"{base}/v1/tokenizers", timeout=2)).get("tokenizers", [])
+                if any(model is None or m["id"] == model for m in listed) and (
+                        model is None or any(t["name"] == model for t in tokenizers)):
+                    break  # a request for the served name before its tokenizer is registered gets a 503
             except OSError:
                 pass
             assert time.monotonic() < deadline, "smg never listed the model:\n" + log_path.read_text()[-3000:]
