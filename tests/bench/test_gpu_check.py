@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import engine_check, invariance, report
+from bench.gpu import engine_check, hand_off, invariance, report
+from tests.support.mooncake import master_binary
 from tests.support.paths import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -243,3 +244,17 @@ def test_moe_prefill_row_and_its_floor_on_cpu():
     assert row["speedup_vs_per_expert"] == pytest.approx(row["per_expert_ms"] / row["prefill_ms"])
     assert row["fraction_of_floor"] == pytest.approx(row["floor_ms"] / row["prefill_ms"])
     assert row["floor_ms"] == pytest.approx(1e3 * 184320 / 1e9) and row["max_abs_diff_vs_sorted"] < 1e-5
+
+
+def test_the_hand_off_section_moves_the_kv_intact_and_projects_from_its_rates(tmp_path):
+    """``--sections hand_off`` on CPU (``bench/gpu/hand_off.py``, in its own process: a Mooncake transfer engine's
+    threads must not be in a process that later forks rank pools): the bytes a second process reads over the
+    transfer engine arrive intact, every stage is timed, and the Kimi K2 projection follows from the rates."""
+    master_binary()  # the mooncake wheel and its library: skipped without them, failed under CI=true
+    done = gpu_check("--sections", "hand_off", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads((tmp_path / "gpu_report.json").read_text())["hand_off"]
+    assert got["intact"] and got["mib"] == 64 and all(rate > 0 for rate in got["gb_s"].values())
+    assert got["gb_s"]["path"] < min(got["gb_s"]["d2h"], got["gb_s"]["tcp_read"], got["gb_s"]["h2d"])
+    kimi = hand_off.PROJECTED_TOKENS * hand_off.KIMI_K2_BYTES_PER_TOKEN
+    assert got["projection"]["seconds_at_measured_path"] == pytest.approx(kimi / (got["gb_s"]["path"] * 1e9))
