@@ -29,7 +29,8 @@ RDMA_NIC_GB_S = 50.0  # one 400 Gb/s NIC's line rate (8 per node on DGX H100/H20
 READS = 3
 
 
-def _engine():
+def loopback_engine():
+    """A Mooncake transfer engine on 127.0.0.1 over TCP (P2P handshake), started."""
     from mooncake.engine import TransferEngine  # the test extra's wheel (non-CUDA build)
 
     engine = TransferEngine()
@@ -52,7 +53,7 @@ def read_side(session: str, address: int, nbytes: int, device: str) -> dict:
     """Reads ``nbytes`` at ``address`` of ``session`` ``READS`` times into a registered host buffer, then copies it
     to ``device``: each read's seconds, the H2D's, and the checksum of what arrived on the device."""
     dev = torch.device(device)
-    engine = _engine()
+    engine = loopback_engine()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     if engine.register_memory(host.data_ptr(), nbytes) != 0:
         raise RuntimeError("could not register the read buffer")
@@ -71,7 +72,7 @@ def read_side(session: str, address: int, nbytes: int, device: str) -> dict:
 def run(device: str, budget_s: float, nbytes: int | None = None) -> dict | str:
     """The section: see the module docstring. ``nbytes``: the payload (1 GiB on CUDA, 64 MiB elsewhere)."""
     try:
-        engine = _engine()
+        engine = loopback_engine()
     except (ImportError, RuntimeError) as e:
         return (f"skipped: the Mooncake transfer engine is not usable here ({e}); bring the "
                 "mooncake-transfer-engine-non-cuda wheel and libibverbs1")
