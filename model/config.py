@@ -1,16 +1,18 @@
 """HF ``config.json`` → frozen, validated model configs.
 
 Supported ``model_type``: ``deepseek_v3``, ``kimi_k2`` (DeepSeek-V3 architecture), ``kimi_k25``
-(its ``text_config``), ``qwen3_moe``. Quantized checkpoints: see :mod:`model.quant.config`. Anything else fails
-with a :class:`ConfigError` naming the field.
+(its ``text_config``; the wrapper's ``tie_word_embeddings``, when it sets one, decides as in HF transformers; the
+tensors sit under ``language_model.``: :mod:`model.checkpoint_names`), ``qwen3_moe``. Quantized checkpoints: see
+:mod:`model.quant.config`. Anything else fails with a :class:`ConfigError` naming the field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from model.checkpoint_errors import ConfigError, read_json
+from model.checkpoint_names import LANGUAGE_MODEL
 from model.quant.config import QuantConfig, QuantConfigError, parse_quant
 
 DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
@@ -79,6 +81,9 @@ class ModelConfig:
     mla: MLAConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None  # None: unquantized
+    # kimi_k25: "language_model." before every stored name (model.checkpoint_names); where the weights sit, not
+    # what they compute: out of repr, so the KV namespace (engine.worker.kv_budget.kv_shape) ignores it
+    weight_prefix: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if len(self.moe_layers) != self.num_layers:
@@ -190,7 +195,10 @@ def parse_config(raw: dict, source: str = "config.json", name_prefixes: tuple[st
             raise ConfigError(f"{source}: quantization_config differs from text_config.quantization_config")
         if outer:
             text["quantization_config"] = outer
-        return parse_config(text, f"{source}:text_config", ("", "language_model."))
+        if "tie_word_embeddings" in raw:  # the wrapper's value decides, as HF transformers reads it
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        cfg = parse_config(text, f"{source}:text_config", ("", LANGUAGE_MODEL))
+        return replace(cfg, weight_prefix=LANGUAGE_MODEL)
     if model_type not in SUPPORTED_TYPES:
         raise ConfigError(f"{source}: model_type {model_type!r} is not supported; supported: {SUPPORTED_TYPES}")
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from model.checkpoint_errors import CheckpointError, check_checkpoint_files, open_shard
+from model.checkpoint_names import CheckpointNames
 from model.config import load_config
 from model.kernel_select import BACKENDS, select_kernels
 from model.transformer import CausalLM
@@ -39,10 +40,13 @@ class SliceSource:
 
 
 def load_weights(model: CausalLM, ckpt_dir: str | Path) -> int:
-    """Fills ``model`` from ``ckpt_dir``; returns the number of tensors read (this rank's plan)."""
+    """Fills ``model`` from ``ckpt_dir``; returns the number of tensors read (this rank's plan). The model's names
+    are looked up under the checkpoint's spelling (:class:`CheckpointNames`); the vision tower's and projector's
+    tensors are not read."""
     ckpt_dir = Path(ckpt_dir)
     names = check_checkpoint_files(ckpt_dir)  # tensor → shard, every header and the index checked
-    plan = list(model.checkpoint_plan())
+    spelling = CheckpointNames.of(model.cfg.weight_prefix, names)
+    plan = [(spelling.stored(name), ct) for name, ct in model.checkpoint_plan()]
     by_file: dict[str, list] = {}
     for name, ct in plan:
         if name not in names:

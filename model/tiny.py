@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-PRESETS = ("tiny_deepseek", "tiny_qwen3_moe", "tiny_agent")
+PRESETS = ("tiny_deepseek", "tiny_qwen3_moe", "tiny_agent", "tiny_kimi_k25")
+# tiny_kimi_k25: HF's Kimi_K25ForConditionalGeneration (a tiny MoonViT tower and projector around tiny_deepseek),
+# written as HF saves it (model.checkpoint_names: language_model.model.blocks.*, lm_head tied by the wrapper)
 # tiny_agent: tiny_deepseek with an 8192-token context and a character tokenizer, for agent sessions whose history
 # reaches thousands of tokens (scripts/bench_agentic.py)
 LONG_CONTEXT = {"tiny_agent": 8192}
@@ -52,6 +54,24 @@ def _qwen3_config(**overrides):
     return Qwen3MoeConfig(**kw)
 
 
+TINY_VISION = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2, num_attention_heads=2,
+                   num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+
+
+def _kimi_k25(**overrides):
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = _deepseek_config(**overrides).to_dict()
+    return Kimi_K25ForConditionalGeneration(Kimi_K25Config(text_config=text, vision_config=TINY_VISION,
+                                                           projection_hidden_size=TINY_VISION["hidden_size"]))
+
+
+def _non_negative_biases(layers, first_dense: int) -> None:
+    with torch.no_grad():
+        for layer in layers[first_dense:]:
+            layer.mlp.gate.e_score_correction_bias.uniform_(0.0, 0.2)  # non-negative: HF masks with 0.0
+
+
 def write_tiny(preset: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Writes preset ``preset`` (see PRESETS) to ``out_dir`` with HF ``save_pretrained``; returns the dir."""
     try:
@@ -65,9 +85,11 @@ def write_tiny(preset: str, out_dir: str | Path, seed: int = 0, **overrides) -> 
         overrides = {"max_position_embeddings": LONG_CONTEXT[preset], **overrides}
     if preset in ("tiny_deepseek", *LONG_CONTEXT):
         model = DeepseekV3ForCausalLM(_deepseek_config(**overrides))
-        with torch.no_grad():
-            for layer in model.model.layers[model.config.first_k_dense_replace:]:
-                layer.mlp.gate.e_score_correction_bias.uniform_(0.0, 0.2)  # non-negative: HF masks with 0.0
+        _non_negative_biases(model.model.layers, model.config.first_k_dense_replace)
+    elif preset == "tiny_kimi_k25":
+        model = _kimi_k25(**overrides)
+        lm = model.model.language_model
+        _non_negative_biases(lm.layers, lm.config.first_k_dense_replace)
     else:
         model = Qwen3MoeForCausalLM(_qwen3_config(**overrides))
     out_dir = Path(out_dir)
@@ -124,7 +146,10 @@ def preset_dir(preset: str, cache_root: str | Path | None = None) -> Path:
 
 
 def load_hf(ckpt_dir: str | Path):
-    """The HF transformers reference model for a checkpoint dir (fp32, eval)."""
-    from transformers import AutoModelForCausalLM
+    """The HF transformers reference model for a checkpoint dir (fp32, eval); a ``kimi_k25`` one is HF's
+    ``Kimi_K25ForConditionalGeneration``."""
+    from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
 
-    return AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
+    kimi_k25 = json.loads((Path(ckpt_dir) / "config.json").read_text()).get("model_type") == "kimi_k25"
+    cls = Kimi_K25ForConditionalGeneration if kimi_k25 else AutoModelForCausalLM
+    return cls.from_pretrained(ckpt_dir, dtype=torch.float32).eval()

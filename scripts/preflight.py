@@ -1,8 +1,9 @@
 """What an entry point checks in the launching process before it starts a rank, and how it reports a user error.
 
 :func:`preflight` reads what needs no weights — ``config.json``, the checkpoint index and shard headers
-(``model/checkpoint_errors.py``), the model against the layout (``model/layout_fit.py``), the input and output
-paths, the port — so a bad setup fails in a second instead of after every rank loaded the model.
+(``model/checkpoint_errors.py``; it says once that a vision tower is left unread), the model against the layout
+(``model/layout_fit.py``), the input and output paths, the port — so a bad setup fails in a second instead of after
+every rank loaded the model.
 :func:`one_line_errors` turns a user error (a config, checkpoint, layout or path problem, or one a rank raised)
 into one line ``error: ...`` and exit status 1; ``HYDRA_FULL_ERROR=1`` or ``debug=true`` brings the traceback
 back. The port check can race with another process; the server's own bind error stays.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -21,11 +23,14 @@ from omegaconf import DictConfig
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from model.checkpoint_errors import check_checkpoint_files, read_json
+from model.checkpoint_names import image_tensors
 from model.config import ModelConfig, load_config
 from model.layout_fit import check_layout_fits
 from parallelism.layout import Layout
 from spec_decode.decoder import check_drafter_fits
 from spec_decode.dflash import DFlashConfig
+
+log = logging.getLogger("preflight")
 
 
 class PreflightError(ValueError):
@@ -46,8 +51,11 @@ def preflight(layout: Layout, ckpt: str, *, drafter: str | None = None, input: s
         check_bindable(*bind)
         if metrics_port is not None:
             check_bindable(bind[0], metrics_port, "server.metrics_port")
-    check_checkpoint_files(ckpt)
+    names = check_checkpoint_files(ckpt)
     cfg = load_config(ckpt)
+    if image_tensors(names):
+        log.info("vision tower present, not loaded: images are not served yet (%d tensors under vision_tower.*, "
+                 "mm_projector.* in %s)", len(image_tensors(names)), ckpt)
     check_layout_fits(cfg, layout, str(Path(ckpt) / "config.json"))
     if drafter is not None:
         check_drafter(drafter, cfg)

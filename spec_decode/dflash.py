@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from model.checkpoint_errors import check_checkpoint_files
 from model.config import RopeConfig
 from model.kernel_select import KernelSet, reference_kernels
 from model.rope import Rotary
@@ -249,15 +250,18 @@ class DFlashDrafter(nn.Module):
 
     @staticmethod
     def load(ckpt_dir: str | Path) -> DFlashDrafter:
-        """Loads a z-lab-layout DFlash checkpoint; a missing or misshapen tensor names the tensor and file."""
+        """Loads a z-lab-layout DFlash checkpoint, one file or sharded with ``model.safetensors.index.json``; a
+        missing or misshapen tensor names the tensor and the directory."""
         ckpt = Path(ckpt_dir)
         drafter = DFlashDrafter(DFlashConfig.from_hf(json.loads((ckpt / "config.json").read_text())))
-        tensors = load_file(ckpt / "model.safetensors")
+        tensors = {}
+        for file in sorted(set(check_checkpoint_files(ckpt).values())):
+            tensors |= load_file(ckpt / file)
         with torch.no_grad():
             for name, p in drafter.named_parameters():
                 key = drafter._hf_name(name)
                 if key not in tensors:
-                    raise ValueError(f"drafter tensor {key!r} missing from {ckpt / 'model.safetensors'}")
+                    raise ValueError(f"drafter tensor {key!r} missing from {ckpt}")
                 if tuple(tensors[key].shape) != tuple(p.shape):
                     raise ValueError(f"drafter tensor {key!r} in {ckpt} has shape {list(tensors[key].shape)}, "
                                      f"expected {list(p.shape)}")

@@ -106,11 +106,7 @@ def _compressed_tensors(q: dict) -> QuantConfig:
                                    f"group's {weights}; one group size per checkpoint is supported")
         weights = gs
         targets += list(group.get("targets") or [])
-    cfg = QuantConfig(INT4, group_size=weights, targets=tuple(targets), ignore=tuple(q.get("ignore") or ()))
-    if cfg.quantizes("lm_head"):
-        raise QuantConfigError("quantization_config.ignore does not list lm_head: a quantized lm_head is not "
-                               "supported")
-    return cfg
+    return QuantConfig(INT4, group_size=weights, targets=tuple(targets), ignore=tuple(q.get("ignore") or ()))
 
 
 def _fp8(q: dict) -> QuantConfig:
@@ -137,4 +133,8 @@ def parse_quant(q: dict, name_prefixes: tuple[str, ...] = ("",)) -> QuantConfig:
     else:
         raise QuantConfigError(f"quantization_config.quant_method={method!r} is not supported "
                                "(compressed-tensors pack-quantized INT4, fp8 block)")
-    return QuantConfig(cfg.method, cfg.group_size, cfg.block, cfg.targets, cfg.ignore, name_prefixes)
+    cfg = QuantConfig(cfg.method, cfg.group_size, cfg.block, cfg.targets, cfg.ignore, name_prefixes)
+    if cfg.quantizes("lm_head"):  # under every prefix the names may carry (kimi_k25: language_model.lm_head)
+        raise QuantConfigError("quantization_config.ignore does not list lm_head: a quantized lm_head is not "
+                               "supported")
+    return cfg

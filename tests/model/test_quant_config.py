@@ -4,6 +4,7 @@ weight is read, naming the tensor and the degree."""
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ INT4_CFG = {
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     "kv_cache_scheme": None,
 }
+# Kimi K2.5 / K2.6's published list: regexes only, lm_head as a regex, the vision tower and projector too
+PUBLISHED_K25_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                        "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]
 FP8_CFG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -56,6 +60,16 @@ def test_kimi_k25_outer_quantization_config_is_kept(tiny_ckpts):
         INT4, 32, targets=("Linear",), ignore=tuple(INT4_CFG["ignore"]), name_prefixes=("", "language_model."))
     inner = {"model_type": "kimi_k25", "text_config": _raw(tiny_ckpts, INT4_CFG)}
     assert parse_config(inner).quant.method == INT4
+    published = {**wrapped, "quantization_config": {**INT4_CFG, "ignore": PUBLISHED_K25_IGNORE}}
+    q = parse_config(published).quant
+    assert q.quantizes("model.layers.1.mlp.experts.7.down_proj")
+    for name in ("lm_head", "model.layers.1.self_attn.q_b_proj", "model.layers.1.mlp.shared_experts.up_proj"):
+        assert not q.quantizes(name), name
+    only_theirs = {**wrapped, "quantization_config": {**INT4_CFG, "ignore": [r"re:language_model\.lm_head$"]}}
+    assert not parse_config(only_theirs).quant.quantizes("lm_head")  # the prefixed name is ignored
+    quantized_head = {**wrapped, "quantization_config": {**INT4_CFG, "ignore": PUBLISHED_K25_IGNORE[:3]}}
+    with pytest.raises(ConfigError, match="does not list lm_head"):
+        parse_config(quantized_head)
     clash = {**wrapped, "text_config": _raw(tiny_ckpts, FP8_CFG)}
     with pytest.raises(ConfigError, match="differs from text_config.quantization_config"):
         parse_config(clash)
@@ -187,8 +201,10 @@ def test_each_quantized_byte_is_read_by_the_ranks_that_hold_it(quant_ckpts, monk
     for rank in range(8):
         model = CausalLM(load_config(path), _fake_groups(lay, rank))
         loader.load_weights(model, path)
-    with safe_open(f"{path}/model.safetensors", "pt") as f:
-        size = {k: f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()}
+    size = {}
+    for shard in Path(path).glob("*.safetensors"):  # the published kimi_k25 layout comes in two shards
+        with safe_open(str(shard), "pt") as f:
+            size |= {k: f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()}
     fp8_weight = k_is_proj if ckpt == "deepseek_fp8" else (lambda _: False)
     quantized = [k for k in size if k.endswith(("weight_packed", "weight_scale", "weight_scale_inv"))
                  or fp8_weight(k)]
@@ -212,7 +228,7 @@ def test_checkpoint_that_disagrees_with_its_config_is_named(quant_ckpts, tmp_pat
     from parallelism.comm import build_groups
 
     d = tmp_path / "shape"
-    shutil.copytree(quant_ckpts["kimi_k25_int4"][0], d)
+    shutil.copytree(quant_ckpts["kimi_k2_int4"][0], d)
     tensors = load_file(d / "model.safetensors")
     tensors["model.layers.2.mlp.experts.3.up_proj.weight_shape"] = torch.tensor([256, 63])
     save_file(tensors, d / "model.safetensors")
@@ -220,7 +236,7 @@ def test_checkpoint_that_disagrees_with_its_config_is_named(quant_ckpts, tmp_pat
                                          r"expected \[256, 64\]"):
         load_model(d, build_groups(Layout()))
     d = tmp_path / "plain"
-    shutil.copytree(quant_ckpts["kimi_k25_int4"][1], d)  # dequantized tensors, quantized config
-    shutil.copy(f"{quant_ckpts['kimi_k25_int4'][0]}/config.json", d / "config.json")
+    shutil.copytree(quant_ckpts["kimi_k2_int4"][1], d)  # dequantized tensors, quantized config
+    shutil.copy(f"{quant_ckpts['kimi_k2_int4'][0]}/config.json", d / "config.json")
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.experts.0.gate_proj.weight_packed'"):
         load_model(d, build_groups(Layout()))

@@ -71,6 +71,10 @@ def single(quant_ckpts):
 def test_layout_matches_hf_on_dequantized_copy(pool, quant_ckpts, hf_logits, single, preset):
     lay = layout(preset)
     ours = single if lay.world_size == 1 else pool.run(_logits, lay, {n: quant_ckpts[n][0] for n in CKPTS})[0]
+    # the same weights as Moonshot publishes K2.5/K2.6 (language_model.*, vision tensors, two shards) and in the
+    # DeepSeek-V3 layout: the same arithmetic, so the same bits
+    for i, (k25, k2) in enumerate(zip(ours["kimi_k25_int4"][0], ours["kimi_k2_int4"][0], strict=True)):
+        assert torch.equal(k25, k2), f"{preset} seq {i}: published kimi_k25 layout differs from kimi_k2's"
     for name in CKPTS:
         plain, w8a8 = ours[name]
         for i, (got, ref) in enumerate(zip(plain, hf_logits[name], strict=True)):

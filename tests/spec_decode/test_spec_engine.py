@@ -442,3 +442,28 @@ def test_a_drafter_made_for_another_target_is_refused_naming_the_path(tiny_ckpts
         message = str(err.value)
         assert message.startswith("spec_decode.drafter_path=/zoo/other ") and words in message, message
         assert "set spec_decode.drafter_path=DIR" in message
+
+
+def test_a_sharded_drafter_loads_like_one_file(random_drafter, tmp_path):
+    """A drafter split over two shards with ``model.safetensors.index.json`` (as larger releases ship) loads the
+    same weights; a tensor missing from the shards is named."""
+    from safetensors.torch import load_file, save_file
+
+    from spec_decode.dflash import DFlashDrafter
+
+    tensors = load_file(f"{random_drafter}/model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, tmp_path / file)
+    index = {"weight_map": {k: f for f, part in shards.items() for k in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(open(f"{random_drafter}/config.json").read())
+    one, two = DFlashDrafter.load(random_drafter), DFlashDrafter.load(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(one.parameters(), two.parameters(), strict=True))
+    dropped = names[1]
+    save_file({k: tensors[k] for k in names[1::2] if k != dropped}, tmp_path / "model-00002-of-00002.safetensors")
+    del index["weight_map"][dropped]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"drafter tensor '{dropped}' missing from {tmp_path}"):
+        DFlashDrafter.load(tmp_path)
