@@ -1,6 +1,8 @@
-"""A ``mooncake_master`` on loopback (the wheel in the test extra ships it) with its HTTP metadata server, for the
-shared-store tests and the agentic benchmark; metrics on a port of its own (the default 0.0.0.0:9003 would stop a
-second master)."""
+"""A ``mooncake_master`` on loopback (the wheel in the test extra ships it) and an HTTP metadata server beside it, for
+the shared-store tests and the agentic benchmark; metrics on a port of its own (the default 0.0.0.0:9003 would stop
+a second master). The master's own metadata server (``--enable_http_metadata_server``) listens on every interface
+whatever ``--http_metadata_server_host`` says (mooncake 0.3.13), so the wheel's standalone
+``mooncake_http_metadata_server --host 127.0.0.1`` serves the metadata instead."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ def installed_master() -> str | None:
 class MooncakeMaster:
     def __init__(self, binary: str, log: Path):
         self.rpc, self.http, self.metrics = free_ports(3)
+        out = open(log, "w")
         self.proc = subprocess.Popen(
-            [binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
-             "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http}",
-             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics}"],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+            [binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1",
+             f"--metrics_port={self.metrics}"], stdout=out, stderr=subprocess.STDOUT)
+        self.metadata_proc = subprocess.Popen(
+            [str(Path(binary).parent / "mooncake_http_metadata_server"), "--host", "127.0.0.1", "--port",
+             str(self.http), "--log-level", "WARNING"], stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -34,9 +38,16 @@ class MooncakeMaster:
                 socket.create_connection(("127.0.0.1", self.http), timeout=0.5).close()
                 break
             except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
+                dead = self.proc.poll() is not None or self.metadata_proc.poll() is not None
+                if dead or time.monotonic() > deadline:
+                    self.kill()
                     raise RuntimeError(f"mooncake_master did not come up; see {log}") from None
                 time.sleep(0.1)
+
+    @property
+    def pids(self) -> list[int]:
+        """The master's and the metadata server's processes."""
+        return [self.proc.pid, self.metadata_proc.pid]
 
     @property
     def address(self) -> str:
@@ -52,6 +63,7 @@ class MooncakeMaster:
                     kv_store_gb=gb, kv_store_timeout_s=timeout_s)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        for proc in (self.proc, self.metadata_proc):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)

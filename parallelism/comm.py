@@ -15,7 +15,9 @@ order on every rank, so each element's sum depends on nothing but its own values
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -264,14 +266,43 @@ def side_group(groups: ParallelGroups, kind: str) -> Comm:
 
 def init_distributed(rank: int, world_size: int, master_port: int, backend: str | None = None,
                      timeout_s: float = 300.0) -> None:
-    """Initialises the default process group on loopback (gloo on CPU, NCCL on GPUs)."""
+    """Initialises the default process group (gloo on CPU, NCCL on GPUs), on loopback unless ``MASTER_ADDR`` names
+    another host (torchrun across nodes). On loopback nothing listens beyond it: the rendezvous store serves a
+    socket bound to 127.0.0.1 (torch's own binds every interface whatever the address), and gloo's and NCCL's
+    sockets use the ``lo`` interface."""
     if world_size == 1 or dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(master_port)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_loopback(addr):
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    store = loopback_store(rank, world_size, master_port, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def loopback_store(rank: int, world_size: int, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store on 127.0.0.1:``port``: rank 0 serves it from a socket it bound to loopback itself
+    (``master_listen_fd``), the others connect."""
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    return dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
 
 def shutdown_distributed() -> None:

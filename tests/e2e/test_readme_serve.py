@@ -3,80 +3,29 @@ OpenAI SDK client. The first two run in the background until they are ready (grp
 on /v1/models), the third must exit 0 and print both answers; then both are stopped as a user would (Ctrl-C = SIGINT
 to the engine's process group) and the engine exits 0.
 
-Two substitutions, both for running beside other jobs, never of the commands' shape: the README's ports are
-replaced by free ones only when one of them is taken on this machine, and ``.venv/bin/`` by this interpreter's
-directory only when the checkout has no ``.venv`` (``make test`` creates it)."""
+Substitutions as ``tests/support/recipes.py`` makes them (free ports only when one is taken, the interpreter's
+directory only without ``.venv``). Every socket the engine (its ranks included) and smg listen on is on loopback.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
+from tests.support.listeners import exposed, listeners
 from tests.support.paths import REPO_ROOT
 from tests.support.patience import patience
-from tests.support.rpc_helpers import free_port
+from tests.support.recipes import background, runnable, section_blocks, stop
 
 ROOT = REPO_ROOT
 
 
 def serve_it_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Serve it\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^```\n(.*?)^```$", section, flags=re.S | re.M)
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def runnable(blocks: list[str]) -> tuple[list[str], dict[str, int]]:
-    """The blocks with ports (only if taken) and the venv path (only if absent) substituted; the ports in use."""
-    grpc_port = int(re.search(r"server\.port=(\d+)", blocks[0]).group(1))
-    metrics_port = int(re.search(r"server\.metrics_port=(\d+)", blocks[0]).group(1))
-    http_port = int(re.search(r" --port (\d+)", blocks[1]).group(1))
-    prom_port = int(re.search(r"--prometheus-port (\d+)", blocks[1]).group(1))
-    ports = {"grpc": grpc_port, "metrics": metrics_port, "http": http_port, "prometheus": prom_port}
-    if not all(bindable(p) for p in ports.values()):
-        new = {k: free_port() for k in ports}
-        for k in ports:
-            blocks = [re.sub(rf"(?<=[=:\s]){ports[k]}\b", str(new[k]), b) for b in blocks]
-        ports = new
-    if not (ROOT / ".venv" / "bin" / "python").exists():
-        blocks = [b.replace(".venv/bin/", f"{Path(sys.executable).parent}/") for b in blocks]
-    return blocks, ports
-
-
-def background(cmd: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(log, "w") as f:
-        return subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-
-
-def stop(proc: subprocess.Popen, sig: int, timeout: float = 30) -> int | None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None
-    return proc.returncode
+    return section_blocks("README.md", "Serve it")
 
 
 def long_chat(port: int) -> int:
@@ -108,7 +57,10 @@ def test_readme_serve_it(tmp_path):
     blocks = serve_it_blocks()
     assert len(blocks) == 3, f"expected 3 fenced blocks under '## Serve it', found {len(blocks)}"
     assert all("127.0.0.1" in b for b in blocks), "every Serve-it address must be loopback"
-    (engine_cmd, gateway_cmd, client_cmd), ports = runnable(blocks)
+    (engine_cmd, gateway_cmd, client_cmd), used = runnable(blocks)
+    documented = {"grpc": (r"server\.port=(\d+)", 0), "metrics": (r"server\.metrics_port=(\d+)", 0),
+                  "http": (r" --port (\d+)", 1)}
+    ports = {k: used[int(re.search(rx, blocks[i]).group(1))] for k, (rx, i) in documented.items()}
     engine = background(engine_cmd, tmp_path / "engine.log")
     gateway = None
     try:
@@ -143,6 +95,8 @@ def test_readme_serve_it(tmp_path):
         ended = sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
                     if line.startswith("vllm:request_success_total{"))
         assert ended == 3, page[-3000:]  # the two README calls and the long chat, on /metrics too
+        assert listeners([engine.pid, gateway.pid]) and not exposed([engine.pid, gateway.pid]), \
+            "\n".join(map(str, exposed([engine.pid, gateway.pid])))  # ranks, store, gloo, gRPC, metrics, smg
     finally:
         if gateway is not None:
             stop(gateway, signal.SIGKILL)  # smg's graceful stop waits a 5 s load-balancer window
