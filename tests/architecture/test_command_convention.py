@@ -32,4 +32,4 @@ def test_commands_run_the_venv_tools(doc):
 def test_a_bare_command_is_caught():
     planted = "Run `python scripts/bench_agentic.py --out x` or\n    smg launch --worker-urls grpc://127.0.0.1:1\n"
     assert len(bare_commands(planted)) == 2
-    assert not bare_commands("`.venv/bin/python scripts/x.py` and .venv/bin/smg launch --port 1; python is fine")
+    assert not bare_commands("`.venv/bin/python scripts/serve.py` and .venv/bin/smg launch --port 1; python is fine")

@@ -5,8 +5,9 @@ another interface. The README's "Serve it" is checked the same way in ``test_rea
 every interface is caught.
 
 One named exception, :data:`MOONCAKE_TRANSFER_ENGINE`: the Mooncake transfer engine (0.3.13) that a prefill/decode
-worker or a shared-store client starts listens for its handshake and its TCP transport on every interface, whatever address it is given
-(``MC_TCP_BIND_ADDRESS`` and ``MC_LEGACY_RPC_PORT_BINDING`` change nothing); its ports fall in the engine's RPC range.
+worker or a shared-store client starts listens for its handshake and its TCP transport on every interface, whatever
+address it is given (``MC_TCP_BIND_ADDRESS`` and ``MC_LEGACY_RPC_PORT_BINDING`` change nothing); its ports fall in the
+engine's RPC range.
 ``docs/serving.md`` ("What listens where") says how to fence it."""
 
 from __future__ import annotations
