@@ -22,8 +22,9 @@ def installed_master() -> str | None:
 
 
 class MooncakeMaster:
-    def __init__(self, binary: str, log: Path):
-        self.rpc, self.http, self.metrics = free_ports(3)
+    def __init__(self, binary: str, log: Path, ports: tuple[int, int, int] | None = None):
+        """``ports``: RPC, metadata and metrics ports (default: free ones)."""
+        self.rpc, self.http, self.metrics = ports or free_ports(3)
         out = open(log, "w")
         self.proc = subprocess.Popen(
             [binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1",

@@ -187,7 +187,8 @@ class KVTransfers:
         return HandOffs(received_blocks=self.received[0], received_bytes=self.received[1],
                         seconds=self.rank.runner.loads.seconds.get("hand_off", 0.0), recomputed_tokens=self.recomputed,
                         failures=dict(self.hand_off_failures), leased_blocks=leases.num_blocks,
-                        leases_released=leases.released, leases_expired=leases.expired)
+                        leases_released=leases.released, leases_expired=leases.expired,
+                        leases_reclaimed=leases.reclaimed)
 
     def idle(self) -> None:
         """A step with nothing to launch: wait briefly for a load's rank-0 share (if any) rather than spin."""

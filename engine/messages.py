@@ -88,6 +88,7 @@ class HandOffs:
     leased_blocks: int = 0
     leases_released: int = 0
     leases_expired: int = 0
+    leases_reclaimed: int = 0  # ended early because the prefill pool ran short (Leases.reclaim)
 
 
 @dataclass(frozen=True)

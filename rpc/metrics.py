@@ -85,10 +85,10 @@ FAMILIES = _families(
     Family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
     Family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens."),
     Family("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
-    Family("vllm:external_prefix_cache_queries", "counter", "External prefix cache queries (the host KV tier), in "
-           "terms of number of queried tokens."),
-    Family("vllm:external_prefix_cache_hits", "counter", "External prefix cache hits (the host KV tier), in terms "
-           "of number of cached tokens."),
+    Family("vllm:external_prefix_cache_queries", "counter", "External prefix cache queries (the tiers below the "
+           "device pool: host tier, shared store), in terms of number of queried tokens."),
+    Family("vllm:external_prefix_cache_hits", "counter", "External prefix cache hits (the host tier and the shared "
+           "store together), in terms of number of cached tokens."),
     Family("vllm:prompt_tokens_cached", "counter", "Number of cached prompt tokens."),
     Family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
     Family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
@@ -142,15 +142,16 @@ FAMILIES = _families(
     Family("switchyard:pd_transfer_failures", "counter", "Hand-off reads that failed, by reason (unreachable, "
            "checksum, layout); their requests computed the tokens.", ("reason",)),
     Family("switchyard:pd_leased_blocks", "gauge", "KV blocks a prefill worker holds for decode workers to read."),
-    Family("switchyard:pd_leases_ended", "counter", "Prefill leases ended: released by a decode worker or smg, or "
-           "expired.", ("how",)),
+    Family("switchyard:pd_leases_ended", "counter", "Prefill leases ended: released by a decode worker or smg, "
+           "expired, or reclaimed unread when the prefill pool ran short.", ("how",)),
     Family("switchyard:eplb_balancedness", "gauge", "Mean over max tokens per EP rank of the expert balancer's last "
            "window, at the placement it ran on, per MoE layer (1 = even).", ("layer",)),
     Family("switchyard:eplb_rebalances", "counter", "Placements the expert balancer computed."),
     Family("switchyard:eplb_moved_bytes", "counter", "Expert weight bytes the ranks sent to each other."),
     Family("switchyard:eplb_rebalance_seconds", "counter", "Seconds steps waited for expert moves."),
-    Family("switchyard:kv_blocks", "gauge", "KV blocks per attention-DP rank: used (referenced), cached (in the "
-           "prefix index), free (empty or evictable).", ("dp_rank", "state")),
+    Family("switchyard:kv_blocks", "gauge", "KV blocks per attention-DP rank, disjoint states adding up to the "
+           "pool: used (referenced, leases included), cached (unreferenced, in the prefix index: evictable), free "
+           "(empty).", ("dp_rank", "state")),
     Family("switchyard:acceptance_length", "histogram", "Committed tokens per speculative request per step (tau, "
            "bonus included).", buckets=TAU_BUCKETS),
     Family("switchyard:gpu_power_watts", "gauge", "Power drawn by the rank's GPU (NVML, a 1 s average).", ("rank",)),
@@ -263,7 +264,7 @@ class MetricsExporter:
             used, total = used + k.blocks_used, total + k.blocks_total
             label = str(dp)
             blocks[(label, "used")], blocks[(label, "cached")], blocks[(label, "free")] = \
-                k.blocks_used, k.blocks_cached, k.blocks_free
+                k.blocks_used, k.blocks_free - k.blocks_empty, k.blocks_empty  # disjoint: they add up to the pool
         d["vllm:num_requests_running"][()] = running
         d["vllm:num_requests_waiting"][()] = waiting
         by_reason = d["vllm:num_requests_waiting_by_reason"]
@@ -312,6 +313,7 @@ class MetricsExporter:
         d["switchyard:pd_leased_blocks"][()] = h.leased_blocks
         d["switchyard:pd_leases_ended"][("released",)] = h.leases_released
         d["switchyard:pd_leases_ended"][("expired",)] = h.leases_expired
+        d["switchyard:pd_leases_ended"][("reclaimed",)] = h.leases_reclaimed
 
     def _requests(self, r: StepRecord) -> None:
         q, d = r.requests, self._data

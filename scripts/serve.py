@@ -55,6 +55,21 @@ def configs(cfg: DictConfig):
     return EngineConfig.flat(**e), server
 
 
+def what_is_on(layout: str, spec, engine: EngineConfig, server) -> str:
+    """One line of what this server runs: layout, speculation, KV tiers, PD role, expert balancing, ports."""
+    c = engine.cache
+    tiers = ["device (its size is logged once the weights are in)"]
+    if c.host_kv_cache_gb:
+        tiers.append(f"host {c.host_kv_cache_gb:g} GiB per DP group")
+    if c.kv_store != "none":
+        tiers.append(f"store {c.kv_store} at {c.kv_store_master} (rank 0 says below whether it answered)")
+    speculation = f"{spec.method} budget {spec.budget}" if spec.enabled else "off"
+    balancing = "on" if engine.balancer.eplb_enabled else "off"
+    metrics = f"/metrics on {server.metrics_port}" if server.metrics_port is not None else "/metrics off"
+    return (f"layout {layout}; speculation {speculation}; KV tiers: {', '.join(tiers)}; PD role {server.kv_role}; "
+            f"expert rebalancing {balancing}; gRPC on {server.host}:{server.port}; {metrics}")
+
+
 def rank_main(rank: int, layout, ckpt: str, sched_cfg: EngineConfig, server_cfg, spec, seed: int,
               rank0_pid, device: DeviceConfig) -> None:
     setup_logging(rank)
@@ -117,6 +132,7 @@ def main(cfg: DictConfig) -> None:
         ReasoningParser.for_checkpoint(server_cfg.reasoning_parser, load_tokenizer(ckpt),
                                        server_cfg.max_thinking_tokens)
     device, backend, _ = prepare_ranks(cfg, layout)
+    log.info("on: %s", what_is_on(layout.describe(), spec, sched_cfg, server_cfg))
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     rank0_pid = ctx.RawValue("i", 0)
     if layout.world_size > 1 and "RANK" not in os.environ:

@@ -46,10 +46,12 @@ class KVLoad:
 
 class Admission:
     def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, journal: RankJournal,
-                 store_lookup: Callable[[list[int]], int] | None = None):
-        """``store_lookup(hashes)``: leading blocks of ``hashes`` the shared store holds (None: no store)."""
+                 store_lookup: Callable[[list[int]], int] | None = None,
+                 reclaim: Callable[[int], bool] = lambda dp: False):
+        """``store_lookup(hashes)``: leading blocks of ``hashes`` the shared store holds (None: no store);
+        ``reclaim(dp)``: frees blocks held for others on rank ``dp`` (an unread PD lease), False when none are."""
         self.cfg, self.table, self.kv, self.journal = cfg, table, kv, journal
-        self.store_lookup = store_lookup
+        self.store_lookup, self.reclaim = store_lookup, reclaim
         self._order = itertools.count()
         self.prefix_waits = 0  # admission passes that put a request off for a block another is prefilling
         self._load_ids = itertools.count()
@@ -84,6 +86,8 @@ class Admission:
             if slots or stored:  # the tiers' blocks arrive like KV from elsewhere
                 req.kv_tokens = (device + len(slots) + len(stored)) * self.cfg.cache.block_size
             cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots), len(stored))
+            while cached is None and self.reclaim(dp):
+                cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots), len(stored))
             if cached is None:
                 if slots or stored:
                     req.kv_tokens = 0

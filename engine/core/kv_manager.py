@@ -97,6 +97,11 @@ class BlockPool:
         return len(self.empty) + len(self.lru) + len(self.retained)
 
     @property
+    def num_empty(self) -> int:
+        """Blocks that hold no cached KV."""
+        return len(self.empty)
+
+    @property
     def num_used(self) -> int:
         """Referenced blocks (the non-evictable usage)."""
         return self.num_blocks - self.num_free

@@ -4,7 +4,9 @@
 A request added with a lease (``Engine.add_request(lease_s=…)``) does not give its blocks back when it finishes: the
 blocks holding its prompt stay referenced under a lease key, ``<request id>#<nonce>`` (smg re-runs a prefill under
 the same request id when it retries the decode leg, so each leg's lease is its own), until the decode worker says it
-has read them, smg aborts the request, or the lease expires. Rank 0 only: the ranks never see a lease.
+has read them, smg aborts the request, the lease expires, or its pool runs short (:meth:`Leases.reclaim`, oldest
+first: smg 1.13 sends an ``n > 1`` request's prefill leg like any other, so a prefill worker cannot tell which leases
+no decode worker will read). Rank 0 only: the ranks never see a lease.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Leases:
         self.held: dict[str, Lease] = {}
         self.fresh: dict[str, Lease] = {}  # request id → the lease its finish just took (for the hand-off blob)
         self._nonce = itertools.count()
-        self.expired = self.released = 0
+        self.expired = self.released = self.reclaimed = 0
 
     def take(self, req: Request, num_tokens: int, lease_s: float) -> None:
         """``req`` finished: its blocks up to ``num_tokens`` prompt tokens stay referenced for ``lease_s`` seconds;
@@ -66,6 +68,16 @@ class Leases:
         for key in [k for k, lease in self.held.items() if lease.until <= now]:
             self._end(key)
             self.expired += 1
+
+    def reclaim(self, dp_rank: int) -> bool:
+        """The pool of attention-DP rank ``dp_rank`` ran short: its oldest unread lease ends and gives its blocks
+        back (a decode leg that arrives for it later fails as for an expired lease). False when it holds none."""
+        key = next((k for k, lease in self.held.items() if lease.dp_rank == dp_rank), None)
+        if key is None:
+            return False
+        self._end(key)
+        self.reclaimed += 1
+        return True
 
     def _end(self, key: str) -> None:
         lease = self.held.pop(key)

@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.config import EngineConfig
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager
@@ -27,8 +29,10 @@ from engine.step import StepItem
 
 class StepPlanner:
     def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, journal: RankJournal,
-                 spec_reserve_slots: int, overlap: bool):
-        self.cfg, self.table, self.kv, self.journal = cfg, table, kv, journal
+                 spec_reserve_slots: int, overlap: bool, reclaim: Callable[[int], bool] = lambda dp: False):
+        """``reclaim(dp)``: frees blocks held for others on rank ``dp`` (an unread PD lease) before any preemption;
+        False when none are."""
+        self.cfg, self.table, self.kv, self.journal, self.reclaim = cfg, table, kv, journal, reclaim
         self.spec_reserve_slots, self.overlap = spec_reserve_slots, overlap
         self.in_flight: dict[int, dict[str, Request]] = {}  # step id → the requests it feeds, until its update
         self.preemptions = 0
@@ -95,9 +99,11 @@ class StepPlanner:
         return total - req.num_computed == 1 and len(req.output) + req.pending > 0
 
     def _blocks_for_step(self, req: Request, slots: int, scheduled: dict[str, Request]) -> bool:
-        """Grows ``req``'s blocks to ``slots``, preempting lower-priority requests of its rank while they are short;
-        False when no preemption can make room (the item waits)."""
+        """Grows ``req``'s blocks to ``slots``, ending unread leases, then preempting lower-priority requests of its
+        rank while they are short; False when nothing can make room (the item waits)."""
         while not self.kv.allocate(req, slots):
+            if self.reclaim(req.dp_rank):
+                continue
             victim = self._victim(req, scheduled)
             if victim is None:
                 return False

@@ -90,8 +90,9 @@ class Scheduler:
         self.table = RequestTable(cfg, dp_size, vocab_size, spec_reserve_slots)
         self.leases = Leases(self.kv)  # blocks a prefill keeps for a decode worker to read
         self.journal = RankJournal()
-        self.admission = Admission(cfg, self.table, self.kv, self.journal, store_lookup)
-        self.planner = StepPlanner(cfg, self.table, self.kv, self.journal, spec_reserve_slots, self.overlap)
+        self.admission = Admission(cfg, self.table, self.kv, self.journal, store_lookup, self.leases.reclaim)
+        self.planner = StepPlanner(cfg, self.table, self.kv, self.journal, spec_reserve_slots, self.overlap,
+                                   self.leases.reclaim)
         self.outputs = OutputProcessor(cfg, self.kv, eos_token_ids, self.overlap, retain_after, self._finish,
                                        self._fork)
         self._steps = itertools.count()
@@ -231,7 +232,8 @@ class Scheduler:
         uncached = self.admission.waiting_uncached_tokens() if table.waiting else 0
         per_dp = tuple(RankLoad(running=len(table.running[dp]) - loading[dp], waiting=waiting[dp] + loading[dp],
                                 deferred=deferred[dp], loading=loading[dp], blocks_used=pool.num_used,
-                                blocks_cached=pool.num_cached, blocks_total=pool.num_blocks,
+                                blocks_cached=pool.num_cached, blocks_empty=pool.num_empty,
+                                blocks_total=pool.num_blocks,
                                 waiting_uncached_tokens=uncached if dp == 0 else 0, cache_hit_rate=kv.hit_rate_of(dp))
                        for dp, pool in enumerate(kv.pools))
         return SchedulerStats(per_dp=per_dp, blocked=self._blocked, running=table.num_running() - sum(loading),

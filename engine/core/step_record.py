@@ -18,8 +18,9 @@ LAUNCH_PARTS = ("draft", "target")  # launch split by the runner: the speculator
 
 @dataclass(frozen=True, kw_only=True)
 class RankLoad:
-    """One attention-DP rank's requests and KV blocks. ``blocks_used``: referenced (non-evictable);
-    ``blocks_cached``: in the prefix index (referenced or not); cached unreferenced blocks count as free. The
+    """One attention-DP rank's requests and KV blocks. ``blocks_used``: referenced (non-evictable; leased blocks
+    included); ``blocks_cached``: in the prefix index (referenced or not); ``blocks_empty``: holding no cached KV;
+    cached unreferenced blocks count as free (``blocks_free``: empty + evictable). The
     unpinned waiting requests (one queue) are counted on rank 0; ``cache_hit_rate``: prompt tokens served from this
     rank's prefix cache over those admitted to it."""
 
@@ -29,6 +30,7 @@ class RankLoad:
     loading: int = 0  # of the waiting, those whose KV is being loaded (engine/worker/kv_loads.py)
     blocks_used: int = 0
     blocks_cached: int = 0
+    blocks_empty: int = 0
     blocks_total: int = 1
     waiting_uncached_tokens: int = 0
     cache_hit_rate: float = 0.0

@@ -108,6 +108,7 @@ class KVStore:
         self._client = None
         self.errors: Counter[str] = Counter()
         self.down_until = 0.0
+        self.outage = False  # a failure was reported and no call has succeeded since
         self.puts = 0  # blocks this client wrote its parts of
         self.group_put_bytes = 0  # bytes its attention-TP group wrote with them (its shards × ranks, replicas once)
 
@@ -139,11 +140,29 @@ class KVStore:
             self._client = client
         return self._client
 
+    def connect(self) -> None:
+        """Connects now (at start-up) and says whether the master answered; a failure marks the store down as a
+        failed call does (one warning), and the next call after the pause tries again."""
+        started = time.monotonic()
+        try:
+            self._call("connect", lambda client: None)
+        except StoreError:
+            return
+        log.info("shared KV store: master %s answered in %.2f s (metadata %s). A Mooncake line 'GET .../metadata ... "
+                 "http=404 ... metadata not found' just before is its client looking up its own segment before "
+                 "registering it: expected once per client", self.settings.master, time.monotonic() - started,
+                 self.settings.metadata)
+
     def _call(self, what: str, fn):
-        """``fn(client)`` on the call thread, waited for at most ``timeout_s``; a failure marks the store down."""
+        """``fn(client)`` on the call thread, waited for at most ``timeout_s``; a failure marks the store down, and
+        the first success after an outage says the store is back."""
         future = self._calls.submit(lambda: fn(self._connect()))
         try:
-            return future.result(timeout=self.settings.timeout_s)
+            result = future.result(timeout=self.settings.timeout_s)
+            if self.outage:
+                self.outage = False
+                log.info("shared KV store at %s answers again: serving with it", self.settings.master)
+            return result
         except FutureTimeout:
             self._failed(StoreError("timeout", f"{what} took more than {self.settings.timeout_s} s"))
         except StoreError as e:
@@ -154,8 +173,9 @@ class KVStore:
     def _failed(self, error: StoreError) -> NoReturn:
         self.errors[error.reason] += 1
         if error.reason != "checksum":
-            if self.up:
-                log.warning("%s; serving without the shared KV store for %.0f s", error, RETRY_S)
+            if self.up and not self.outage:
+                log.warning("%s; serving without the shared KV store, trying again every %.0f s", error, RETRY_S)
+            self.outage = True
             self.down_until = time.monotonic() + RETRY_S
         raise error
 

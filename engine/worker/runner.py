@@ -100,6 +100,8 @@ class ModelRunner:
         slots = host_slots(host_kv_cache_gb, self.cache.block_bytes(), model.groups.attn_tp.size)
         host = HostPool(slots, self.cache.block_bytes(), pin=device.type == "cuda") if slots else None
         store = KVStore(kv_store, self.cache.replicated_bytes()) if kv_store is not None else None
+        if store is not None:
+            store.connect()
         # KV copies in and out (kv_loads.py)
         self.loads = RankLoads(self.cache, model.groups.rank, host, store, model.groups.attn_tp.rank)
 

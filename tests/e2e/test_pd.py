@@ -27,6 +27,7 @@ import pytest
 
 from bench.pd import pd_samples
 from rpc.client import Client, generate_request
+from tests.support.metrics_doc import assert_documented
 from tests.support.mooncake import master_binary
 from tests.support.paths import REPO_ROOT
 from tests.support.recording_worker import RecordingWorker
@@ -439,3 +440,36 @@ def test_smg_refuses_a_pair_whose_block_sizes_differ_before_any_request_runs(gat
         assert "[rpc.requests]" not in other.log(100_000)
     finally:
         other.close()
+
+
+def test_unread_leases_give_their_blocks_back_when_a_small_prefill_pool_runs_short(tmp_path):
+    """``n > 1`` through smg: the decode leg computes the prompt itself and nobody reads the prefill's lease. A
+    prefill pool of 24 blocks holds two such 9-block leases; the third request and those after it are answered at
+    once (``kv_lease_s`` is 120 s) because the oldest unread leases end first, counted as ``reclaimed``."""
+    master_binary()
+    small = [*BASE[:-2], "engine.num_blocks=24", "engine.max_model_len=384", f"server.served_model_name={MODEL}",
+             "server.kv_lease_s=120"]
+    servers = [ServerProcess(str(ZOO / "target"), [*small, f"server.kv_role={role}"], tmp_path / f"{role}.log")
+               for role in ("prefill", "decode")]
+    try:
+        for srv in servers:
+            srv.wait_ready().close()
+        prefill, decode = servers
+        with smg_gateway((prefill.target, decode.target), ZOO / "target", tmp_path / "smg.log", *SMG_OPTIONS,
+                         model=MODEL) as pd:
+            started = time.monotonic()
+            for i in range(6):  # distinct 130-token prompts: 9 blocks each, none shared (their first token differs)
+                got = _completions(pd, prompt=f"# request {i}\n" + PROMPT * 3, max_tokens=2, n=2, temperature=1.0,
+                                   seed=i)
+                assert len(got["choices"]) == 2
+            assert time.monotonic() - started < 60  # no request waited for a lease to expire
+            m = _metrics_once(prefill, lambda m: m.get('switchyard:pd_leases_ended_total{how="reclaimed"}', 0) >= 3)
+            assert m['switchyard:pd_leases_ended_total{how="reclaimed"}'] >= 3
+            assert m["switchyard:pd_leased_blocks"] <= 24
+            assert m.get('switchyard:pd_leases_ended_total{how="expired"}', 0) == 0
+            for srv in servers:  # every PD series and label value on both roles' pages is in docs/metrics.md
+                with urllib.request.urlopen(srv.metrics_url, timeout=10) as page:
+                    assert_documented(page.read().decode())
+    finally:
+        for srv in servers:
+            srv.close()

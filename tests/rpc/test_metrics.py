@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto.generated import common_pb2
 
+from tests.support.metrics_doc import assert_documented, doc_rows, undocumented
 from tests.support.paths import REPO_ROOT
 from tests.support.patience import patience
 from tests.support.rpc_helpers import ServerProcess, free_port
@@ -108,6 +109,21 @@ def load(server):
         done += [(p, f.result(), s.result) for p, f, s in zip(PROMPTS, futures, streams, strict=True)]
         done.append(([7, 7, 7], aborted.result(), waiting.result))
     return done
+
+
+def test_every_sample_and_label_value_on_the_page_is_documented(server, load):
+    """docs/metrics.md names every family the loaded server's page carries and every value of its enumerated labels
+    (the host tier's, the store's and the PD workers' pages are checked in their own tests)."""
+    assert_documented(scrape(server[0].metrics_url))
+
+
+def test_an_undocumented_label_value_is_caught():
+    rows = doc_rows()
+    page = ('# TYPE switchyard:kv_blocks gauge\nswitchyard:kv_blocks{dp_rank="0",state="used"} 1.0\n'
+            'switchyard:kv_blocks{dp_rank="0",state="borrowed"} 2.0\n# TYPE switchyard:made_up gauge\n'
+            'switchyard:made_up 1.0\n')
+    assert undocumented(page, rows) == ['switchyard:kv_blocks{state="borrowed"}: value not in its row',
+                                        "switchyard:made_up: no row"]
 
 
 def test_metrics_page_parses_and_counts_exactly_what_was_sent(server, load):
@@ -306,7 +322,9 @@ def test_host_tier_hits_reach_metrics_and_engine_info(tiny_ckpts, tmp_path):
         tiers = {t["tier"]: t for t in client.engine_info()["kv"]["tiers"]}
         assert tiers["host"]["hit_tokens"] == 64 and tiers["host"]["load_bytes"] == loaded
         assert client.flush_cache()[0]
-        assert samples(scrape(srv.metrics_url))[("switchyard:kv_tier_blocks", (("tier", "host"),))] == 0
+        page = scrape(srv.metrics_url)
+        assert samples(page)[("switchyard:kv_tier_blocks", (("tier", "host"),))] == 0
+        assert_documented(page)
     finally:
         srv.close()
 
@@ -366,6 +384,7 @@ def test_store_hits_reach_metrics_and_flush_leaves_the_store(tiny_ckpts, tmp_pat
         assert ("switchyard:kv_tier_blocks", (("tier", "store"),)) not in m
         tiers = {t["tier"]: t for t in client.engine_info()["kv"]["tiers"]}
         assert tiers["store"]["hit_tokens"] == 64 and tiers["store"]["blocks"] is None
+        assert_documented(scrape(srv.metrics_url))
     finally:
         srv.close()
         master.kill()

@@ -30,5 +30,5 @@ def master_binary() -> str:
     return found
 
 
-def start_master(log: Path) -> MooncakeMaster:
-    return MooncakeMaster(master_binary(), log)
+def start_master(log: Path, ports: tuple[int, int, int] | None = None) -> MooncakeMaster:
+    return MooncakeMaster(master_binary(), log, ports)

@@ -79,3 +79,35 @@ def test_a_master_that_just_died_is_an_outage_even_when_the_library_answers_at_o
     finally:
         client.close()
         master.kill()
+
+
+def test_a_store_that_went_away_is_said_to_be_back_once_it_answers(tmp_path, caplog, monkeypatch):
+    """The master dies and a new one starts on its ports: one warning when a call fails, the store left alone for
+    the pause, and the first call that succeeds after it says the store is back, once."""
+    import logging
+
+    import engine.worker.kv_store as kv_store
+
+    monkeypatch.setattr(kv_store, "RETRY_S", 0.5)
+    master = start_master(tmp_path / "master.log")
+    client = _client(master, 0, torch.zeros(10, dtype=torch.bool))
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.worker.kv_store"):
+            client.connect()
+            assert client.up and not client.outage
+            master.kill()
+            assert client.held([31]) == 0 and client.outage
+            master = start_master(tmp_path / "master2.log", (master.rpc, master.http, master.metrics))
+            deadline = time.monotonic() + 30
+            while client.outage:
+                assert time.monotonic() < deadline, "the client never reached the new master"
+                time.sleep(0.6)
+                client.held([31])
+            assert client.held([31]) == 0 and client.up
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("shared KV store: master" in m and "answered" in m for m in lines) == 1, lines
+        assert sum("serving without the shared KV store" in m for m in lines) == 1, lines
+        assert sum("answers again" in m for m in lines) == 1, lines
+    finally:
+        client.close()
+        master.kill()
