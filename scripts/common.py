@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from settings import check_across_groups, typed
 
 from model.config import load_config
 from model.loader import DeviceConfig
@@ -32,9 +33,12 @@ def repo_path(path: str | None) -> str | None:
 def layout_from(cfg: DictConfig) -> Layout:
     """The ``parallel`` group, with the ``eplb`` group's starting expert placement when it asks for one (its slots
     need the model's MoE layer and expert counts: ``config.json`` is read)."""
-    layout = Layout(**OmegaConf.to_container(cfg.parallel, resolve=True))
-    eplb = EPLBConfig(cfg.eplb.placement_file, cfg.eplb.redundant_experts, nodes(cfg.eplb.num_nodes)) \
-        if "eplb" in cfg else EPLBConfig()
+    layout = Layout(**typed(OmegaConf.to_container(cfg.parallel, resolve=True), "parallel", Layout))
+    if "eplb" in cfg:
+        start = typed({k: cfg.eplb[k] for k in ("placement_file", "redundant_experts")}, "eplb", EPLBConfig)
+        eplb = EPLBConfig(start["placement_file"], start["redundant_experts"], nodes(cfg.eplb.num_nodes))
+    else:
+        eplb = EPLBConfig()
     if not eplb.active:
         return layout
     if eplb.placement_file:
@@ -50,10 +54,14 @@ BALANCER_KEYS = ("enabled", "window_steps", "interval_steps", "min_gain", "layer
 def engine_keys(cfg: DictConfig) -> dict:
     """The ``engine`` group's keys (``seed`` aside: the scripts take it themselves) and the ``eplb`` group's
     rebalancing keys as ``eplb_*`` (``engine.config.BalancerConfig``): what ``EngineConfig.flat`` takes."""
-    keys = OmegaConf.to_container(cfg.engine, resolve=True)
+    from engine.config import BalancerConfig, CacheConfig, RunnerConfig, SchedulerConfig
+
+    keys = typed(OmegaConf.to_container(cfg.engine, resolve=True), "engine", SchedulerConfig, CacheConfig,
+                 RunnerConfig)
     keys.pop("seed", None)
     if "eplb" in cfg:
-        keys |= {f"eplb_{k}": cfg.eplb[k] for k in BALANCER_KEYS} | {"eplb_num_nodes": nodes(cfg.eplb.num_nodes)}
+        balancer = typed({k: cfg.eplb[k] for k in BALANCER_KEYS}, "eplb", BalancerConfig, rename=lambda k: f"eplb_{k}")
+        keys |= {f"eplb_{k}": v for k, v in balancer.items()} | {"eplb_num_nodes": nodes(cfg.eplb.num_nodes)}
     return keys
 
 
@@ -68,13 +76,16 @@ def model_dir(cfg: DictConfig) -> str:
 
 def device_config(cfg: DictConfig) -> DeviceConfig:
     """The ``device`` group (cpu | cuda), or the CPU default when the config has none; travels to the ranks."""
-    return DeviceConfig(**OmegaConf.to_container(cfg.device, resolve=True)) if "device" in cfg else DeviceConfig()
+    if "device" not in cfg:
+        return DeviceConfig()
+    return DeviceConfig(**typed(OmegaConf.to_container(cfg.device, resolve=True), "device", DeviceConfig))
 
 
 def spec_config(cfg: DictConfig):
     from spec_decode.config import SpecConfig
 
-    s = OmegaConf.to_container(cfg.spec_decode, resolve=True) if "spec_decode" in cfg else {}
+    s = typed(OmegaConf.to_container(cfg.spec_decode, resolve=True), "spec_decode", SpecConfig) \
+        if "spec_decode" in cfg else {}
     s["drafter_path"] = repo_path(s.get("drafter_path"))
     return SpecConfig(**s)
 
@@ -83,21 +94,16 @@ def prepare_ranks(cfg: DictConfig, layout: Layout, environ=None) -> tuple[Device
     """What a script settles before it starts any rank: the ``device`` group (:func:`device_config`), the
     process-group backend it implies (``parallelism.launch.backend_for``) and ``topology=auto|nvlink|pcie``
     applied for that backend (``parallelism.topology.prepare``: NCCL's switches written into ``environ``, default
-    ``os.environ``). Returns ``(device, backend, topology summary)``; the summary is also logged. Refuses a KV
-    block size the device's kernels cannot page (the Triton kernels: powers of two only), and batch invariance over
-    DeepEP (its kernels combine in their own order)."""
+    ``os.environ``). Returns ``(device, backend, topology summary)``; the summary is also logged. The rules that join
+    groups run first (:func:`settings.check_across_groups`)."""
     from parallelism.launch import backend_for
     from parallelism.topology import prepare
 
-    if "engine" in cfg and cfg.engine.get("batch_invariant") and layout.resolved_dispatcher == "deepep":
-        raise ValueError("engine.batch_invariant=true with parallel.dispatcher=deepep: DeepEP's kernels combine a "
-                         "token's expert outputs in their own order, so rows would not be batch-invariant; use "
-                         "parallel.dispatcher=alltoall (ordered under the flag) or turn the flag off")
     device = device_config(cfg)
-    block_size = cfg.engine.get("block_size") if "engine" in cfg else None
-    if device.type == "cuda" and device.kernels != "torch" and block_size and block_size & (block_size - 1):
-        raise ValueError(f"engine.block_size={block_size}: the Triton paged-attention kernels (device=cuda) need a "
-                         "power of two (16, 32, 64, ...)")
+    engine = cfg.engine if "engine" in cfg else {}
+    check_across_groups(layout, device, batch_invariant=bool(engine.get("batch_invariant")),
+                        block_size=engine.get("block_size"),
+                        eplb_enabled="eplb" in cfg and cfg.eplb.enabled is True)
     backend = backend_for(device.type)
     mode = cfg.topology.mode if "topology" in cfg else "auto"
     summary = prepare(mode, layout, environ=environ, backend=backend)

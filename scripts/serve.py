@@ -29,6 +29,7 @@ import torch
 from common import CONF_DIR, engine_keys, layout_from, model_dir, prepare_ranks, setup_logging, spec_config
 from omegaconf import DictConfig, OmegaConf
 from preflight import debug_requested, one_line, one_line_errors, preflight
+from settings import typed
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -49,7 +50,7 @@ log = logging.getLogger("serve")
 def configs(cfg: DictConfig):
     from rpc.server import ServerConfig
 
-    server = ServerConfig(**OmegaConf.to_container(cfg.server, resolve=True))
+    server = ServerConfig(**typed(OmegaConf.to_container(cfg.server, resolve=True), "server", ServerConfig))
     e = engine_keys(cfg)
     e["max_num_seqs"] = server.max_num_seqs
     return EngineConfig.flat(**e), server

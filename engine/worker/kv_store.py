@@ -230,15 +230,19 @@ class KVStore:
         self._puts.submit(self._put, keys, values, len(hashes), group_bytes)
 
     def _put(self, keys: list[str], values: list[bytes], blocks: int, group_bytes: int) -> None:
+        def write(client) -> int:  # counted on the call thread, so a lookup queued behind it sees the count
+            rc = client.put_batch(keys, values)
+            if rc == 0:
+                self.puts += blocks
+                self.group_put_bytes += group_bytes
+            return rc
+
         try:
-            rc = self._call("put", lambda c: c.put_batch(keys, values))
+            rc = self._call("put", write)
             if rc == RPC_FAIL:
                 self._failed(StoreError("unreachable", f"put answered error {rc}"))
             if rc != 0:
                 self.errors["rejected"] += 1
-                return
-            self.puts += blocks
-            self.group_put_bytes += group_bytes
         except StoreError:
             pass
         finally:

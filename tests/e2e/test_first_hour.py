@@ -208,6 +208,13 @@ CASES = {  # name: (script, args given tmp, what the one line must say)
     "a reasoning parser the checkpoint has no markers for": (
         "serve.py", lambda t: ["server.reasoning_parser=kimi"],
         [r"server\.reasoning_parser=kimi: the checkpoint's tokenizer has no single token for '<think>'"]),
+    "a bool that does not parse": ("serve.py", lambda t: ["engine.prefix_caching=flase"],
+                                   [r"engine\.prefix_caching='flase' is not a bool \(true or false\)"]),
+    "a misspelt switch of another group": ("serve.py", lambda t: ["eplb.enabled=treu"],
+                                           [r"eplb\.enabled='treu' is not a bool"]),
+    "expert rebalancing on one expert-parallel rank": (
+        "serve.py", lambda t: ["eplb.enabled=true"],
+        [r"eplb\.enabled=true with parallel\.moe_ep=1: the expert balancer moves experts between"]),
     "unwritable output": ("generate.py", lambda t: [f"generate.input={ROOT}/model/zoo/tiny_kimi/sample_prompts.json",
                                                     f"generate.output={t}/no/such/dir/out.json", *TWO_RANKS],
                           [r"generate\.output=.*/no/such/dir/out\.json: directory .* does not exist"]),
