@@ -25,12 +25,15 @@ from parallelism.eplb import balancedness
 
 ALGORITHM = "sglang/srt/eplb/eplb_algorithms/deepseek.py"
 # (experts, slots, ranks, nodes, groups): no redundancy, one and two spare slots per rank, 32 spare over 256, and
-# the hierarchical policy (two nodes) at 64 and 384 experts
+# the hierarchical policy (two nodes) at 64 and 384 experts; then SMALL_SHAPES
 SHAPES = [(64, 64, 8, 1, 1), (64, 72, 8, 1, 1), (64, 80, 8, 1, 1), (256, 288, 8, 1, 1), (64, 80, 8, 2, 8),
           (384, 416, 16, 2, 8)]
 SKEWS = (0.6, 1.2)  # Zipf exponents of the synthetic loads
 SEEDS = (0, 1)
 LAYERS = 2
+# few slots per rank, where which replicas share a rank decides everything: more loads each
+SMALL_SHAPES = [(4, 8, 4, 1, 1), (6, 8, 4, 1, 1), (8, 16, 8, 1, 1)]
+SMALL_SEEDS = tuple(range(2, 12))
 
 
 def synthetic_load(seed: int, layers: int, experts: int, skew: float) -> torch.Tensor:
@@ -60,9 +63,10 @@ def main() -> None:
     args = parser.parse_args()
     published = published_algorithm(args.wheel)
     cases = []
-    for experts, slots, ranks, nodes, groups in SHAPES:
+    runs = [(shape, SEEDS) for shape in SHAPES] + [(shape, SMALL_SEEDS) for shape in SMALL_SHAPES]
+    for (experts, slots, ranks, nodes, groups), seeds in runs:
         for skew in SKEWS:
-            for seed in SEEDS:
+            for seed in seeds:
                 load = synthetic_load(seed, LAYERS, experts, skew)
                 phy2log, _, _ = published(load, slots, groups, nodes, ranks, nodes > 1 and groups % nodes == 0)
                 cases.append(dict(slots=slots, ranks=ranks, nodes=nodes, groups=groups, skew=skew, seed=seed,
