@@ -25,7 +25,11 @@ class SpecConfig:
     wider), ``auto`` (bf16 where the device multiplies bf16 natively: CUDA, or a CPU with AVX512-BF16 / AMX);
     drafting only, so lossless either way. ``prune_drafts``: a constrained request's tree holds only tokens its
     grammar allows (each node's children are the drafter's best allowed tokens); off, the tree is the plain one
-    and the grammar only masks the verify (lossless either way; the bench compares the two)."""
+    and the grammar only masks the verify (lossless either way; the bench compares the two). ``coupled``: a sampled
+    request's drafts are ranked with its own temperature, filters and logits processors plus the sampler's noise
+    for the output index each depth proposes, so a drafter that agrees with the target proposes the target's
+    draw (off: the drafter's most probable tokens whatever the temperature; lossless either way;
+    ``docs/sampling.md``)."""
 
     method: str = "none"
     budget: int = 16
@@ -34,6 +38,7 @@ class SpecConfig:
     tree_temperature: float = 1.0
     draft_head_dtype: str = "auto"
     prune_drafts: bool = True
+    coupled: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -126,6 +126,33 @@ def filter_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:
     return logits.masked_fill(logits < cutoff, -math.inf)
 
 
+def draw_scores(processed: Tensor, sb: SamplingBatch) -> Tensor:
+    """The Gumbel-max scores ``[B, V]`` of sampled rows: :func:`filter_logits` of ``processed / temperature`` plus
+    :func:`gumbel_noise` (removed tokens -inf). Their argmax is :func:`sample`'s draw (rows at temperature 0 are
+    scored at temperature 1; :func:`sample` takes their argmax instead)."""
+    scaled, noise = _scaled(processed, sb)
+    return filter_logits(scaled, sb) + noise
+
+
+def coupled_scores(processed: Tensor, sb: SamplingBatch) -> Tensor:
+    """:func:`draw_scores` with the tokens the filters remove ranked below every kept token (in the order of their
+    own ``processed / temperature`` + noise) instead of at -inf: the argmax is still the draw, and a drafter ranking
+    its candidates by them proposes, where its logits equal the target's, the target's draw — also where a grammar
+    later allows only tokens the drafter's own filters removed (``docs/sampling.md``, coupled drafting)."""
+    scaled, noise = _scaled(processed, sb)
+    scores, unfiltered = filter_logits(scaled, sb) + noise, scaled + noise  # [B, V]
+    finite = torch.isfinite(unfiltered)
+    top = unfiltered.masked_fill(~finite, -math.inf).amax(dim=-1, keepdim=True)
+    low = unfiltered.masked_fill(~finite, math.inf).amin(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(scores), scores, unfiltered - (top - low + 1.0))
+
+
+def _scaled(processed: Tensor, sb: SamplingBatch) -> tuple[Tensor, Tensor]:
+    """``processed / temperature`` (temperature-0 rows at 1) and the rows' noise, ``[B, V]`` each."""
+    temp = torch.where(sb.temperature > 0, sb.temperature, 1.0)
+    return processed / temp[:, None], gumbel_noise(sb.seed, sb.num_generated, processed.shape[-1])
+
+
 def sample(logits: Tensor, sb: SamplingBatch, processed: Tensor | None = None) -> SampleOutput:
     """Draw one token per row of ``logits [B, V]`` float32 under ``sb``, without host synchronisation.
 
@@ -139,10 +166,6 @@ def sample(logits: Tensor, sb: SamplingBatch, processed: Tensor | None = None) -
     processed = logits if processed is None else processed
     tokens = processed.argmax(dim=-1)  # [B]
     if not sb.all_greedy:
-        is_sampled = sb.temperature > 0
-        temp = torch.where(is_sampled, sb.temperature, 1.0)
-        filtered = filter_logits(processed / temp[:, None], sb)
-        drawn = (filtered + gumbel_noise(sb.seed, sb.num_generated, logits.shape[-1])).argmax(dim=-1)
-        tokens = torch.where(is_sampled, drawn, tokens)
+        tokens = torch.where(sb.temperature > 0, draw_scores(processed, sb).argmax(dim=-1), tokens)
     top_logprobs, top_ids = raw.topk(sb.num_logprobs, dim=-1)  # [B, n]
     return SampleOutput(tokens, raw.gather(1, tokens[:, None]).squeeze(1), top_ids, top_logprobs)
