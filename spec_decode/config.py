@@ -29,7 +29,8 @@ class SpecConfig:
     request's drafts are ranked with its own temperature, filters and logits processors plus the sampler's noise
     for the output index each depth proposes, so a drafter that agrees with the target proposes the target's
     draw (off: the drafter's most probable tokens whatever the temperature; lossless either way;
-    ``docs/sampling.md``)."""
+    ``docs/sampling.md``). ``coupled_tree_temperature``: what ``tree_temperature`` is for greedy rows, for a
+    coupled tree (prefixes ranked by ``log_softmax(coupled scores × T / it)``)."""
 
     method: str = "none"
     budget: int = 16
@@ -39,6 +40,7 @@ class SpecConfig:
     draft_head_dtype: str = "auto"
     prune_drafts: bool = True
     coupled: bool = True
+    coupled_tree_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -49,6 +51,9 @@ class SpecConfig:
             raise SpecConfigError(f"spec_decode.budget must be >= 1, got {self.budget}")
         if not self.tree_temperature > 0:
             raise SpecConfigError(f"spec_decode.tree_temperature must be > 0, got {self.tree_temperature}")
+        if not self.coupled_tree_temperature > 0:
+            raise SpecConfigError(f"spec_decode.coupled_tree_temperature must be > 0, got "
+                                  f"{self.coupled_tree_temperature}")
         if self.draft_head_dtype not in DRAFT_HEAD_DTYPES:
             raise SpecConfigError(f"spec_decode.draft_head_dtype must be one of {DRAFT_HEAD_DTYPES}, "
                                   f"got {self.draft_head_dtype!r}")

@@ -67,22 +67,24 @@ def drafter_kv_spec(drafter: DFlashDrafter) -> KVSpec:
     return KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers, next(drafter.parameters()).dtype, True)
 
 
-def draft_scores(logits: torch.Tensor, coupled: tuple[torch.Tensor, torch.Tensor] | None, chain: bool,
-                 tree_temperature: float) -> torch.Tensor:
+def draft_scores(logits: torch.Tensor, coupled: tuple[torch.Tensor, torch.Tensor] | None, cfg: SpecConfig
+                 ) -> torch.Tensor:
     """What the chain takes the per-depth argmax of, or the per-depth log-probs the tree ranks prefixes by, from the
     drafter's ``logits [J, D', V]``. Greedy rows (and every row when ``coupled`` is None): the logits, or
-    ``log_softmax(logits / tree_temperature)``. Sampled rows of ``coupled = (scores, temperature [J])``
+    ``log_softmax(logits / cfg.tree_temperature)``. Sampled rows of ``coupled = (scores, temperature [J])``
     (:meth:`engine.sampling.logits_processors.TreeSampling.couple`): the coupled scores, whose argmax is the
-    sampler's draw where the drafter is right; the tree ranks by ``log_softmax(scores × T / tree_temperature)`` —
-    the noise in logit units, so T → 0 gives the greedy ranking and the best path is the coupled chain."""
+    sampler's draw where the drafter is right; the tree ranks by ``log_softmax(scores × T / c)``, c =
+    ``cfg.coupled_tree_temperature`` — the scores back in logit units (the noise scaled by T), so the best path is
+    the coupled chain and the others rank by how far the drafter would have to be off to miss them."""
+    chain = cfg.method == "dflash"
     if coupled is None:
-        return logits if chain else (logits / tree_temperature).log_softmax(dim=-1)
+        return logits if chain else (logits / cfg.tree_temperature).log_softmax(dim=-1)
     scores, temperature = coupled
     if chain:
         return scores
-    sampled = temperature[:, None, None] > 0
-    greedy = (logits / tree_temperature).log_softmax(dim=-1)
-    return torch.where(sampled, (scores * (temperature[:, None, None] / tree_temperature)).log_softmax(dim=-1), greedy)
+    scale = temperature[:, None, None] / cfg.coupled_tree_temperature
+    greedy = (logits / cfg.tree_temperature).log_softmax(dim=-1)
+    return torch.where(temperature[:, None, None] > 0, (scores * scale).log_softmax(dim=-1), greedy)
 
 
 class SpeculativeDecoder:
@@ -140,7 +142,7 @@ class SpeculativeDecoder:
         walks = [sampler.grammar(w) if sampler is not None else None for w in work]
         chain = self.cfg.method == "dflash"
         coupled = sampler.couple(work, logits) if sampler is not None and self.cfg.coupled else None
-        logq = draft_scores(logits, coupled, chain, self.cfg.tree_temperature)
+        logq = draft_scores(logits, coupled, self.cfg)
         if not any(walks):
             if chain:
                 return {w.request_id: build_chain(logq[j], w.token_ids[0]) for j, w in enumerate(work)}, None

@@ -119,7 +119,7 @@ class StaticDraft:
         hidden = spec.drafter.run_blocks(emb, pos, attends, spec.model.kernels).view(b, n, -1)[:, 1:1 + cfg.draft_rows]
         logits = spec.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(b, cfg.draft_rows, -1)  # [B, D', V]
         chain = cfg.method == "dflash"
-        logq = draft_scores(logits, self.coupled(logits) if self.couple else None, chain, cfg.tree_temperature)
+        logq = draft_scores(logits, self.coupled(logits) if self.couple else None, cfg)
         if chain:
             trees = build_chain(logq, self.bonus)
         else:  # one build for the whole batch
