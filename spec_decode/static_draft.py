@@ -130,7 +130,7 @@ class StaticDraft:
         """:meth:`engine.sampling.logits_processors.TreeSampling.couple` from the loaded settings, on the device:
         ``logits [B, D', V]`` → ``(scores, temperature [B])``. No logits processors here (docs/sampling.md)."""
         b, d, vocab = logits.shape
-        s = {name: t.repeat_interleave(d) for name, t in self.settings.items()}  # [B*D'] each
+        s = {name: t[:, None].expand(b, d).reshape(-1) for name, t in self.settings.items()}  # [B*D'] each
         index = draft_output_index(self.settings["num_generated"], d).reshape(-1)
         sb = SamplingBatch(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"],
                            seed=s["seed"], num_generated=index, num_logprobs=0, needs_sort=self.needs_sort,
