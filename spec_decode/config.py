@@ -75,6 +75,12 @@ class SpecConfig:
         return self.depth if self.method == "dflash" else min(self.depth, self.budget)
 
     @property
+    def coupled_candidates(self) -> int:
+        """Tokens per drafter row among which coupled drafting looks for the filters' cut (top-k, top-p; past them
+        every token counts as kept): four times the tokens a depth of the tree can hold, at least 64."""
+        return max(64, 4 * (1 if self.method == "dflash" else self.budget))
+
+    @property
     def tree_size(self) -> int:
         """Nodes per tree, root included: ``budget + 1`` for DDTree, ``block_size`` for the DFlash chain."""
         return 1 + (self.depth if self.method == "dflash" else self.budget)

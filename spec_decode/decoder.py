@@ -141,7 +141,8 @@ class SpeculativeDecoder:
         logits = self.draft_logits(work)
         walks = [sampler.grammar(w) if sampler is not None else None for w in work]
         chain = self.cfg.method == "dflash"
-        coupled = sampler.couple(work, logits) if sampler is not None and self.cfg.coupled else None
+        coupled = sampler.couple(work, logits, self.cfg.coupled_candidates) \
+            if sampler is not None and self.cfg.coupled else None
         logq = draft_scores(logits, coupled, self.cfg)
         if not any(walks):
             if chain:

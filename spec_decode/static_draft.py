@@ -135,7 +135,7 @@ class StaticDraft:
         sb = SamplingBatch(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"],
                            seed=s["seed"], num_generated=index, num_logprobs=0, needs_sort=self.needs_sort,
                            all_greedy=False)
-        scores = coupled_scores(logits.reshape(b * d, vocab), sb).view(b, d, vocab)
+        scores = coupled_scores(logits.reshape(b * d, vocab), sb, self.spec.cfg.coupled_candidates).view(b, d, vocab)
         temperature = self.settings["temperature"]
         return torch.where(temperature[:, None, None] > 0, scores, logits), temperature
 

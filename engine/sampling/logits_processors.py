@@ -455,13 +455,13 @@ class TreeSampling:
     def __init__(self, state: SamplingState):
         self.state = state
 
-    def couple(self, work: list[SeqWork], logits: Tensor) -> tuple[Tensor, Tensor] | None:
+    def couple(self, work: list[SeqWork], logits: Tensor, candidates: int) -> tuple[Tensor, Tensor] | None:
         """Coupled drafting: ``work``'s drafter logits ``[J, D', V]`` → ``(scores [J, D', V], temperature [J])``,
         row r of a sampled request scored as the sampler scores the draw of output index
         :func:`draft_output_index` — logit bias, min_tokens and penalties (over the committed history, not the
-        draft's path), its temperature and filters, that index's noise (:func:`coupled_scores`); greedy requests'
-        rows are their logits, temperature 0. None (nothing to couple) when no request of ``work`` samples. On the
-        device, without host synchronisation."""
+        draft's path), its temperature and filters, that index's noise, for each row's ``candidates`` best tokens
+        (:func:`coupled_scores`); greedy requests' rows are their logits, temperature 0. None (nothing to couple)
+        when no request of ``work`` samples. On the device, without host synchronisation."""
         if all(w.params.temperature <= 0 for w in work):
             return None
         j, d, vocab = logits.shape
@@ -471,9 +471,9 @@ class TreeSampling:
         rows = Rows(slots, to_device(slots, torch.int64, dev), index.reshape(-1))
         flat = logits.reshape(j * d, vocab).float()
         processed = state.process(flat, rows, grammar=False)
-        scores = coupled_scores(flat if processed is None else processed, state.batch(rows)).view(j, d, vocab)
+        scores = coupled_scores(flat if processed is None else processed, state.batch(rows), candidates)
         temperature = state.settings["temperature"][rows.slot_index].view(j, d)[:, 0].clamp(min=0)
-        return torch.where(temperature[:, None, None] > 0, scores, logits), temperature
+        return torch.where(temperature[:, None, None] > 0, scores.view(j, d, vocab), logits), temperature
 
     def grammar(self, w: SeqWork) -> GrammarWalk | None:
         g = self.state.grammar

@@ -99,7 +99,16 @@ def gumbel_noise(seed: Tensor, num_generated: Tensor, vocab_size: int) -> Tensor
     depend on the batch); on CUDA ``torch.log`` (one routine per element)."""
     key = mix64(mix64(seed) + num_generated * GAMMA)  # [B]
     ids = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seed.device)
-    bits = mix64(key[:, None] + ids * GAMMA)  # [B, V]
+    return _gumbel(mix64(key[:, None] + ids * GAMMA))  # [B, V]
+
+
+def gumbel_noise_at(seed: Tensor, num_generated: Tensor, token_ids: Tensor) -> Tensor:
+    """:func:`gumbel_noise`'s values at ``token_ids [B, M]`` int64 only: ``[B, M]`` float32, bit for bit."""
+    key = mix64(mix64(seed) + num_generated * GAMMA)  # [B]
+    return _gumbel(mix64(key[:, None] + (token_ids + 1) * GAMMA))
+
+
+def _gumbel(bits: Tensor) -> Tensor:
     u = (_shr(bits, 41) * 2 + 1).float() * 2.0**-24
     log = torch.log if u.is_cuda else fixed_math.log
     return -log(-log(u))
@@ -134,17 +143,34 @@ def draw_scores(processed: Tensor, sb: SamplingBatch) -> Tensor:
     return filter_logits(scaled, sb) + noise
 
 
-def coupled_scores(processed: Tensor, sb: SamplingBatch) -> Tensor:
-    """:func:`draw_scores` with the tokens the filters remove ranked below every kept token (in the order of their
-    own ``processed / temperature`` + noise) instead of at -inf: the argmax is still the draw, and a drafter ranking
-    its candidates by them proposes, where its logits equal the target's, the target's draw — also where a grammar
-    later allows only tokens the drafter's own filters removed (``docs/sampling.md``, coupled drafting)."""
-    scaled, noise = _scaled(processed, sb)
-    scores, unfiltered = filter_logits(scaled, sb) + noise, scaled + noise  # [B, V]
-    finite = torch.isfinite(unfiltered)
-    top = unfiltered.masked_fill(~finite, -math.inf).amax(dim=-1, keepdim=True)
-    low = unfiltered.masked_fill(~finite, math.inf).amin(dim=-1, keepdim=True)
-    return torch.where(torch.isfinite(scores), scores, unfiltered - (top - low + 1.0))
+def coupled_scores(processed: Tensor, sb: SamplingBatch, candidates: int) -> Tensor:
+    """Drafter-side :func:`draw_scores` ``[B, V]`` without a full sort: ``processed / temperature`` plus the row's
+    noise for every token, the filters' verdicts found among each row's ``candidates`` best tokens (top-k, top-p
+    over the top-k-renormalised distribution, min-p). Where top-k or top-p cuts inside the candidates the verdicts
+    are the sampler's (up to rounding at the edge); where they reach past them, every token past them that min-p
+    keeps counts as kept. Removed tokens rank below every kept one, in their own order, instead of at -inf (a
+    grammar may allow only those); a processor's -inf stays. Their argmax is the sampler's draw where the verdicts
+    agree: a drafter ranking by them proposes the target's draw where their logits agree (docs/sampling.md)."""
+    scaled, noise = _scaled(processed, sb)  # [B, V] each
+    m = min(candidates, scaled.shape[-1])
+    vals, ids = scaled.topk(m, dim=-1)  # [B, M] descending
+    pos = torch.arange(m, device=scaled.device)
+    masked = vals.masked_fill(pos >= sb.top_k[:, None], -math.inf)
+    inside = sb.top_k[:, None] <= m  # top-k cuts within the candidates: the distribution is theirs
+    norm = torch.where(inside, masked.logsumexp(dim=-1, keepdim=True), scaled.logsumexp(dim=-1, keepdim=True))
+    probs = (masked - norm).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = sb.top_p[:, None]
+    cut = (mass_before >= top_p) & (top_p < 1)  # [B, M]
+    rest = ~inside & ~cut[:, -1:]  # [B, 1]: neither filter cut inside the candidates: the tokens past them stay
+    keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, ids, torch.isfinite(masked) & ~cut)
+    past = torch.ones_like(keep).scatter_(1, ids, torch.zeros_like(ids, dtype=torch.bool))
+    keep |= past & rest
+    keep &= scaled >= vals[:, :1] + sb.min_p.log()[:, None]
+    noisy = scaled + noise
+    # tier gap: above the spread of the row's finite values plus the noise's range (2**-24 < u < 1: |g| < 17.4)
+    low = scaled.masked_fill(~torch.isfinite(scaled), math.inf).amin(dim=-1, keepdim=True)
+    return torch.where(keep, noisy, noisy - (vals[:, :1] - low + 40.0))
 
 
 def _scaled(processed: Tensor, sb: SamplingBatch) -> tuple[Tensor, Tensor]:

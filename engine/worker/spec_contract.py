@@ -75,10 +75,12 @@ class NodeSampler(Protocol):
         """``w``'s grammar to build its tree under, on the host (None: unconstrained)."""
         ...
 
-    def couple(self, work: list[SeqWork], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def couple(self, work: list[SeqWork], logits: torch.Tensor, candidates: int
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Coupled drafting: ``work``'s drafter logits ``[J, D', V]`` → ``(scores [J, D', V], temperature [J])``,
-        each sampled row scored as the sampler scores the draw of the output index it proposes (greedy rows: their
-        logits, temperature 0); None when no request of ``work`` samples. On the device."""
+        each sampled row's ``candidates`` best tokens scored as the sampler scores the draw of the output index it
+        proposes (greedy rows: their logits, temperature 0); None when no request of ``work`` samples. On the
+        device."""
         ...
 
     def prepare(self, work: list[SeqWork], tree_size: int, masks: torch.Tensor | None = None) -> Rows:
