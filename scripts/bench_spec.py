@@ -155,7 +155,10 @@ def main() -> None:
     print("\nLM-head matmul (the same weight) by rows: " + ", ".join(
         f"{n} rows {ms:.3f} ms ({ms / rows_cost[1]:.1f}×)" for n, ms in rows_cost.items()))
     if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "rows": [
+        root = ZOO.parent.parent.parent
+        shown = {k: str(Path(v).relative_to(root)) if k in ("target", "drafter") and Path(v).is_relative_to(root)
+                 else v for k, v in vars(args).items()}
+        Path(args.output).write_text(json.dumps({"args": shown, "rows": [
             {k: v for k, v in r.items() if k != "tokens"} for r in rows]}, indent=1))
 
 
