@@ -30,7 +30,9 @@ class SpecConfig:
     for the output index each depth proposes, so a drafter that agrees with the target proposes the target's
     draw (off: the drafter's most probable tokens whatever the temperature; lossless either way;
     ``docs/sampling.md``). ``coupled_tree_temperature``: what ``tree_temperature`` is for greedy rows, for a
-    coupled tree (prefixes ranked by ``log_softmax(coupled scores × T / it)``)."""
+    coupled tree (prefixes ranked by ``log_softmax(coupled scores × T / it)``). ``adaptive``: rank 0 runs a plain
+    decode step instead of a speculative one where its measured acceptance does not pay for a verify step's measured
+    cost at that batch size, and tries again now and then (``engine.core.spec_policy``; lossless either way)."""
 
     method: str = "none"
     budget: int = 16
@@ -41,6 +43,7 @@ class SpecConfig:
     prune_drafts: bool = True
     coupled: bool = True
     coupled_tree_temperature: float = 1.0
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
