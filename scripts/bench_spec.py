@@ -2,12 +2,14 @@
 τ (committed tokens per target forward, bonus included) and decode tokens/s for ``none``, ``dflash`` and
 ``ddtree`` at several budgets, single rank, at each sampling setting (temperature:top_p; seeded per prompt, so every
 arm of a setting must write the same tokens) and batch size, coupled drafting (``spec_decode.coupled``) against
-uncoupled at T > 0. Last, what bounds the wall-clock gain on this machine: the time of one matmul over the target's
+uncoupled at T > 0, and (``--adaptive``) adaptive speculation (``spec_decode.adaptive``) against always
+speculating. Last, what bounds the wall-clock gain on this machine: the time of one matmul over the target's
 LM-head weight at 1 row (a decode step) and at a verify step's row counts.
 
     python scripts/bench_spec.py [--target DIR] [--drafter DIR] [--prompts N] [--new-tokens N] [--threads N]
                                  [--budgets 4,8,...] [--block-sizes 16,9] [--tree-temperatures 1,0.33]
-                                 [--settings 0:1,0.6:0.95,1.0:0.95] [--batches 1,4] [--output FILE.json]
+                                 [--settings 0:1,0.6:0.95,1.0:0.95] [--batches 1,4] [--adaptive]
+                                 [--output FILE.json]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
+from engine.step import StepKind
 from model.loader import load_model
 from parallelism.comm import build_groups
 from parallelism.layout import Layout
@@ -65,6 +68,9 @@ class Arm:
                 "tree_temperature": spec.tree_temperature if tree else None, "block_size": spec.block_size,
                 "temperature": self.temperature, "top_p": self.top_p, "batch": self.batch,
                 "coupled": spec.coupled if spec.enabled and self.temperature > 0 else None,
+                "adaptive": spec.adaptive if spec.enabled else None,
+                "verify_steps": s.step_kinds.get(StepKind.VERIFY, 0),
+                "decode_steps": s.step_kinds.get(StepKind.DECODE, 0),
                 "tau": s.acceptance_length if spec.enabled else 1.0, "decode_tok_s": s.decode_tokens / s.decode_s,
                 "draft_ms_per_step": 1e3 * s.host_s["draft"] / s.steps,
                 "verify_ms_per_step": 1e3 * s.host_s["target"] / s.steps, "tokens": self.tokens}
@@ -106,6 +112,8 @@ def main() -> None:
                     help="sampling settings as temperature:top_p pairs; at T > 0 each speculative arm runs coupled "
                          "and uncoupled (spec_decode.coupled)")
     ap.add_argument("--batches", default="1", help="batch sizes: prompts decoded together (engine.max_num_seqs)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="also run each (coupled) speculative arm with spec_decode.adaptive=true")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the same for every method)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="target weights and activations (the drafter runs in float32)")
@@ -124,9 +132,10 @@ def main() -> None:
     for temperature, top_p in parse_settings(args.settings):
         for batch in (int(b) for b in args.batches.split(",")):
             arms.append(Arm(model, SpecConfig(), args.new_tokens, temperature, top_p, batch))
-            for coupled in ((True, False) if temperature > 0 else (True,)):
-                arms += [Arm(model, dataclasses.replace(s, coupled=coupled), args.new_tokens, temperature, top_p,
-                             batch) for s in specs]
+            variants = [dict(coupled=True)] + ([dict(coupled=False)] if temperature > 0 else [])
+            variants += [dict(coupled=True, adaptive=True)] if args.adaptive else []
+            arms += [Arm(model, dataclasses.replace(s, **v), args.new_tokens, temperature, top_p, batch)
+                     for v in variants for s in specs]
     for arm in arms:  # warm-up (allocator, drafter weights): one short group, not counted
         Arm(model, arm.spec, 8, arm.temperature, arm.top_p, arm.batch).generate(prompts[:arm.batch], 0)
     for first in range(0, len(prompts), max(a.batch for a in arms)):
@@ -136,9 +145,9 @@ def main() -> None:
     rows = [arm.row() for arm in arms]
     print(f"{len(prompts)} held-out prompts, {args.new_tokens} seeded tokens each, {args.threads} thread(s), "
           f"drafter blocks {args.block_sizes}\n")
-    print("| T | top_p | batch | method | block | budget | tree temp. | coupled | τ | decode tok/s | × none | "
-          "draft ms/step | verify ms/step | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| T | top_p | batch | method | block | budget | tree temp. | coupled | adaptive: verify / decode steps | "
+          "τ | decode tok/s | × none | draft ms/step | verify ms/step | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = None
     for r in rows:
         if r["method"] == "none":
@@ -147,8 +156,9 @@ def main() -> None:
         r["x_none"] = r["decode_tok_s"] / base["decode_tok_s"]
         r["lossless"] = r["tokens"] == base["tokens"]
         coupled = "-" if r["coupled"] is None else ("yes" if r["coupled"] else "no")
+        adaptive = f"{r['verify_steps']} / {r['decode_steps']}" if r["adaptive"] else "-"
         print(f"| {r['temperature']:g} | {r['top_p']:g} | {r['batch']} | {r['method']} | {block} | "
-              f"{r['budget'] or '-'} | {r['tree_temperature'] or '-'} | {coupled} | {r['tau']:.2f} | "
+              f"{r['budget'] or '-'} | {r['tree_temperature'] or '-'} | {coupled} | {adaptive} | {r['tau']:.2f} | "
               f"{r['decode_tok_s']:.1f} | {r['x_none']:.2f} | {r['draft_ms_per_step']:.1f} | "
               f"{r['verify_ms_per_step']:.1f} | {r['lossless']} |")
     rows_cost = matmul_cost(model.lm_head.weight, [1 + int(b) for b in args.budgets.split(",")[:3]])

@@ -80,7 +80,7 @@ class StaticDraft:
         self.block_tables.copy_(tables)
         self.context_lens.copy_(torch.tensor([w.start + n for w in seqs], dtype=torch.int32))
         self.block_slots.copy_(torch.tensor(slots))
-        sampled = [w.params for w in work if w.params.temperature > 0]
+        sampled = [w.params for w in work if w.params is not None and w.params.temperature > 0]
         if self.spec.cfg.coupled and not self.fixed:
             self.couple, self.needs_sort = bool(sampled), host_flags(sampled)["needs_sort"]
         if self.couple:
