@@ -21,7 +21,7 @@ import torch
 
 from engine.blocks import scratch_table
 from engine.sampling.logits_processors import draft_output_index
-from engine.sampling.sampler import SamplingBatch, _int64, coupled_scores, host_flags, top_k_of
+from engine.sampling.sampler import SamplingBatch, _int64, coupled_scores, top_k_of
 from engine.step import SeqWork
 from engine.worker.capture import CapturedGraphs, capturable, kernel_blocker
 from spec_decode.decoder import SpeculativeDecoder, draft_scores
@@ -51,9 +51,10 @@ class StaticDraft:
         self.settings = {name: torch.zeros(b, dtype=dtype, device=dev) for name, dtype in (
             ("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
             ("min_p", torch.float32), ("seed", torch.int64), ("num_generated", torch.int64))}
-        # a captured graph fixes what runs: it couples and filters whatever the batch; eagerly, only what it needs
+        # a captured graph fixes what runs: it computes the coupled scores whatever the batch; eagerly, only for a
+        # batch with a sampled row
         self.fixed = capturable(dev)
-        self.couple = self.needs_sort = spec.cfg.coupled and self.fixed
+        self.couple = spec.cfg.coupled and self.fixed
 
     def padding_seq(self) -> SeqWork:
         """A dummy request in the scratch blocks: position 0, no context."""
@@ -80,9 +81,8 @@ class StaticDraft:
         self.block_tables.copy_(tables)
         self.context_lens.copy_(torch.tensor([w.start + n for w in seqs], dtype=torch.int32))
         self.block_slots.copy_(torch.tensor(slots))
-        sampled = [w.params for w in work if w.params is not None and w.params.temperature > 0]
         if self.spec.cfg.coupled and not self.fixed:
-            self.couple, self.needs_sort = bool(sampled), host_flags(sampled)["needs_sort"]
+            self.couple = any(w.params is not None and w.params.temperature > 0 for w in work)
         if self.couple:
             real = [w.params is not None for w in seqs]
             values = {"temperature": [w.params.temperature if r else 0.0 for w, r in zip(seqs, real, strict=True)],
@@ -133,8 +133,7 @@ class StaticDraft:
         s = {name: t[:, None].expand(b, d).reshape(-1) for name, t in self.settings.items()}  # [B*D'] each
         index = draft_output_index(self.settings["num_generated"], d).reshape(-1)
         sb = SamplingBatch(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"],
-                           seed=s["seed"], num_generated=index, num_logprobs=0, needs_sort=self.needs_sort,
-                           all_greedy=False)
+                           seed=s["seed"], num_generated=index, num_logprobs=0, needs_sort=True, all_greedy=False)
         scores = coupled_scores(logits.reshape(b * d, vocab), sb, self.spec.cfg.coupled_candidates).view(b, d, vocab)
         temperature = self.settings["temperature"]
         return torch.where(temperature[:, None, None] > 0, scores, logits), temperature
