@@ -33,7 +33,8 @@ class SpeculationFacts:
     ``spec_reserve_slots``: KV slots past a request's next position that one speculative step writes (the
     scheduler reserves them per request); ``context_kv``: the entries of the drafter's context, a layer group of
     the rank's KV cache over the target's blocks (None: the speculator adds its group itself, uncounted by the KV
-    budget); ``adaptive``: rank 0 chooses per step between a speculative and a plain decode step from measured
+    budget); ``coupled``: sampled requests' drafts are coupled to the sampler's noise (EngineInfo shows it);
+    ``adaptive``: rank 0 chooses per step between a speculative and a plain decode step from measured
     costs (``engine.core.spec_policy``)."""
 
     method: str
@@ -45,6 +46,7 @@ class SpeculationFacts:
     context_kv: KVSpec | None
     tree_temperature: float
     draft_head_dtype: str
+    coupled: bool = True
     adaptive: bool = False
 
 
