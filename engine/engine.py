@@ -30,6 +30,7 @@ from engine.config import EngineConfig, RequestError
 from engine.core.kv_manager import KvEvent
 from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.core.scheduler import Scheduler
+from engine.core.spec_policy import AlwaysSpeculate, MeasuredSpeculation
 from engine.core.step_record import StepRecord
 from engine.kv_transfers import KVTransfers, PeerLease
 from engine.messages import FlushResult
@@ -87,12 +88,14 @@ class Engine:
         self.speculation = speculation
         self.grammar = grammar
         self.runner = make_runner(model, cfg, speculation, grammar)
+        self.spec_policy = MeasuredSpeculation() if speculation and speculation.facts.adaptive else AlwaysSpeculate()
         self.scheduler = Scheduler(cfg, model.groups.layout.attn_dp, model.cfg.vocab_size, model.cfg.eos_token_ids,
                                    spec_reserve_slots=speculation.facts.spec_reserve_slots if speculation else 0,
                                    namespace=cache_namespace(model, speculation),
                                    retain_after=retain_after_ids(tokenizer),
                                    host_slots=self.runner.loads.host.slots.shape[0] if self.runner.loads.host else 0,
-                                   store_lookup=self.runner.loads.store.held if self.runner.loads.store else None)
+                                   store_lookup=self.runner.loads.store.held if self.runner.loads.store else None,
+                                   spec_policy=self.spec_policy)
         self.stops = StopChecks(tokenizer)  # stop strings: matched here, between the readback and the core's update
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
@@ -118,6 +121,7 @@ class Engine:
             record = replace(record, eplb=self.balancer.figures())
         self.last_record = record
         self.stats.observe(record)
+        self.spec_policy.observe(record)
         for fn in list(self._subscribers):
             try:
                 fn(record)

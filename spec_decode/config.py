@@ -25,7 +25,14 @@ class SpecConfig:
     wider), ``auto`` (bf16 where the device multiplies bf16 natively: CUDA, or a CPU with AVX512-BF16 / AMX);
     drafting only, so lossless either way. ``prune_drafts``: a constrained request's tree holds only tokens its
     grammar allows (each node's children are the drafter's best allowed tokens); off, the tree is the plain one
-    and the grammar only masks the verify (lossless either way; the bench compares the two)."""
+    and the grammar only masks the verify (lossless either way; the bench compares the two). ``coupled``: a sampled
+    request's drafts are ranked with its own temperature, filters and logits processors plus the sampler's noise
+    for the output index each depth proposes, so a drafter that agrees with the target proposes the target's
+    draw (off: the drafter's most probable tokens whatever the temperature; lossless either way;
+    ``docs/sampling.md``). ``coupled_tree_temperature``: what ``tree_temperature`` is for greedy rows, for a
+    coupled tree (prefixes ranked by ``log_softmax(coupled scores × T / it)``). ``adaptive``: rank 0 runs a plain
+    decode step instead of a speculative one where its measured acceptance does not pay for a verify step's measured
+    cost at that batch size, and tries again now and then (``engine.core.spec_policy``; lossless either way)."""
 
     method: str = "none"
     budget: int = 16
@@ -34,6 +41,9 @@ class SpecConfig:
     tree_temperature: float = 1.0
     draft_head_dtype: str = "auto"
     prune_drafts: bool = True
+    coupled: bool = True
+    coupled_tree_temperature: float = 1.0
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -44,6 +54,9 @@ class SpecConfig:
             raise SpecConfigError(f"spec_decode.budget must be >= 1, got {self.budget}")
         if not self.tree_temperature > 0:
             raise SpecConfigError(f"spec_decode.tree_temperature must be > 0, got {self.tree_temperature}")
+        if not self.coupled_tree_temperature > 0:
+            raise SpecConfigError(f"spec_decode.coupled_tree_temperature must be > 0, got "
+                                  f"{self.coupled_tree_temperature}")
         if self.draft_head_dtype not in DRAFT_HEAD_DTYPES:
             raise SpecConfigError(f"spec_decode.draft_head_dtype must be one of {DRAFT_HEAD_DTYPES}, "
                                   f"got {self.draft_head_dtype!r}")
@@ -63,6 +76,12 @@ class SpecConfig:
         """Block rows whose draft distribution is used: every depth for the chain; for a ``budget``-node tree
         at most ``budget`` (a node at depth d needs its d - 1 ancestors in the tree too)."""
         return self.depth if self.method == "dflash" else min(self.depth, self.budget)
+
+    @property
+    def coupled_candidates(self) -> int:
+        """Tokens per drafter row among which coupled drafting looks for the filters' cut (top-k, top-p; past them
+        every token counts as kept): four times the tokens a depth of the tree can hold, at least 64."""
+        return max(64, 4 * (1 if self.method == "dflash" else self.budget))
 
     @property
     def tree_size(self) -> int:

@@ -67,6 +67,26 @@ def drafter_kv_spec(drafter: DFlashDrafter) -> KVSpec:
     return KVSpec(((c.num_kv_heads, c.head_dim),) * 2, c.num_layers, next(drafter.parameters()).dtype, True)
 
 
+def draft_scores(logits: torch.Tensor, coupled: tuple[torch.Tensor, torch.Tensor] | None, cfg: SpecConfig
+                 ) -> torch.Tensor:
+    """What the chain takes the per-depth argmax of, or the per-depth log-probs the tree ranks prefixes by, from the
+    drafter's ``logits [J, D', V]``. Greedy rows (and every row when ``coupled`` is None): the logits, or
+    ``log_softmax(logits / cfg.tree_temperature)``. Sampled rows of ``coupled = (scores, temperature [J])``
+    (:meth:`engine.sampling.logits_processors.TreeSampling.couple`): the coupled scores, whose argmax is the
+    sampler's draw where the drafter is right; the tree ranks by ``log_softmax(scores × T / c)``, c =
+    ``cfg.coupled_tree_temperature`` — the scores back in logit units (the noise scaled by T), so the best path is
+    the coupled chain and the others rank by how far the drafter would have to be off to miss them."""
+    chain = cfg.method == "dflash"
+    if coupled is None:
+        return logits if chain else (logits / cfg.tree_temperature).log_softmax(dim=-1)
+    scores, temperature = coupled
+    if chain:
+        return scores
+    scale = temperature[:, None, None] / cfg.coupled_tree_temperature
+    greedy = (logits / cfg.tree_temperature).log_softmax(dim=-1)
+    return torch.where(temperature[:, None, None] > 0, (scores * scale).log_softmax(dim=-1), greedy)
+
+
 class SpeculativeDecoder:
     def __init__(self, model: CausalLM, drafter: DFlashDrafter, cfg: SpecConfig, cache: PagedKVCache):
         check_drafter_fits(drafter.c, model.cfg, cfg.drafter_path)
@@ -121,10 +141,12 @@ class SpeculativeDecoder:
         logits = self.draft_logits(work)
         walks = [sampler.grammar(w) if sampler is not None else None for w in work]
         chain = self.cfg.method == "dflash"
-        logq = logits if chain else (logits / self.cfg.tree_temperature).log_softmax(dim=-1)
+        coupled = sampler.couple(work, logits, self.cfg.coupled_candidates) \
+            if sampler is not None and self.cfg.coupled else None
+        logq = draft_scores(logits, coupled, self.cfg)
         if not any(walks):
             if chain:
-                return {w.request_id: build_chain(logits[j], w.token_ids[0]) for j, w in enumerate(work)}, None
+                return {w.request_id: build_chain(logq[j], w.token_ids[0]) for j, w in enumerate(work)}, None
             build = build_tree_host if logq.device.type == "cpu" else build_tree  # no host sync off the CPU
             return {w.request_id: build(logq[j], w.token_ids[0], self.cfg.budget) for j, w in enumerate(work)}, None
         n, words = self.cfg.tree_size, next(g for g in walks if g is not None).words

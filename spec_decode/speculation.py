@@ -107,7 +107,8 @@ def speculation_from(spec: SpecConfig, build: Callable[[CausalLM, PagedKVCache],
     facts = SpeculationFacts(method=spec.method, tree_size=spec.tree_size, draft_block_size=spec.block_size,
                              draft_rows=spec.draft_rows, spec_reserve_slots=spec.spec_reserve_slots,
                              drafter_path=spec.drafter_path, context_kv=context_kv,
-                             tree_temperature=spec.tree_temperature, draft_head_dtype=spec.draft_head_dtype)
+                             tree_temperature=spec.tree_temperature, draft_head_dtype=spec.draft_head_dtype,
+                             coupled=spec.coupled, adaptive=spec.adaptive)
     return Speculation(facts=facts, build=lambda model, cache, static: DFlashSpeculator(build(model, cache), static))
 
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import torch
 
 from engine.blocks import scratch_table
+from engine.sampling.logits_processors import draft_output_index
+from engine.sampling.sampler import SamplingBatch, _int64, coupled_scores, top_k_of
 from engine.step import SeqWork
-from engine.worker.capture import CapturedGraphs, kernel_blocker
-from spec_decode.decoder import SpeculativeDecoder
+from engine.worker.capture import CapturedGraphs, capturable, kernel_blocker
+from spec_decode.decoder import SpeculativeDecoder, draft_scores
 from spec_decode.dflash import Attend
 from spec_decode.tree import FIELDS, DraftTree, build_chain, build_tree
 
@@ -45,6 +47,14 @@ class StaticDraft:
         self.block_slots = torch.zeros(b * n, dtype=torch.int64, device=dev)
         self.block_mask = torch.ones(b, n, n, dtype=torch.bool, device=dev)
         self.offsets = torch.arange(n, device=dev)
+        # coupled drafting: each row's sampling settings (temperature 0: greedy, padding too)
+        self.settings = {name: torch.zeros(b, dtype=dtype, device=dev) for name, dtype in (
+            ("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
+            ("min_p", torch.float32), ("seed", torch.int64), ("num_generated", torch.int64))}
+        # a captured graph fixes what runs: it computes the coupled scores whatever the batch; eagerly, only for a
+        # batch with a sampled row
+        self.fixed = capturable(dev)
+        self.couple = spec.cfg.coupled and self.fixed
 
     def padding_seq(self) -> SeqWork:
         """A dummy request in the scratch blocks: position 0, no context."""
@@ -71,6 +81,17 @@ class StaticDraft:
         self.block_tables.copy_(tables)
         self.context_lens.copy_(torch.tensor([w.start + n for w in seqs], dtype=torch.int32))
         self.block_slots.copy_(torch.tensor(slots))
+        if self.spec.cfg.coupled and not self.fixed:
+            self.couple = any(w.params is not None and w.params.temperature > 0 for w in work)
+        if self.couple:
+            real = [w.params is not None for w in seqs]
+            values = {"temperature": [w.params.temperature if r else 0.0 for w, r in zip(seqs, real, strict=True)],
+                      "top_k": [top_k_of(w.params) if r else 0 for w, r in zip(seqs, real, strict=True)],
+                      "top_p": [w.params.top_p if r else 1.0 for w, r in zip(seqs, real, strict=True)],
+                      "min_p": [w.params.min_p if r else 0.0 for w, r in zip(seqs, real, strict=True)],
+                      "seed": [_int64(w.seed) for w in seqs], "num_generated": [w.num_generated for w in seqs]}
+            for name, v in values.items():
+                self.settings[name].copy_(torch.tensor(v, dtype=self.settings[name].dtype))
 
     def _paged_attend(self, layer: int) -> Attend:
         """Layer ``layer``'s attention: store the block's K/V at its slots, then read context + block through
@@ -97,11 +118,25 @@ class StaticDraft:
         attends = [self._paged_attend(i) for i in range(c.num_layers)]
         hidden = spec.drafter.run_blocks(emb, pos, attends, spec.model.kernels).view(b, n, -1)[:, 1:1 + cfg.draft_rows]
         logits = spec.head_logits(hidden.reshape(-1, hidden.shape[-1])).view(b, cfg.draft_rows, -1)  # [B, D', V]
-        if cfg.method == "dflash":
-            trees = build_chain(logits, self.bonus)
+        chain = cfg.method == "dflash"
+        logq = draft_scores(logits, self.coupled(logits) if self.couple else None, cfg)
+        if chain:
+            trees = build_chain(logq, self.bonus)
         else:  # one build for the whole batch
-            trees = build_tree((logits / cfg.tree_temperature).log_softmax(dim=-1), self.bonus, cfg.budget)
+            trees = build_tree(logq, self.bonus, cfg.budget)
         return (logits, *(getattr(trees, f) for f in FIELDS))
+
+    def coupled(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`engine.sampling.logits_processors.TreeSampling.couple` from the loaded settings, on the device:
+        ``logits [B, D', V]`` → ``(scores, temperature [B])``. No logits processors here (docs/sampling.md)."""
+        b, d, vocab = logits.shape
+        s = {name: t[:, None].expand(b, d).reshape(-1) for name, t in self.settings.items()}  # [B*D'] each
+        index = draft_output_index(self.settings["num_generated"], d).reshape(-1)
+        sb = SamplingBatch(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"],
+                           seed=s["seed"], num_generated=index, num_logprobs=0, needs_sort=True, all_greedy=False)
+        scores = coupled_scores(logits.reshape(b * d, vocab), sb, self.spec.cfg.coupled_candidates).view(b, d, vocab)
+        temperature = self.settings["temperature"]
+        return torch.where(temperature[:, None, None] > 0, scores, logits), temperature
 
 
 class DraftGraphs(CapturedGraphs):

@@ -24,16 +24,19 @@ from engine.config import EngineConfig
 from engine.core.journal import RankJournal
 from engine.core.kv_manager import KVManager
 from engine.core.requests import Request, RequestTable
+from engine.core.spec_policy import AlwaysSpeculate, SpecPolicy
 from engine.step import StepItem
 
 
 class StepPlanner:
     def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, journal: RankJournal,
-                 spec_reserve_slots: int, overlap: bool, reclaim: Callable[[int], bool] = lambda dp: False):
-        """``reclaim(dp)``: frees blocks held for others on rank ``dp`` (an unread PD lease) before any preemption;
-        False when none are."""
+                 spec_reserve_slots: int, overlap: bool, policy: SpecPolicy | None = None,
+                 reclaim: Callable[[int], bool] = lambda dp: False):
+        """``policy``: whether a step's decodes speculate (``spec_decode.adaptive``); ``reclaim(dp)``: frees blocks
+        held for others on rank ``dp`` (an unread PD lease) before any preemption, False when none are."""
         self.cfg, self.table, self.kv, self.journal, self.reclaim = cfg, table, kv, journal, reclaim
         self.spec_reserve_slots, self.overlap = spec_reserve_slots, overlap
+        self.policy = policy or AlwaysSpeculate()  # whether this step's decodes speculate (spec_decode.adaptive)
         self.in_flight: dict[int, dict[str, Request]] = {}  # step id → the requests it feeds, until its update
         self.preemptions = 0
 
@@ -41,6 +44,7 @@ class StepPlanner:
         """Step ``step_id``'s items per DP rank, each fed request's new block-table entries, and whether a request
         waited for blocks no preemption could free."""
         work, scheduled, blocks, blocked = [], {}, {}, False
+        speculating = self.spec_reserve_slots > 0 and self._speculates()
         for dp in range(self.table.dp_size):
             budget, items, row = self.cfg.scheduler.max_num_batched_tokens, [], 0
             cap = self.cfg.scheduler.long_prefill_token_threshold
@@ -55,7 +59,7 @@ class StepPlanner:
                 if n <= 0 or self._ends_in_flight(req):
                     continue
                 decode = self._feeds_last_token(req, total)
-                spec = decode and self.spec_reserve_slots > 0
+                spec = decode and speculating
                 writes = self.spec_reserve_slots if spec else n  # a tree writes its whole reserve
                 if not self._blocks_for_step(req, req.num_computed + writes, scheduled):
                     blocked = True
@@ -77,6 +81,12 @@ class StepPlanner:
         if scheduled:
             self.in_flight[step_id] = scheduled
         return work, blocks, blocked
+
+    def _speculates(self) -> bool:
+        """The policy's choice for this step's decodes, asked once per step (every rank's decodes run one kind)."""
+        decodes = sum(self._feeds_last_token(r, len(r.feed_tokens) + r.pending) and r.loading < 0
+                      for running in self.table.running for r in running)
+        return self.policy.speculate(decodes) if decodes else True
 
     @staticmethod
     def _item(req: Request, n: int, done: bool, decode: bool, spec: bool) -> StepItem:

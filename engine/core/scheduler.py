@@ -35,6 +35,7 @@ from engine.core.leases import Leases
 from engine.core.outputs import OutputProcessor
 from engine.core.planner import StepPlanner
 from engine.core.requests import Request, RequestTable
+from engine.core.spec_policy import SpecPolicy
 from engine.core.step_record import RankLoad
 from engine.params import SamplingParams
 from engine.step import RequestOutput, StepPlan, StepResult
@@ -65,12 +66,14 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, cfg: EngineConfig, dp_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  spec_reserve_slots: int = 0, namespace: bytes = b"", retain_after: frozenset[int] = frozenset(),
-                 host_slots: int = 0, store_lookup: Callable[[list[int]], int] | None = None):
+                 host_slots: int = 0, store_lookup: Callable[[list[int]], int] | None = None,
+                 spec_policy: SpecPolicy | None = None):
         """``spec_reserve_slots`` > 0 turns speculative decoding on: decodes become draft + verify steps, each writing
         that many KV slots (its tree). ``namespace``: what the prefix cache's hashes are computed under (model,
         drafter, KV dtype, numerics, layout). ``retain_after``: token ids that, ending an output, retain its KV.
         ``host_slots``: the host KV tier's blocks per attention-DP rank (0: none). ``store_lookup(hashes)``: leading
-        blocks of ``hashes`` the shared KV store holds (None: no store)."""
+        blocks of ``hashes`` the shared KV store holds (None: no store). ``spec_policy``: whether a step's decodes
+        speculate (``engine.core.spec_policy``; None: always)."""
         length, cache = cfg.scheduler.max_model_len, cfg.cache
         if length is None:
             raise ValueError("engine.max_model_len is unset: resolve it with EngineConfig.for_model first")
@@ -92,7 +95,7 @@ class Scheduler:
         self.journal = RankJournal()
         self.admission = Admission(cfg, self.table, self.kv, self.journal, store_lookup, self.leases.reclaim)
         self.planner = StepPlanner(cfg, self.table, self.kv, self.journal, spec_reserve_slots, self.overlap,
-                                   self.leases.reclaim)
+                                   spec_policy, self.leases.reclaim)
         self.outputs = OutputProcessor(cfg, self.kv, eos_token_ids, self.overlap, retain_after, self._finish,
                                        self._fork)
         self._steps = itertools.count()

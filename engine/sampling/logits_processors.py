@@ -27,7 +27,15 @@ import torch
 from torch import Tensor
 
 from engine.params import SamplingParams
-from engine.sampling.sampler import SampleOutput, SamplingBatch, _int64, host_flags, sample, top_k_of
+from engine.sampling.sampler import (
+    SampleOutput,
+    SamplingBatch,
+    _int64,
+    coupled_scores,
+    host_flags,
+    sample,
+    top_k_of,
+)
 from engine.staging import to_device
 from engine.step import NewRequest, SeqWork, StepResult
 
@@ -412,11 +420,12 @@ class SamplingState:
                              min_p=s["min_p"][at], seed=s["seed"][at], num_generated=rows.num_generated,
                              **host_flags([self.params[slot] for slot in rows.slots]))
 
-    def process(self, logits: Tensor, rows: Rows) -> Tensor | None:
-        """``logits [R, V]`` float32 through every processor some row uses (None: none applies)."""
+    def process(self, logits: Tensor, rows: Rows, grammar: bool = True) -> Tensor | None:
+        """``logits [R, V]`` float32 through every processor some row uses (None: none applies); ``grammar``
+        False leaves the grammar's masks out (a drafter's rows: their trees are built under it on the host)."""
         out = None
         for proc in self.processors:
-            if proc.applies(rows.slots):
+            if proc.applies(rows.slots) and (grammar or proc is not self.grammar):
                 out = proc.apply(logits if out is None else out, rows)
         return out
 
@@ -432,12 +441,39 @@ def _with_slot(w: SeqWork, slot: int) -> SeqWork:
     return dataclasses.replace(w, slot=slot)
 
 
+def draft_output_index(num_generated: Tensor, rows: int) -> Tensor:
+    """``num_generated [J]`` → ``[J, rows]``: the output index whose draw drafter row r proposes. Row r (depth
+    r + 1) proposes the child of a depth-r node, accepted iff it equals that node's pick, which draws output index
+    ``num_generated + r`` (a node at depth d draws ``num_generated + d``; the root's pick is ``num_generated``)."""
+    return num_generated[:, None] + torch.arange(rows, device=num_generated.device)
+
+
 class TreeSampling:
     """:class:`engine.worker.spec_contract.NodeSampler`: the rank's sampling state over the nodes of speculative
     trees."""
 
     def __init__(self, state: SamplingState):
         self.state = state
+
+    def couple(self, work: list[SeqWork], logits: Tensor, candidates: int) -> tuple[Tensor, Tensor] | None:
+        """Coupled drafting: ``work``'s drafter logits ``[J, D', V]`` → ``(scores [J, D', V], temperature [J])``,
+        row r of a sampled request scored as the sampler scores the draw of output index
+        :func:`draft_output_index` — logit bias, min_tokens and penalties (over the committed history, not the
+        draft's path), its temperature and filters, that index's noise, for each row's ``candidates`` best tokens
+        (:func:`coupled_scores`); greedy requests' rows are their logits, temperature 0. None (nothing to couple)
+        when no request of ``work`` samples. On the device, without host synchronisation."""
+        if all(w.params.temperature <= 0 for w in work):
+            return None
+        j, d, vocab = logits.shape
+        dev, state = self.state.device, self.state
+        slots = [w.slot for w in work for _ in range(d)]
+        index = draft_output_index(to_device([w.num_generated for w in work], torch.int64, dev), d)
+        rows = Rows(slots, to_device(slots, torch.int64, dev), index.reshape(-1))
+        flat = logits.reshape(j * d, vocab).float()
+        processed = state.process(flat, rows, grammar=False)
+        scores = coupled_scores(flat if processed is None else processed, state.batch(rows), candidates)
+        temperature = state.settings["temperature"][rows.slot_index].view(j, d)[:, 0].clamp(min=0)
+        return torch.where(temperature[:, None, None] > 0, scores.view(j, d, vocab), logits), temperature
 
     def grammar(self, w: SeqWork) -> GrammarWalk | None:
         g = self.state.grammar

@@ -99,7 +99,16 @@ def gumbel_noise(seed: Tensor, num_generated: Tensor, vocab_size: int) -> Tensor
     depend on the batch); on CUDA ``torch.log`` (one routine per element)."""
     key = mix64(mix64(seed) + num_generated * GAMMA)  # [B]
     ids = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seed.device)
-    bits = mix64(key[:, None] + ids * GAMMA)  # [B, V]
+    return _gumbel(mix64(key[:, None] + ids * GAMMA))  # [B, V]
+
+
+def gumbel_noise_at(seed: Tensor, num_generated: Tensor, token_ids: Tensor) -> Tensor:
+    """:func:`gumbel_noise`'s values at ``token_ids [B, M]`` int64 only: ``[B, M]`` float32, bit for bit."""
+    key = mix64(mix64(seed) + num_generated * GAMMA)  # [B]
+    return _gumbel(mix64(key[:, None] + (token_ids + 1) * GAMMA))
+
+
+def _gumbel(bits: Tensor) -> Tensor:
     u = (_shr(bits, 41) * 2 + 1).float() * 2.0**-24
     log = torch.log if u.is_cuda else fixed_math.log
     return -log(-log(u))
@@ -126,6 +135,50 @@ def filter_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:
     return logits.masked_fill(logits < cutoff, -math.inf)
 
 
+def draw_scores(processed: Tensor, sb: SamplingBatch) -> Tensor:
+    """The Gumbel-max scores ``[B, V]`` of sampled rows: :func:`filter_logits` of ``processed / temperature`` plus
+    :func:`gumbel_noise` (removed tokens -inf). Their argmax is :func:`sample`'s draw (rows at temperature 0 are
+    scored at temperature 1; :func:`sample` takes their argmax instead)."""
+    scaled, noise = _scaled(processed, sb)
+    return filter_logits(scaled, sb) + noise
+
+
+def coupled_scores(processed: Tensor, sb: SamplingBatch, candidates: int) -> Tensor:
+    """Drafter-side :func:`draw_scores` ``[B, V]`` without a full sort: ``processed / temperature`` plus the row's
+    noise for every token, the filters' verdicts found among each row's ``candidates`` best tokens (top-k, top-p
+    over the top-k-renormalised distribution, min-p). Where top-k or top-p cuts inside the candidates the verdicts
+    are the sampler's (up to rounding at the edge); where they reach past them, every token past them that min-p
+    keeps counts as kept. Removed tokens rank below every kept one, in their own order, instead of at -inf (a
+    grammar may allow only those); a processor's -inf stays. Their argmax is the sampler's draw where the verdicts
+    agree: a drafter ranking by them proposes the target's draw where their logits agree (docs/sampling.md)."""
+    scaled, noise = _scaled(processed, sb)  # [B, V] each
+    m = min(candidates, scaled.shape[-1])
+    vals, ids = scaled.topk(m, dim=-1)  # [B, M] descending
+    pos = torch.arange(m, device=scaled.device)
+    masked = vals.masked_fill(pos >= sb.top_k[:, None], -math.inf)
+    inside = sb.top_k[:, None] <= m  # top-k cuts within the candidates: the distribution is theirs
+    norm = torch.where(inside, masked.logsumexp(dim=-1, keepdim=True), scaled.logsumexp(dim=-1, keepdim=True))
+    probs = (masked - norm).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = sb.top_p[:, None]
+    cut = (mass_before >= top_p) & (top_p < 1)  # [B, M]
+    rest = ~inside & ~cut[:, -1:]  # [B, 1]: neither filter cut inside the candidates: the tokens past them stay
+    keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, ids, torch.isfinite(masked) & ~cut)
+    past = torch.ones_like(keep).scatter_(1, ids, torch.zeros_like(ids, dtype=torch.bool))
+    keep |= past & rest
+    keep &= scaled >= vals[:, :1] + sb.min_p.log()[:, None]
+    noisy = scaled + noise
+    # tier gap: above the spread of the row's finite values plus the noise's range (2**-24 < u < 1: |g| < 17.4)
+    low = scaled.masked_fill(~torch.isfinite(scaled), math.inf).amin(dim=-1, keepdim=True)
+    return torch.where(keep, noisy, noisy - (vals[:, :1] - low + 40.0))
+
+
+def _scaled(processed: Tensor, sb: SamplingBatch) -> tuple[Tensor, Tensor]:
+    """``processed / temperature`` (temperature-0 rows at 1) and the rows' noise, ``[B, V]`` each."""
+    temp = torch.where(sb.temperature > 0, sb.temperature, 1.0)
+    return processed / temp[:, None], gumbel_noise(sb.seed, sb.num_generated, processed.shape[-1])
+
+
 def sample(logits: Tensor, sb: SamplingBatch, processed: Tensor | None = None) -> SampleOutput:
     """Draw one token per row of ``logits [B, V]`` float32 under ``sb``, without host synchronisation.
 
@@ -139,10 +192,6 @@ def sample(logits: Tensor, sb: SamplingBatch, processed: Tensor | None = None) -
     processed = logits if processed is None else processed
     tokens = processed.argmax(dim=-1)  # [B]
     if not sb.all_greedy:
-        is_sampled = sb.temperature > 0
-        temp = torch.where(is_sampled, sb.temperature, 1.0)
-        filtered = filter_logits(processed / temp[:, None], sb)
-        drawn = (filtered + gumbel_noise(sb.seed, sb.num_generated, logits.shape[-1])).argmax(dim=-1)
-        tokens = torch.where(is_sampled, drawn, tokens)
+        tokens = torch.where(sb.temperature > 0, draw_scores(processed, sb).argmax(dim=-1), tokens)
     top_logprobs, top_ids = raw.topk(sb.num_logprobs, dim=-1)  # [B, n]
     return SampleOutput(tokens, raw.gather(1, tokens[:, None]).squeeze(1), top_ids, top_logprobs)

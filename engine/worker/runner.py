@@ -212,10 +212,13 @@ class ModelRunner:
     def static_shapes(self) -> list[tuple[int, int]]:
         """Every configured static shape ``(batch, tree_size)``: a decode (tree size 1) per static batch size, or,
         with speculation on (every decode is then a tree verify), a verify of the speculation's tree size per batch
-        size — each a draft, a verify and a commit."""
+        size — each a draft, a verify and a commit — and, when the speculation is adaptive (its steps may be plain
+        decodes), the decodes too."""
         if self.static is None:
             return []
-        return [(b, self.tree_size) for b in self.static.batch_sizes]
+        adaptive = self.speculation is not None and self.speculation.facts.adaptive
+        return [(b, size) for b in self.static.batch_sizes
+                for size in ((self.tree_size, 1) if adaptive else (self.tree_size,))]
 
     @torch.no_grad()
     def warm_up(self, batch: int, tree_size: int) -> tuple[bool, str]:

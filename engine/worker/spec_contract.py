@@ -33,7 +33,9 @@ class SpeculationFacts:
     ``spec_reserve_slots``: KV slots past a request's next position that one speculative step writes (the
     scheduler reserves them per request); ``context_kv``: the entries of the drafter's context, a layer group of
     the rank's KV cache over the target's blocks (None: the speculator adds its group itself, uncounted by the KV
-    budget)."""
+    budget); ``coupled``: sampled requests' drafts are coupled to the sampler's noise (EngineInfo shows it);
+    ``adaptive``: rank 0 chooses per step between a speculative and a plain decode step from measured
+    costs (``engine.core.spec_policy``)."""
 
     method: str
     tree_size: int
@@ -44,6 +46,8 @@ class SpeculationFacts:
     context_kv: KVSpec | None
     tree_temperature: float
     draft_head_dtype: str
+    coupled: bool = True
+    adaptive: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +77,14 @@ class NodeSampler(Protocol):
 
     def grammar(self, w: SeqWork) -> GrammarWalk | None:
         """``w``'s grammar to build its tree under, on the host (None: unconstrained)."""
+        ...
+
+    def couple(self, work: list[SeqWork], logits: torch.Tensor, candidates: int
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Coupled drafting: ``work``'s drafter logits ``[J, D', V]`` → ``(scores [J, D', V], temperature [J])``,
+        each sampled row's ``candidates`` best tokens scored as the sampler scores the draw of the output index it
+        proposes (greedy rows: their logits, temperature 0); None when no request of ``work`` samples. On the
+        device."""
         ...
 
     def prepare(self, work: list[SeqWork], tree_size: int, masks: torch.Tensor | None = None) -> Rows:

@@ -245,7 +245,9 @@ def test_drafter_context_follows_the_block_table(tiny_ckpts, random_drafter):
 def test_static_draft_equals_dynamic_propose(tiny_ckpts, random_drafter, method):
     """The fixed-shape draft step (block K/V stored at the block's own slots, attention through the paged
     tree-verify kernel with an all-ones block mask, the vectorised tree builder) drafts what the dynamic
-    propose drafts: 3 requests padded to a batch of 4, contexts of different lengths in scattered blocks."""
+    propose drafts: 3 requests padded to a batch of 4, contexts of different lengths in scattered blocks, drafted
+    at T=1 (coupled: the static step's noise and filters on the device)."""
+    from engine.sampling.logits_processors import SamplingState, TreeSampling
     from spec_decode.static_draft import StaticDraft
 
     spec, gen = _speculator(tiny_ckpts, random_drafter, num_blocks=16)
@@ -256,7 +258,9 @@ def test_static_draft_equals_dynamic_propose(tiny_ckpts, random_drafter, method)
         w = _work(str(i), 20 + i, n, blocks)
         spec.add_context(w, torch.randn(n, len(spec.feature_layers) * spec.model.cfg.hidden_size, generator=gen), 0)
         work.append(w)
-    want_logits, want = spec.draft_logits(work), spec.draft(work)[0]
+    state = SamplingState(spec.model.cfg.vocab_size, (), spec.cache.device)
+    work = state.bind(work)
+    want_logits, want = spec.draft_logits(work), spec.draft(work, TreeSampling(state))[0]
     draft = StaticDraft(spec, batch=4, max_blocks=4, scratch_blocks=(15, 14))
     draft.load(work)
     logits, tokens, parents, depth, valid, _ = draft.run()

@@ -13,7 +13,17 @@ import pytest
 import torch
 
 from engine.params import SamplingError, SamplingParams
-from engine.sampling.sampler import GAMMA, SamplingBatch, filter_logits, gumbel_noise, mix64, sample
+from engine.sampling.sampler import (
+    GAMMA,
+    SamplingBatch,
+    coupled_scores,
+    draw_scores,
+    filter_logits,
+    gumbel_noise,
+    gumbel_noise_at,
+    mix64,
+    sample,
+)
 from tests.support.sampling import advanced, sampling_batch
 
 EOS = (7,)
@@ -300,3 +310,35 @@ def test_logprobs_of_chosen_and_top_n():
 def test_sampling_rows_reject_ragged_inputs():
     with pytest.raises(ValueError, match="equal lengths"):
         sampling_batch([SamplingParams()] * 2, [0], [0, 0])
+
+
+def test_noise_at_token_ids_is_the_rows_noise():
+    seed, index = torch.tensor([3, -(2**62), 11]), torch.tensor([0, 7, 123])
+    ids = torch.randint(0, 500, (3, 40), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(gumbel_noise_at(seed, index, ids), gumbel_noise(seed, index, 500).gather(1, ids))
+
+
+@pytest.mark.parametrize("candidates", [500, 64])
+def test_coupled_scores_rank_the_draw_first_then_kept_then_removed_tokens(candidates):
+    """Drafter-side scores (coupled drafting): their argmax is the sampler's draw, and a processor's -inf stays.
+    With every token a candidate, the filters' verdicts are the sampler's: every kept token outranks every removed
+    one, and the kept tokens' scores are the draw's, bit for bit; with 64, where neither filter cuts inside them,
+    every token past them counts as kept."""
+    gen = torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m, seed=s)
+              for s, (t, p, k, m) in enumerate([(1.0, 0.95, 0, 0.0), (0.6, 1.0, 40, 0.0), (1.0, 0.9, 0, 0.05),
+                                                (0.3, 0.8, 100, 0.01), (1.0, 1.0, 0, 0.0)] * 8)]
+    sb = batch(params, num_generated=list(range(len(params))))
+    logits = torch.randn(len(params), 500, generator=gen) * 3
+    logits[0, :10] = -math.inf  # processors' bans stay at -inf
+    draws, coupled = draw_scores(logits, sb), coupled_scores(logits, sb, candidates)
+    assert torch.equal(coupled.argmax(dim=-1), draws.argmax(dim=-1))
+    assert torch.equal(coupled.argmax(dim=-1), sample(logits, sb).tokens)
+    assert torch.isneginf(coupled[0, :10]).all() and torch.isfinite(coupled[0, 10:]).all()
+    kept = torch.isfinite(draws)
+    if candidates == 500:
+        lowest_kept = coupled.masked_fill(~kept, math.inf).amin(dim=-1)
+        assert (lowest_kept > coupled.masked_fill(kept, -math.inf).amax(dim=-1)).all()
+        assert torch.equal(coupled[kept], draws[kept])
+    else:  # T=1 without filters: every token kept, scored as the draw
+        assert torch.equal(coupled[4::5], draws[4::5])

@@ -217,7 +217,8 @@ def constrained_requests(prompts: list[list[int]], max_tokens: int) -> tuple[lis
     t1 = dict(temperature=1.0, top_p=0.95, max_tokens=max_tokens)
     specs = [("schema", dict(g, constraint=Constraint("json_schema", json.dumps(NESTED))), NESTED),
              ("pattern", dict(t1, seed=11, constraint=Constraint("json_schema", json.dumps(PATTERN))), PATTERN),
-             ("regex", dict(t1, seed=12, constraint=Constraint("regex", REGEX)), REGEX),
+             ("regex", dict(t1, temperature=0.6, top_k=40, min_p=0.02, seed=12, constraint=Constraint("regex", REGEX)),
+              REGEX),
              ("choice", dict(t1, seed=13, constraint=Constraint("choice", json.dumps(CHOICES))), CHOICES),
              ("ebnf", dict(t1, seed=14, constraint=Constraint("grammar", EBNF)), EBNF),
              ("object", dict(g, constraint=Constraint("json_object")), None),
