@@ -8,6 +8,7 @@ per case, the loads and the published placement's balancedness per layer::
 
     pip download sglang --no-deps -d /tmp/sglang
     python scripts/record_eplb_fixture.py --wheel /tmp/sglang/sglang-*.whl --out tests/parallelism/eplb_published.json
+    python scripts/record_eplb_fixture.py --wheel /tmp/sglang/sglang-*.whl --sweep 200   # worst gaps, small shapes
 """
 
 from __future__ import annotations
@@ -56,12 +57,32 @@ def published_algorithm(wheel: Path):
     return module.rebalance_experts
 
 
+def sweep(published, seeds: int) -> None:
+    """Prints, per small shape, how far :func:`parallelism.eplb.rebalance` falls below the published algorithm over
+    ``seeds`` × 3 synthetic loads (Zipf 0.6, 1.2, 2.0): the worst gap and how many loads lose more than 0.01."""
+    from parallelism.eplb import rebalance
+
+    for experts, slots, ranks in [(4, 8, 4), (4, 6, 2), (8, 12, 4), (6, 8, 4), (8, 16, 8), (16, 24, 8)]:
+        gaps = []
+        for seed in range(seeds):
+            for skew in (0.6, 1.2, 2.0):
+                load = synthetic_load(seed, 1, experts, skew)
+                theirs = balancedness(load, published(load, slots, 1, 1, ranks, False)[0], ranks).item()
+                gaps.append(theirs - balancedness(load, rebalance(load, slots, ranks), ranks).item())
+        print(f"{experts} experts, {slots} slots, {ranks} ranks: worst {max(gaps):.4f} below the published, "
+              f"{sum(g > 0.01 for g in gaps)} of {len(gaps)} loads more than 0.01 below")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheel", type=Path, required=True, help="the sglang wheel (pip download sglang --no-deps)")
     parser.add_argument("--out", type=Path, default=Path("tests/parallelism/eplb_published.json"))
+    parser.add_argument("--sweep", type=int, default=0, help="instead: compare on this many seeds per small shape")
     args = parser.parse_args()
     published = published_algorithm(args.wheel)
+    if args.sweep:
+        sweep(published, args.sweep)
+        return
     cases = []
     runs = [(shape, SEEDS) for shape in SHAPES] + [(shape, SMALL_SEEDS) for shape in SMALL_SHAPES]
     for (experts, slots, ranks, nodes, groups), seeds in runs:
