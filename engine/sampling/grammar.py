@@ -227,13 +227,17 @@ class GrammarBackend:
             return compiler.compile_structural_tag(json.dumps(_bounded_whitespace(tag)))
         raise ConstraintError(f"{c.field}: unknown constraint kind")
 
-    def matcher(self, c: Constraint):
+    def matcher(self, c: Constraint, stop_token_ids: tuple[int, ...] = ()):
+        """A matcher of ``c`` whose completion ends at an EOS id or at one of the request's ``stop_token_ids`` that
+        the tokenizer marks special (an ordinary token stays text inside the grammar)."""
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(self.compile(c))
+        compiled = self.compile(c)
+        extra = [t for t in dict.fromkeys(stop_token_ids) if t in self.special and t not in self.eos_ids]
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=[*self.eos_ids, *extra] if extra else None)
 
     def walk(self, matcher) -> MatcherWalk:
-        return MatcherWalk(matcher, self.words, self.eos_ids, self.never)
+        return MatcherWalk(matcher, self.words, tuple(matcher.stop_token_ids), self.never)
 
 
 def _bounded_whitespace(node):
@@ -289,7 +293,7 @@ class GrammarMasks:
         if c is None:
             return
         started, ahead = time.perf_counter(), self.backend.under_way(c)
-        m = self.backend.matcher(c)
+        m = self.backend.matcher(c, req.params.stop_token_ids)
         if req.params.thought is not None:
             m = ThoughtGate(m, req.params.thought, self.backend.eos_ids + req.params.stop_token_ids,
                             self.backend.special, self.words)

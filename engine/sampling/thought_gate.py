@@ -60,6 +60,10 @@ class ThoughtGate:
             self.matcher.rollback(forwarded)
         self.thinking, self.count = undone[0]
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return self.matcher.stop_token_ids
+
     def is_terminated(self) -> bool:
         return not self.thinking and self.matcher.is_terminated()
 
