@@ -206,8 +206,8 @@ class GrammarBackend:
 
     def _compile(self, compiler, c: Constraint):
         if c.kind == "json_schema":
-            json.loads(c.text)  # a JSONDecodeError names the position
-            return compiler.compile_json_schema(c.text, strict_mode=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            schema = json.dumps(_length_as_pattern(json.loads(c.text)))  # a JSONDecodeError names the position
+            return compiler.compile_json_schema(schema, strict_mode=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if c.kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if c.kind == "regex":
@@ -247,8 +247,27 @@ def _bounded_whitespace(node):
     if not isinstance(node, dict):
         return node
     out = {k: _bounded_whitespace(v) for k, v in node.items()}
-    if out.get("type") == "json_schema" and "json_schema" in out and out.get("max_whitespace_cnt") is None:
-        out["max_whitespace_cnt"] = JSON_MAX_WHITESPACE
+    if out.get("type") == "json_schema" and "json_schema" in out:
+        out["json_schema"] = _length_as_pattern(out["json_schema"])
+        if out.get("max_whitespace_cnt") is None:
+            out["max_whitespace_cnt"] = JSON_MAX_WHITESPACE
+    return out
+
+
+def _length_as_pattern(schema):
+    """``schema`` with each plain string that bounds its length (``minLength``/``maxLength``; no pattern, format,
+    enum or const) given that bound as a ``pattern`` of plain JSON string characters: xgrammar 0.2.9 compiles such a
+    string to a class that excludes only the quote, the backslash, CR and LF, so raw control characters (U+0000 to
+    U+001F) get in: not JSON, and smg's parser refuses the call."""
+    if isinstance(schema, list):
+        return [_length_as_pattern(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _length_as_pattern(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = r'^[^"\\\x00-\x1f]' + f"{{{low},{'' if high is None else int(high)}}}$"
     return out
 
 

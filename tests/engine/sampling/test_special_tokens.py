@@ -8,6 +8,7 @@ Kimi agent's ``tiktoken.model`` (named ``<|…|>`` tokens, ``[EOS]``, ``<think>`
   valid; thinking first, the only special token the thought takes is its close. Draft-tree masks stay exact.
 - What ends a constrained answer: its completion, then an EOS id (``config.json``'s and ``generation_config.json``'s:
   Kimi's ``<|im_end|>``) or a request stop id the tokenizer marks special — nothing else, and nothing earlier.
+- Beside them: a length-bounded JSON string holds no raw control character (an xgrammar 0.2.9 gap).
 """
 
 from __future__ import annotations
@@ -251,3 +252,18 @@ def test_structural_tags_name_special_tokens_by_id():
         with pytest.raises(SpecialTokenError):
             tokens_for_specials(bad, specials)
     assert tokens_for_specials({"type": "any_text", "excludes": ["<|a|>", "stop"]}, specials)["excludes"] == ["stop"]
+
+
+def test_a_length_bounded_string_holds_no_control_character():
+    """xgrammar 0.2.9 lets raw U+0000-U+001F into a string with ``maxLength`` (not JSON: smg refuses such a call);
+    the schema's bound goes to a pattern of plain string characters instead, and still bounds the length."""
+    backend, tok = agent()
+    schema = {"type": "object", "properties": {"label": {"type": "string", "minLength": 2, "maxLength": 6}},
+              "required": ["label"]}
+    for c in (Constraint("json_schema", json.dumps(schema)),
+              Constraint("structural_tag", json.dumps({"format": {"type": "json_schema", "json_schema": schema}}))):
+        m = backend.matcher(c)
+        assert all(m.accept_token(t) for t in tok.encode('{"label": "a'))
+        assert not allowed(backend, m) & set(range(32))  # the agent's ids 0-255 are its bytes
+        assert all(m.accept_token(t) for t in tok.encode('bcdef'))
+        assert all(tok.decode([t]).startswith('"') for t in allowed(backend, m))  # six: only the close
