@@ -40,3 +40,17 @@ def test_success_needs_parsed_valid_calls_of_the_requests_tools_and_no_truncatio
     cell = summarize([req, req], [(good, good), (good, Answer([], "length", 400, None))])
     assert (cell["responses"], cell["valid_tool_calls"], cell["truncated"], cell["stream_equal"]) == (4, 0.75, 1, 0.5)
     assert cell["finish_reasons"] == {"tool_calls": 3, "length": 1} and cell["tokens_per_call"] == round(490 / 3, 2)
+
+
+def test_requests_carry_the_sampling_settings_and_json_schema_answers_are_scored_on_their_content():
+    req = requests(2, "required", seed=4)[1]
+    greedy, hot = req.body(True, True, 100), req.body(True, True, 100, temperature=1.0)
+    assert greedy["temperature"] == 0 and "top_p" not in greedy and greedy["seed"] == req.seed == 5
+    assert (hot["temperature"], hot["top_p"], hot["seed"]) == (1.0, 0.95, 5)
+    js = requests(1, "json_schema", seed=4)[0]
+    body = js.body(False, True, 100, temperature=0.6)
+    assert "tools" not in body and body["response_format"]["json_schema"]["schema"] == js.schema
+    value = json.dumps(sample_value(js.schema, random.Random(0)))
+    assert succeeded(js, Answer([], "stop", 20, None, value))
+    assert not succeeded(js, Answer([], "stop", 20, None, value[:-1]))  # not JSON
+    assert not succeeded(js, Answer([], "length", 100, None, value))
