@@ -112,12 +112,15 @@ class _Rewrite:
 
     def token_triggered(self, node: dict) -> dict:
         """A ``triggered_tags`` whose triggers are special tokens: each trigger must be one, and each tag's begin
-        then starts with it (xgrammar's ``token_triggered_tags``)."""
+        then starts with it (xgrammar's ``token_triggered_tags``, whose free text is any token but those it
+        excludes: every other special token)."""
         triggers = [self.pieces(t) for t in node["triggers"]]
         if not all(len(t) == 1 and isinstance(t[0], dict) for t in triggers):
             raise SpecialTokenError("a triggered_tags trigger mixes a special token with text")
         if self.text_only(node.get("excludes", [])):
             raise SpecialTokenError("a triggered_tags with special-token triggers excludes text")
-        return {"type": "token_triggered_tags", "trigger_tokens": [t[0]["token"] for t in triggers],
+        trigger_ids = [t[0]["token"] for t in triggers]
+        return {"type": "token_triggered_tags", "trigger_tokens": trigger_ids,
+                "exclude_tokens": sorted(set(self.specials.values()) - set(trigger_ids)),  # free text stays text
                 "tags": [self.tag(t) for t in node["tags"]], "at_least_one": node.get("at_least_one", False),
                 "stop_after_first": node.get("stop_after_first", False)}

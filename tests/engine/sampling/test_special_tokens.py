@@ -267,3 +267,19 @@ def test_a_length_bounded_string_holds_no_control_character():
         assert not allowed(backend, m) & set(range(32))  # the agent's ids 0-255 are its bytes
         assert all(m.accept_token(t) for t in tok.encode('bcdef'))
         assert all(tok.decode([t]).startswith('"') for t in allowed(backend, m))  # six: only the close
+
+
+def test_free_text_around_special_token_triggers_takes_no_other_special_token():
+    """A user's ``triggered_tags`` whose trigger is a special token (xgrammar's ``token_triggered_tags`` underneath):
+    its free text allows the trigger and the stops, no other special token; the tag's markers stand where it says."""
+    backend, tok = agent()
+    tag = {"format": {"type": "triggered_tags", "triggers": ["<|tool_call_begin|>"], "at_least_one": False, "tags": [
+        {"begin": "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>",
+         "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "<|tool_call_end|>"}]}}
+    m = backend.matcher(Constraint("structural_tag", json.dumps(tag)))
+    free = {backend.specials["<|tool_call_begin|>"], *backend.eos_ids}
+    assert all(m.accept_token(t) for t in tok.encode("Let me see. "))
+    assert allowed(backend, m) & backend.special == free & backend.special
+    call = '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"city": "oslo", "days": 2}<|tool_call_end|>'
+    assert all(m.accept_token(t) for t in tok.encode(call + " Done."))
+    assert allowed(backend, m) & backend.special == free & backend.special
