@@ -5,8 +5,10 @@ A response *succeeds* when smg returned parsed ``tool_calls``, each naming a too
 a named ``tool_choice``) with arguments valid under its schema, and the worker did not stop at ``max_tokens``. The
 streamed answer is *equal* when its deltas, reassembled by call index, give the same calls as the non-streamed one.
 The ``json_schema`` arm sends no tools but ``response_format`` with the wanted tool's parameter schema: it succeeds
-when the content is JSON valid under it (not cut at ``max_tokens``). Requests sample at ``temperature`` (``top_p``
-0.95 above 0, Kimi's recommended settings) with a seed per request.
+when the content is JSON valid under it (not cut at ``max_tokens``). The ``followup`` arm is the turn after a call
+(the user's ask, the assistant's call of the wanted tool, its result as a ``role: "tool"`` message, ``tool_choice``
+auto): it succeeds unless the answer is *empty* (neither content nor a call, finishing ``stop``) or cut. Requests
+sample at ``temperature`` (``top_p`` 0.95 above 0, Kimi's recommended settings) with a seed per request.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from bench.agent_tools import HELDOUT_NAMES, ask, make_tools, sample_value
 
 CHOICES = ("required", "named", "auto")
-ARMS = (*CHOICES, "json_schema")
+ARMS = (*CHOICES, "json_schema", "followup")
 TOP_P = 0.95  # with temperature > 0
 
 
@@ -30,13 +32,20 @@ class ToolRequest:
     tools: list[dict]
     user: str
     wanted: str
-    choice: str  # "required", "named", "auto" or "json_schema"
+    choice: str  # "required", "named", "auto", "json_schema" or "followup"
     seed: int = 0
+    arguments: str = "{}"  # the wanted call's arguments (the followup arm's past call)
 
     def body(self, thinking: bool, parallel: bool, max_tokens: int, temperature: float = 0.0) -> dict:
         sampling = {"temperature": temperature, "seed": self.seed, **({"top_p": TOP_P} if temperature > 0 else {})}
         common = {"model": "kimi", "messages": [{"role": "user", "content": self.user}], "max_tokens": max_tokens,
                   **sampling, "extra_body": {"chat_template_kwargs": {"thinking": thinking}}}
+        if self.choice == "followup":
+            call = {"id": f"functions.{self.wanted}:0", "type": "function",
+                    "function": {"name": self.wanted, "arguments": self.arguments}}
+            common["messages"] = [*common["messages"], {"role": "assistant", "content": "", "tool_calls": [call]},
+                                  {"role": "tool", "tool_call_id": call["id"], "content": '{"status": "done"}'}]
+            return {**common, "tools": self.tools, "tool_choice": "auto", "parallel_tool_calls": parallel}
         if self.choice == "json_schema":
             return {**common, "response_format": {"type": "json_schema", "json_schema": {
                 "name": self.wanted, "schema": self.schema}}}
@@ -56,9 +65,10 @@ def requests(n: int, choice: str, seed: int) -> list[ToolRequest]:
     for _ in range(n):
         tools = make_tools(rng, HELDOUT_NAMES, 2, 8)
         tool = rng.choice(tools)
-        user = ask(tool, sample_value(tool.parameters, rng))
+        args = sample_value(tool.parameters, rng)
+        user = ask(tool, args)
         out.append(ToolRequest([t.openai() for t in tools], user[0].upper() + user[1:], tool.name, choice,
-                               seed + len(out)))
+                               seed + len(out), json.dumps(args)))
     return out
 
 
@@ -75,6 +85,8 @@ def succeeded(req: ToolRequest, a: Answer) -> bool:
     """Parsed calls of the request's tools (the named one when named), arguments valid, not cut at max_tokens."""
     import jsonschema
 
+    if req.choice == "followup":
+        return not empty(a) and a.finish_reason != "length"
     if req.choice == "json_schema":
         try:
             jsonschema.validate(json.loads(a.content or ""), req.schema)
@@ -92,6 +104,11 @@ def succeeded(req: ToolRequest, a: Answer) -> bool:
         except (ValueError, jsonschema.ValidationError):
             return False
     return True
+
+
+def empty(a: Answer) -> bool:
+    """An empty turn: it stopped with neither content nor a call (a thought alone does not count)."""
+    return a.finish_reason == "stop" and not a.calls and not (a.content or "").strip()
 
 
 def chat(oa, req: ToolRequest, thinking: bool, parallel: bool, max_tokens: int, stream: bool,
@@ -155,4 +172,4 @@ def summarize(reqs: list[ToolRequest], answers: list[tuple[Answer, Answer]]) -> 
             "stream_equal": round(sum(p.calls == s.calls for p, s in answers) / len(answers), 4),
             "finish_reasons": finishes, "calls": calls,
             "tokens_per_call": round(sum(a.completion_tokens for _, a in both) / calls, 2) if calls else None,
-            "with_reasoning": sum(bool(a.reasoning) for _, a in both)}
+            "with_reasoning": sum(bool(a.reasoning) for _, a in both), "empty": sum(empty(a) for _, a in both)}

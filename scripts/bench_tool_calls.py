@@ -52,6 +52,16 @@ def spec_counts(server: Server) -> tuple[int, int]:
     return s["request_steps"], s["committed_tokens"]
 
 
+def worker_empty_turns(server: Server) -> float:
+    """``switchyard:empty_turns_total`` on ``server``'s /metrics now."""
+    import re
+    import urllib.request
+
+    page = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    found = re.search(r"^switchyard:empty_turns_total\{[^}]*\} (\S+)$", page, re.M)
+    return float(found.group(1)) if found else float("nan")
+
+
 def plot(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -62,7 +72,8 @@ def plot(doc: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 0.22 * len(cells) + 1.5))
     labels = [c["cell"] for c in cells]
     ax.barh(range(len(cells)), [100 * c["valid_tool_calls"] for c in cells], color=[
-        {"required": "tab:blue", "named": "tab:green", "auto": "tab:orange", "json_schema": "tab:gray"}[
+        {"required": "tab:blue", "named": "tab:green", "auto": "tab:orange", "json_schema": "tab:gray",
+         "followup": "tab:purple"}[
             c["tool_choice"]] for c in cells])
     ax.set_yticks(range(len(cells)), labels, fontsize=6)
     ax.invert_yaxis()
@@ -113,14 +124,15 @@ def main() -> None:
                     for temp, choice, parallel, conc in itertools.product(temperatures, arms, onoff(args.parallel),
                                                                           concurrencies):
                         before = spec_counts(server) if ddtree else None
-                        t0 = time.time()
+                        empties, t0 = worker_empty_turns(server), time.time()
                         answers = run_cell(oa, reqs[choice], thinking, parallel, args.max_tokens, conc, temp)
                         cell = {"cell": f"{choice} T={temp:g} parallel={'on' if parallel else 'off'} c={conc} "
                                         f"thinking={'on' if thinking else 'off'} ddtree={'on' if ddtree else 'off'}",
                                 "tool_choice": choice, "temperature": temp, "top_p": 0.95 if temp > 0 else 1.0,
                                 "parallel_tool_calls": parallel, "concurrency": conc,
                                 "thinking": thinking, "ddtree": ddtree, "seconds": round(time.time() - t0, 2),
-                                **summarize(reqs[choice], answers)}
+                                **summarize(reqs[choice], answers),
+                                "worker_empty_turns": worker_empty_turns(server) - empties}
                         if ddtree:
                             steps, committed = (a - b for a, b in zip(spec_counts(server), before, strict=True))
                             cell["committed_per_spec_step"] = round(committed / steps, 3) if steps else None
