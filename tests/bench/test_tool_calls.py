@@ -54,3 +54,19 @@ def test_requests_carry_the_sampling_settings_and_json_schema_answers_are_scored
     assert succeeded(js, Answer([], "stop", 20, None, value))
     assert not succeeded(js, Answer([], "stop", 20, None, value[:-1]))  # not JSON
     assert not succeeded(js, Answer([], "length", 100, None, value))
+
+
+def test_a_followup_feeds_the_call_and_its_result_back_and_fails_only_when_empty_or_cut():
+    from bench.tool_calls import empty
+
+    req = requests(1, "followup", seed=2)[0]
+    msgs = req.body(True, True, 100, temperature=1.0)["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]
+    call = msgs[1]["tool_calls"][0]
+    assert call["function"]["name"] == req.wanted and msgs[2]["tool_call_id"] == call["id"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), req.schema)
+    nothing = Answer([], "stop", 3, "I have the result.", "  ")
+    assert empty(nothing) and not succeeded(req, nothing)
+    assert succeeded(req, Answer([], "stop", 9, None, "It is done."))
+    assert succeeded(req, Answer([(req.wanted, "{}")], "tool_calls", 9, None))
+    assert not succeeded(req, Answer([], "length", 200, None, "It is"))
