@@ -52,14 +52,14 @@ def spec_counts(server: Server) -> tuple[int, int]:
     return s["request_steps"], s["committed_tokens"]
 
 
-def worker_empty_turns(server: Server) -> float:
-    """``switchyard:empty_turns_total`` on ``server``'s /metrics now."""
+def worker_empty_turns(server: Server) -> float | None:
+    """``switchyard:empty_turns_total`` on ``server``'s /metrics now (None: a worker without it)."""
     import re
     import urllib.request
 
     page = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     found = re.search(r"^switchyard:empty_turns_total\{[^}]*\} (\S+)$", page, re.M)
-    return float(found.group(1)) if found else float("nan")
+    return float(found.group(1)) if found else None
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -132,7 +132,7 @@ def main() -> None:
                                 "parallel_tool_calls": parallel, "concurrency": conc,
                                 "thinking": thinking, "ddtree": ddtree, "seconds": round(time.time() - t0, 2),
                                 **summarize(reqs[choice], answers),
-                                "worker_empty_turns": worker_empty_turns(server) - empties}
+                                "worker_empty_turns": None if empties is None else worker_empty_turns(server) - empties}
                         if ddtree:
                             steps, committed = (a - b for a, b in zip(spec_counts(server), before, strict=True))
                             cell["committed_per_spec_step"] = round(committed / steps, 3) if steps else None
