@@ -78,6 +78,8 @@ class _Rewrite:
         if kind == "tags_with_separator" and self.pattern.search(node.get("separator", "")):
             raise SpecialTokenError("a tags_with_separator separator names a special token")
         out = {k: self.node(v) for k, v in node.items()}
+        if kind in ("triggered_tags", "tags_with_separator"):  # their tags may leave out "type": "tag"
+            out["tags"] = [self.tag(t) for t in node.get("tags", [])]
         if kind in ("token", "exclude_token", "any_tokens", "token_triggered_tags", "token_dispatch"):
             for key in ("token",):
                 if key in out:

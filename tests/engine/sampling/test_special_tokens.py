@@ -247,6 +247,8 @@ def test_structural_tags_name_special_tokens_by_id():
     trig = {"type": "triggered_tags", "triggers": ["<|a|>"], "tags": [dict(tag, begin="<|a|>q")],
             "at_least_one": True}
     assert tokens_for_specials(trig, specials)["type"] == "token_triggered_tags"
+    untyped = {"type": "triggered_tags", "triggers": ["<x>"], "tags": [{k: v for k, v in tag.items() if k != "type"}]}
+    assert tokens_for_specials(untyped, specials)["tags"][0]["begin"] == tok(7)  # smg's tags name no type
     for bad in ({"type": "triggered_tags", "triggers": ["x<|a|>"], "tags": []},
                 {"type": "tags_with_separator", "tags": [], "separator": "<|b|>"}):
         with pytest.raises(SpecialTokenError):
