@@ -81,9 +81,8 @@ class _Rewrite:
         if kind in ("triggered_tags", "tags_with_separator"):  # their tags may leave out "type": "tag"
             out["tags"] = [self.tag(t) for t in node.get("tags", [])]
         if kind in ("token", "exclude_token", "any_tokens", "token_triggered_tags", "token_dispatch"):
-            for key in ("token",):
-                if key in out:
-                    out[key] = self.token_id(out[key])
+            if "token" in out:
+                out["token"] = self.token_id(out["token"])
             for key in ("exclude_tokens", "trigger_tokens"):
                 if key in out:
                     out[key] = [self.token_id(t) for t in out[key]]
