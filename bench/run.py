@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -43,14 +44,17 @@ def make_prompts(vocab: int, context: int, n: int, seed: int) -> list[list[int]]
 class Server:
     """``scripts/serve.py`` as a subprocess on a loopback port, for one layout and spec mode."""
 
-    def __init__(self, overrides: list[str], log_path: Path, timeout_s: float, cpus: str | None = None):
-        """``cpus``: pin the server's process (and its ranks) to these cores (``taskset -c``)."""
+    def __init__(self, overrides: list[str], log_path: Path, timeout_s: float, cpus: str | None = None,
+                 repo: Path = REPO):
+        """``cpus``: pin the server's process (and its ranks) to these cores (``taskset -c``); ``repo``: the checkout
+        whose ``scripts/serve.py`` runs (another one's code, for a before/after comparison)."""
         self.port, self.metrics_port = free_ports(2)
         pin = ["taskset", "-c", cpus] if cpus is not None else []
-        cmd = [*pin, sys.executable, str(REPO / "scripts" / "serve.py"), *overrides,
+        cmd = [*pin, sys.executable, str(repo / "scripts" / "serve.py"), *overrides,
                "server.host=127.0.0.1", f"server.port={self.port}", f"server.metrics_port={self.metrics_port}"]
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=repo, env=env)
         self.client = Client(f"127.0.0.1:{self.port}")
         try:
             self.client.wait_ready(timeout=timeout_s)

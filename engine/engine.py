@@ -32,6 +32,7 @@ from engine.core.recorder import DeviceSpan, EngineStats, StepRecorder
 from engine.core.scheduler import Scheduler
 from engine.core.spec_policy import AlwaysSpeculate, MeasuredSpeculation
 from engine.core.step_record import StepRecord
+from engine.core.turns import Turn, thought_marker_ids
 from engine.kv_transfers import KVTransfers, PeerLease
 from engine.messages import FlushResult
 from engine.params import Constraint, SamplingParams
@@ -97,6 +98,7 @@ class Engine:
                                    store_lookup=self.runner.loads.store.held if self.runner.loads.store else None,
                                    spec_policy=self.spec_policy)
         self.stops = StopChecks(tokenizer)  # stop strings: matched here, between the readback and the core's update
+        self.thought_markers = thought_marker_ids(tokenizer)  # empty turns are counted after the close
         self.stats = EngineStats()
         self.recorder = StepRecorder(self.scheduler.stats, self.groups.counter)
         self.rank = RankState(self.runner, telemetry, RankProfiler(model.groups.rank, model.device))  # rank 0's share
@@ -172,7 +174,9 @@ class Engine:
             self.transfers.missing.add(request_id)
         keys = [request_id] if params.n == 1 else [sample_id(request_id, i) for i in range(params.n)]
         self.stops.add(keys, prompt, params)
-        self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic())
+        turn = Turn.of(prompt, self.thought_markers, frozenset(self.model.cfg.eos_token_ids + params.stop_token_ids)) \
+            if params.n == 1 else None
+        self.recorder.arrived(request_id, arrival if arrival is not None else time.monotonic(), turn)
 
     def abort_all(self, request_id: str) -> list[RequestOutput]:
         """Ends ``request_id`` now: one finished output per sample still running (n > 1). Each goes to the stats

@@ -215,9 +215,16 @@ def parse_config(raw: dict, source: str = "config.json", name_prefixes: tuple[st
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Reads ``DIR/config.json`` (or the file itself)."""
+    """Reads ``DIR/config.json`` (or the file itself). The EOS ids are ``config.json``'s, then any more that the
+    ``generation_config.json`` beside it names: Kimi K2 ends a turn with ``<|im_end|>``, which only its generation
+    config names (vLLM and SGLang stop on both as well)."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"no config.json at {file}")
-    return parse_config(read_json(file, ConfigError), str(file))
+    cfg = parse_config(read_json(file, ConfigError), str(file))
+    generation = file.parent / "generation_config.json"
+    if generation.is_file():
+        more = [t for t in _eos(read_json(generation, ConfigError)) if t not in cfg.eos_token_ids]
+        cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(more)) if more else cfg
+    return cfg

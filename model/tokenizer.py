@@ -36,10 +36,12 @@ CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}
 
 
 class CheckpointTokenizer:
-    """``tokenizer.json`` through HF tokenizers."""
+    """``tokenizer.json`` through HF tokenizers. ``special``: name → id of each added token it marks special (the
+    chat template's markers, EOS)."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
+        self.special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

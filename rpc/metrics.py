@@ -94,6 +94,8 @@ FAMILIES = _families(
     Family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
     Family("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
     Family("vllm:request_success", "counter", "Count of successfully processed requests.", ("finished_reason",)),
+    Family("switchyard:empty_turns", "counter", "Chat answers that stopped with neither content nor a tool call "
+           "after the thought's close (or without closing it); docs/metrics.md."),
     Family("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
            buckets=TTFT_BUCKETS),
     Family("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
@@ -199,7 +201,7 @@ class MetricsExporter:
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "switchyard:num_requests_loading",
                      "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
                      "vllm:prompt_tokens_cached", "vllm:num_preemptions", "vllm:prompt_tokens",
-                     "vllm:generation_tokens"):
+                     "vllm:generation_tokens", "switchyard:empty_turns"):
             self._data[name][()] = 0.0
         self._data["vllm:num_requests_waiting_by_reason"] = {(r,): 0.0 for r in WAITING_REASONS}
         self._data["vllm:request_success"] = {(r,): 0.0 for r in FINISH_REASONS}
@@ -327,6 +329,7 @@ class MetricsExporter:
         for end in q.ended:
             reason = end.finish_reason if (end.finish_reason,) in success else "error"
             success[(reason,)] += 1
+            d["switchyard:empty_turns"][()] += end.empty_turn
             self._hist("vllm:e2e_request_latency_seconds", (), end.e2e_s)
             self._hist("vllm:request_queue_time_seconds", (), end.queue_s)
 

@@ -90,7 +90,7 @@ class BigVocab(GrammarBackend):
             info = xgr.TokenizerInfo(vocab[:self.vocab_size], xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                      stop_token_ids=list(self.eos_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            self.special = frozenset(info.special_token_ids) - set(self.eos_ids)
+            self.never = self.special = frozenset(info.special_token_ids) - set(self.eos_ids)
         return self._compiler
 
 

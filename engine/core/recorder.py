@@ -22,6 +22,7 @@ from engine.core.step_record import (
     TokenCounts,
     idle_seconds,
 )
+from engine.core.turns import Turn
 from engine.step import GraphCoverage, RankReport, RequestOutput, StepKind, StepPlan, StepResult
 from parallelism.comm import CommCounter
 
@@ -54,6 +55,7 @@ class _Clock:
     arrival: float
     scheduled: float | None = None
     last_token: float | None = None
+    turn: Turn | None = None  # a chat answer watched for an empty turn (engine/core/turns.py)
 
 
 class StepRecorder:
@@ -75,8 +77,8 @@ class StepRecorder:
         self._empty_from: float | None = self.prev_end  # since when the engine has held no request (None: it holds)
 
     # ---- events between records -------------------------------------------------------------------------
-    def arrived(self, request_id: str, at: float) -> None:
-        self._clocks[request_id] = _Clock(at)
+    def arrived(self, request_id: str, at: float, turn: Turn | None = None) -> None:
+        self._clocks[request_id] = _Clock(at, turn=turn)
         self._arrivals.append(at)
 
     def begin(self, at: float) -> None:
@@ -182,6 +184,8 @@ class StepRecorder:
             clock = self._clocks.get(o.request_id)
             if clock is None:
                 continue
+            if clock.turn is not None:
+                clock.turn.see(o.new_tokens)
             if o.new_tokens:
                 if clock.last_token is None:
                     ttft.append(now - clock.arrival)
@@ -200,7 +204,8 @@ class StepRecorder:
             return []
         queued = (clock.scheduled if clock.scheduled is not None else now) - clock.arrival
         return [RequestEnd(finish_reason=out.finish_reason or "abort", prompt_tokens=out.num_prompt_tokens,
-                           generation_tokens=out.num_output_tokens, e2e_s=now - clock.arrival, queue_s=queued)]
+                           generation_tokens=out.num_output_tokens, e2e_s=now - clock.arrival, queue_s=queued,
+                           empty_turn=clock.turn is not None and clock.turn.empty(out.finish_reason))]
 
     def _comm_now(self) -> dict[tuple[str, str], tuple[int, int]]:
         c = self.counter

@@ -60,13 +60,15 @@ class TokenCounts:
 @dataclass(frozen=True, kw_only=True)
 class RequestEnd:
     """A request that ended (stop, length, abort): vLLM's per-request figures. ``queue_s``: arrival to first
-    admission (its whole life when it never ran)."""
+    admission (its whole life when it never ran). ``empty_turn``: a chat answer that stopped with neither content
+    nor a call after its thought (``engine/core/turns.py``)."""
 
     finish_reason: str
     prompt_tokens: int
     generation_tokens: int
     e2e_s: float
     queue_s: float
+    empty_turn: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from engine.params import Constraint
 from engine.sampling.logits_processors import Rows
+from engine.sampling.special_tokens import SpecialTokenError, tokens_for_specials, xgrammar_text
 from engine.sampling.thought_gate import ThoughtGate
 from engine.sampling.tool_call_tags import forced_calls_end_the_turn
 from engine.staging import to_device
@@ -50,12 +51,12 @@ def _message(err: Exception) -> str:
     return re.sub(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?", "", text)
 
 
-def vocab_of_checkpoint(ckpt_dir: Path, vocab_size: int) -> tuple[list[bytes] | list[str], str, bool]:
-    """``(encoded vocab by id, xgrammar vocab type name, add_prefix_space)`` of the checkpoint's tokenizer (the one
-    ``model.tokenizer.load_tokenizer`` reads): ``tokenizer.json`` as its model stores tokens (byte-level, byte
-    fallback or raw), or a ``tiktoken.model`` as raw bytes with its named special tokens as their text (Kimi's
-    structural tags match ``<|tool_call_begin|>`` and the like) and its unnamed reserved ids empty (xgrammar then
-    never allows them)."""
+def vocab_of_checkpoint(ckpt_dir: Path, vocab_size: int) -> tuple[list[bytes], bool, dict[str, int]]:
+    """``(vocab as raw bytes by id, add_prefix_space, special name → id)`` of the checkpoint's tokenizer (the one
+    ``model.tokenizer.load_tokenizer`` reads), for xgrammar's ``RAW`` vocabulary type: a ``tiktoken.model``'s ranks
+    as they are, a ``tokenizer.json``'s tokens decoded from the way its model stores them (byte-level, byte fallback
+    or raw: xgrammar's own decoding). Each special token's text is :func:`xgrammar_text` (no text can match it; a
+    structural tag's ``token`` element can) and an unnamed reserved id's is empty (xgrammar never allows it)."""
     from model.tokenizer import TiktokenTokenizer, load_tokenizer
 
     tok = load_tokenizer(ckpt_dir)
@@ -66,10 +67,22 @@ def vocab_of_checkpoint(ckpt_dir: Path, vocab_size: int) -> tuple[list[bytes] | 
         for token, rank in tok.ranks.items():
             if rank < vocab_size:
                 vocab[rank] = token
-        for name, i in tok.special.items():
-            if i < vocab_size and not name.startswith("<|reserved_token_"):
-                vocab[i] = name.encode()
-        return vocab, "RAW", False
+        named = {name: i for name, i in tok.special.items() if i in tok.skipped}
+        prefix = False
+    else:
+        vocab, prefix = _decoded(tok, vocab_size)
+        named = dict(tok.special)
+    specials = {name: i for name, i in named.items() if i < vocab_size}
+    for name, i in specials.items():
+        vocab[i] = xgrammar_text(name)
+    return vocab, prefix, specials
+
+
+def _decoded(tok, vocab_size: int) -> tuple[list[bytes], bool]:
+    """A ``tokenizer.json``'s vocabulary as raw bytes (decoded by xgrammar from its stored form) and whether its
+    tokenizer prepends a space."""
+    import xgrammar as xgr
+
     encoded = [""] * vocab_size
     for token, i in tok.tok.get_vocab(with_added_tokens=True).items():
         if i < vocab_size:
@@ -78,12 +91,15 @@ def vocab_of_checkpoint(ckpt_dir: Path, vocab_size: int) -> tuple[list[bytes] | 
     decoders = [spec.get("decoder") or {}]
     decoders += decoders[0].get("decoders", []) if decoders[0].get("type") == "Sequence" else []
     types = {d.get("type") for d in decoders}
+    kind, prefix = "RAW", False
     if "ByteLevel" in types:
-        return encoded, "BYTE_LEVEL", False
-    if "ByteFallback" in types:
-        prepend = any(d.get("type") in ("Metaspace", "Prepend") for d in decoders + [spec.get("normalizer") or {}])
-        return encoded, "BYTE_FALLBACK", prepend
-    return encoded, "RAW", False
+        kind = "BYTE_LEVEL"
+    elif "ByteFallback" in types:
+        kind = "BYTE_FALLBACK"
+        prefix = any(d.get("type") in ("Metaspace", "Prepend") for d in decoders + [spec.get("normalizer") or {}])
+    info = xgr.TokenizerInfo(encoded, getattr(xgr.VocabType, kind), vocab_size=vocab_size, stop_token_ids=[0],
+                             add_prefix_space=prefix)  # read for its decoding only (the stop id is unused)
+    return list(info.decoded_vocab), prefix
 
 
 class GrammarBackend:
@@ -107,7 +123,9 @@ class GrammarBackend:
         self._thread: ThreadPoolExecutor | None = None
         self.compiles = 0  # compilations run (cache misses)
         self.compiles_in_background = 0  # of them, run on the grammar thread (compile_soon)
-        self.special: frozenset[int] = frozenset()  # ids no grammar allows (empty text: reserved), known once built
+        self.specials: dict[str, int] = {}  # special token name → id (structure, never text), known once built
+        self.special: frozenset[int] = frozenset()  # their ids and the reserved ones: banned inside a thought
+        self.never: frozenset[int] = frozenset()  # ids no grammar allows (empty text: reserved), known once built
 
     @classmethod
     def for_checkpoint(cls, ckpt_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarBackend:
@@ -123,11 +141,12 @@ class GrammarBackend:
 
         with self._building:
             if self._compiler is None:
-                vocab, kind, prefix = vocab_of_checkpoint(self.ckpt_dir, self.vocab_size)
-                info = xgr.TokenizerInfo(vocab, getattr(xgr.VocabType, kind), vocab_size=self.vocab_size,
+                vocab, prefix, self.specials = vocab_of_checkpoint(self.ckpt_dir, self.vocab_size)
+                info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=list(self.eos_ids), add_prefix_space=prefix)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-                self.special = frozenset(info.special_token_ids) - set(self.eos_ids)
+                self.never = frozenset(info.special_token_ids) - set(self.eos_ids)
+                self.special = self.never | frozenset(self.specials.values())
             return self._compiler
 
     def cached(self, c: Constraint) -> bool:
@@ -185,11 +204,10 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return compiled
 
-    @staticmethod
-    def _compile(compiler, c: Constraint):
+    def _compile(self, compiler, c: Constraint):
         if c.kind == "json_schema":
-            json.loads(c.text)  # a JSONDecodeError names the position
-            return compiler.compile_json_schema(c.text, strict_mode=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            schema = json.dumps(_length_as_pattern(json.loads(c.text)))  # a JSONDecodeError names the position
+            return compiler.compile_json_schema(schema, strict_mode=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if c.kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if c.kind == "regex":
@@ -202,17 +220,24 @@ class GrammarBackend:
                 raise ConstraintError(f"{c.field} must list at least one string, got {c.text[:200]}")
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
         if c.kind == "structural_tag":
-            tag = forced_calls_end_the_turn(json.loads(c.text))
+            try:
+                tag = tokens_for_specials(forced_calls_end_the_turn(json.loads(c.text)), self.specials)
+            except SpecialTokenError as err:
+                raise ConstraintError(f"{c.field}: {err}") from None
             return compiler.compile_structural_tag(json.dumps(_bounded_whitespace(tag)))
         raise ConstraintError(f"{c.field}: unknown constraint kind")
 
-    def matcher(self, c: Constraint):
+    def matcher(self, c: Constraint, stop_token_ids: tuple[int, ...] = ()):
+        """A matcher of ``c`` whose completion ends at an EOS id or at one of the request's ``stop_token_ids`` that
+        the tokenizer marks special (an ordinary token stays text inside the grammar)."""
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(self.compile(c))
+        compiled = self.compile(c)
+        extra = [t for t in dict.fromkeys(stop_token_ids) if t in self.special and t not in self.eos_ids]
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=[*self.eos_ids, *extra] if extra else None)
 
     def walk(self, matcher) -> MatcherWalk:
-        return MatcherWalk(matcher, self.words, self.eos_ids, self.special)
+        return MatcherWalk(matcher, self.words, tuple(matcher.stop_token_ids), self.never)
 
 
 def _bounded_whitespace(node):
@@ -222,8 +247,27 @@ def _bounded_whitespace(node):
     if not isinstance(node, dict):
         return node
     out = {k: _bounded_whitespace(v) for k, v in node.items()}
-    if out.get("type") == "json_schema" and "json_schema" in out and out.get("max_whitespace_cnt") is None:
-        out["max_whitespace_cnt"] = JSON_MAX_WHITESPACE
+    if out.get("type") == "json_schema" and "json_schema" in out:
+        out["json_schema"] = _length_as_pattern(out["json_schema"])
+        if out.get("max_whitespace_cnt") is None:
+            out["max_whitespace_cnt"] = JSON_MAX_WHITESPACE
+    return out
+
+
+def _length_as_pattern(schema):
+    """``schema`` with each plain string that bounds its length (``minLength``/``maxLength``; no pattern, format,
+    enum or const) given that bound as a ``pattern`` of plain JSON string characters: xgrammar 0.2.9 compiles such a
+    string to a class that excludes only the quote, the backslash, CR and LF, so raw control characters (U+0000 to
+    U+001F) get in: not JSON, and smg's parser refuses the call."""
+    if isinstance(schema, list):
+        return [_length_as_pattern(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _length_as_pattern(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = r'^[^"\\\x00-\x1f]' + f"{{{low},{'' if high is None else int(high)}}}$"
     return out
 
 
@@ -268,7 +312,7 @@ class GrammarMasks:
         if c is None:
             return
         started, ahead = time.perf_counter(), self.backend.under_way(c)
-        m = self.backend.matcher(c)
+        m = self.backend.matcher(c, req.params.stop_token_ids)
         if req.params.thought is not None:
             m = ThoughtGate(m, req.params.thought, self.backend.eos_ids + req.params.stop_token_ids,
                             self.backend.special, self.words)

@@ -22,13 +22,14 @@ def _row(words: int, allowed: set[int] | None = None, banned: set[int] = frozens
 
 class ThoughtGate:
     """``matcher`` (an ``xgrammar.GrammarMatcher``) behind an open thought: until ``thought.close_id`` is accepted,
-    any token but a stop token (``stop_ids``) or one no grammar allows (``never``: the tokenizer's reserved ids) is
-    allowed and nothing reaches the matcher; after ``thought.max_tokens`` thought tokens only the close is. Tokens
-    after the close go to the matcher."""
+    any token but a stop token (``stop_ids``) or a special one (``special``: the tokenizer's control and reserved
+    ids; structure, never text) is allowed and nothing reaches the matcher; the close is the one special token
+    allowed, and after ``thought.max_tokens`` thought tokens the only one. Tokens after the close go to the
+    matcher."""
 
-    def __init__(self, matcher, thought: Thought, stop_ids: tuple[int, ...], never: frozenset[int], words: int):
+    def __init__(self, matcher, thought: Thought, stop_ids: tuple[int, ...], special: frozenset[int], words: int):
         self.matcher, self.close, self.budget = matcher, thought.close_id, thought.max_tokens
-        self.stop = frozenset(stop_ids) | never
+        self.stop = (frozenset(stop_ids) | special) - {self.close}
         self.thinking, self.count = True, 0
         self.history: list[tuple[bool, int]] = []  # (thinking, count) before each accepted token
         self.free_row = _row(words, banned=set(self.stop))
@@ -58,6 +59,10 @@ class ThoughtGate:
         if forwarded:
             self.matcher.rollback(forwarded)
         self.thinking, self.count = undone[0]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return self.matcher.stop_token_ids
 
     def is_terminated(self) -> bool:
         return not self.thinking and self.matcher.is_terminated()
