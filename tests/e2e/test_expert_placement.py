@@ -50,10 +50,11 @@ def eplb_layout(base: Layout, path) -> Layout:
 
 
 PLACEMENTS = ("linear", "round_robin", "eplb", "rebalanced")
-# the balancer on, reading a window and rebalancing every 4 steps, every layer that changes moved (one per step);
+# the balancer on, reading a window and rebalancing every 3 steps (coupled DDTree takes the 12 tokens in few steps),
+# every layer that changes moved (one per step);
 # with engine.overlap on (plain decoding overlaps; DDTree steps drain): the engine makes the boundaries moves need;
 # the EP ranks taken as two nodes: each of tiny_kimi's 4 expert groups keeps its replicas on one node
-REBALANCING = dict(eplb_enabled=True, eplb_window_steps=4, eplb_interval_steps=4, eplb_min_gain=0.0, overlap="on",
+REBALANCING = dict(eplb_enabled=True, eplb_window_steps=3, eplb_interval_steps=3, eplb_min_gain=0.0, overlap="on",
                    eplb_num_nodes=2)
 
 
