@@ -109,3 +109,17 @@ def test_a_tool_call_end_token_retains_the_kv():
     req = running(parts[1], SamplingParams(max_tokens=5, stop_token_ids=(7,)))
     out, ends = step(req, [7], processor_parts=parts)
     assert out.finish_reason == "stop" and parts[1].requests["r"].retain and ends.finished == [("r", "stop")]
+
+
+def test_a_forking_request_forks_once_its_shared_prompt_is_computed():
+    out, kv, ends = processor()
+    req = running(kv, SamplingParams(max_tokens=4, n=2), prompt=list(range(20, 29)))  # 9 tokens: it feeds 8
+    req.fork_n, req.num_computed = 2, 0
+    first = StepItem(request_id="r", token_ids=list(range(20, 24)), start=0, sample=False, num_generated=0,
+                     decode=False)
+    out.apply([first], {"r": req}, {}, {})
+    assert ends.forked == [] and req.num_computed == 4
+    rest = StepItem(request_id="r", token_ids=list(range(24, 28)), start=4, sample=False, num_generated=0,
+                    decode=False)
+    out.apply([rest], {"r": req}, {}, {})
+    assert ends.forked == ["r"] and req.num_computed == 8 and kv.committed_blocks(req) == 2

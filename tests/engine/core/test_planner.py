@@ -119,3 +119,11 @@ def test_the_newest_request_waits_when_no_one_is_newer():
     # b gets no budget
     assert blocked and planner.preemptions == 0 and not table.waiting
     assert shape(work) == [("a", 0, 8, True, False)]
+
+
+def test_a_request_with_a_step_in_flight_is_not_preempted_the_next_newest_is():
+    planner, table, kv, (a, b, c) = three_full()
+    planner.in_flight[7] = {"c": c}  # step 7 fed c and is not applied yet: its KV is being written
+    work, _, blocked = planner.plan(8)
+    assert list(table.waiting) == [b] and planner.preemptions == 1 and not blocked
+    assert shape(work) == [("a", 8, 1, True, True), ("c", 0, 7, False, False)]
