@@ -1,8 +1,9 @@
 """Admission: which waiting requests start, on which attention-DP rank, with what KV reserve (a policy object).
 
 - First come first served. A request is placed on the rank holding its longest cached prefix, then the one with
-  most free blocks (``GenerateRequest.data_parallel_rank``, when set, pins it); a request pinned to a full rank waits
-  without holding up the others, one whose blocks are not free stops admission.
+  most free blocks (``GenerateRequest.data_parallel_rank``, when set, pins it); when that rank cannot take it, the
+  next one that can (its prefix computed there), and only then are unread PD leases ended; a request pinned to a full
+  rank waits without holding up the others, one that no rank can take stops admission.
 - The reserve: the blocks of its first chunk (``on_demand``) or of its whole request (``reserve``: prompt +
   max_tokens capped at max_model_len, plus the speculative scratch); the cached prefix needs none.
 - KV from elsewhere (``Request.kv_tokens``): the reserve covers it; the blocks the prefix cache does not hold are
@@ -80,18 +81,10 @@ class Admission:
                     req.deferred = True
                     self.prefix_waits += 1
                     continue
-            dp = max(ranks, key=lambda r: (self._reusable_blocks(r, hashes), self.kv.num_free(r), -r))
-            device = self.kv.cached_blocks(dp, hashes)
-            slots, stored = self._tier_prefix(req, dp, hashes, device)
-            if slots or stored:  # the tiers' blocks arrive like KV from elsewhere
-                req.kv_tokens = (device + len(slots) + len(stored)) * self.cfg.cache.block_size
-            cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots), len(stored))
-            while cached is None and self.reclaim(dp):
-                cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots), len(stored))
-            if cached is None:
-                if slots or stored:
-                    req.kv_tokens = 0
+            placed = self._place(req, ranks, hashes)
+            if placed is None:
                 return "kv"
+            dp, cached, slots, stored = placed
             table.waiting.remove(req)
             req.dp_rank, req.num_computed = dp, cached
             if req.kv_tokens > cached:
@@ -104,6 +97,31 @@ class Admission:
                 req.num_cached = cached + (len(slots) + len(stored)) * self.cfg.cache.block_size
             table.place(req, dp)
         return blocked
+
+    def _place(self, req: Request, ranks: list[int], hashes: list[int]
+               ) -> tuple[int, int, list[int], list[int]] | None:
+        """The rank that admits ``req`` and what it found there: ``(dp, cached tokens, host slots, store hashes)``, or
+        None. Ranks are tried by reusable blocks, then free blocks, then lowest id — each as it is, then each after
+        ending its unread leases (``reclaim``), so a request whose prefix sits on a full rank goes to one with room
+        rather than wait, and no lease ends while another rank has room."""
+        order = sorted(ranks, key=lambda r: (-self._reusable_blocks(r, hashes), -self.kv.num_free(r), r))
+        tiers: dict[int, tuple[list[int], list[int]]] = {}
+        for reclaiming in (False, True):
+            for dp in order:
+                device = self.kv.cached_blocks(dp, hashes)
+                if dp not in tiers:
+                    tiers[dp] = self._tier_prefix(req, dp, hashes, device)
+                slots, stored = tiers[dp]
+                if slots or stored:  # the tiers' blocks arrive like KV from elsewhere
+                    req.kv_tokens = (device + len(slots) + len(stored)) * self.cfg.cache.block_size
+                cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots), len(stored))
+                while cached is None and reclaiming and self.reclaim(dp):
+                    cached = self.kv.admit(req, dp, self._reserve(req, dp, hashes), len(slots), len(stored))
+                if cached is not None:
+                    return dp, cached, slots, stored
+                if slots or stored:
+                    req.kv_tokens = 0
+        return None
 
     def _tier_prefix(self, req: Request, dp: int, hashes: list[int], device: int) -> tuple[list[int], list[int]]:
         """The host slots, then the store's block hashes, that continue ``req``'s device hit of ``device`` blocks on

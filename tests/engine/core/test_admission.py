@@ -111,6 +111,30 @@ def test_an_unread_lease_ends_so_a_request_fits():
     assert leases.reclaimed == 1 and not leases.held and kv.num_free(0) == 2
 
 
+def test_a_prefix_on_a_full_rank_goes_to_a_rank_with_room_and_no_lease_ends_for_it():
+    """dp 2, 4 blocks each: rank 1 holds the prompt's prefix, but its pool is full (a lease keeps the prefix, a
+    running request the rest). The request is admitted on rank 0, computing the prefix, rather than wait; rank 1's
+    lease is not ended while another rank has room. Then rank 0 is full too: the lease ends for the next request."""
+    adm, table, kv = parts(dp_size=2, num_blocks=4)
+    leases = Leases(kv)
+    adm.reclaim = leases.reclaim
+    prompt = list(range(100, 112))  # 3 blocks; a hit may cover 2
+    done = Request("done", prompt, P, 0, dp_rank=1)
+    assert kv.admit(done, 1, 12) == 0
+    kv.commit(done, 12)
+    leases.take(done, 12, lease_s=60.0)  # 3 blocks of rank 1 held
+    busy = Request("busy", [1, 2, 3], P, 0, dp_rank=1)
+    assert kv.admit(busy, 1, 3) == 0 and kv.num_free(1) == 0
+    table.add("same", prompt, P, 0)
+    assert adm.admit(set()) == ""
+    same = table.requests["same"]
+    assert (same.dp_rank, same.num_computed) == (0, 0) and leases.reclaimed == 0
+    table.add("fill", list(range(200, 206)), P, 0)  # 2 blocks: rank 0's last two
+    table.add("more", list(range(300, 306)), P, 0)  # 2 blocks: rank 0 full, rank 1 full but for its lease
+    assert adm.admit(set()) == ""
+    assert [table.requests[r].dp_rank for r in ("fill", "more")] == [0, 1] and leases.reclaimed == 1
+
+
 def test_a_request_waits_for_the_prefix_another_is_prefilling():
     adm, table, kv = parts()
     shared = list(range(300, 316))  # + 1 token: 4 hashable blocks (the fifth holds the last token)
