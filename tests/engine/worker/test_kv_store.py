@@ -83,7 +83,7 @@ def test_a_master_that_just_died_is_an_outage_even_when_the_library_answers_at_o
 
 def test_a_store_that_went_away_is_said_to_be_back_once_it_answers(tmp_path, caplog, monkeypatch):
     """The master dies and a new one starts on its ports: one warning when a call fails, the store left alone for
-    the pause, and the first call that succeeds after it says the store is back, once."""
+    the pause, and the first call that succeeds after it says the store is back — one line per change of state."""
     import logging
 
     import engine.worker.kv_store as kv_store
@@ -103,11 +103,13 @@ def test_a_store_that_went_away_is_said_to_be_back_once_it_answers(tmp_path, cap
                 assert time.monotonic() < deadline, "the client never reached the new master"
                 time.sleep(0.6)
                 client.held([31])
-            assert client.held([31]) == 0 and client.up
+            assert client.up  # the last call succeeded
         lines = [r.getMessage() for r in caplog.records]
-        assert sum("shared KV store: master" in m and "answered" in m for m in lines) == 1, lines
-        assert sum("serving without the shared KV store" in m for m in lines) == 1, lines
-        assert sum("answers again" in m for m in lines) == 1, lines
+        said = ["up" if "answered in" in m else "down" if "serving without" in m else "back" for m in lines
+                if "shared KV store" in m]
+        # one line per change of state, whatever the restart looked like to the library (it may fail a call once
+        # more while the new master comes up): answered, then gone and back in turn, ending back
+        assert said[0] == "up" and said[1:] == ["down", "back"] * (len(said) // 2) and len(said) >= 3, lines
     finally:
         client.close()
         master.kill()
