@@ -28,6 +28,7 @@ from model.config import load_config
 from model.tokenizer import load_tokenizer
 from tests.engine.sampling.test_tool_calls import smg_required_tag
 from tests.support.paths import REPO_ROOT
+from tests.support.trees import node_paths
 
 AGENT = REPO_ROOT / "model" / "zoo" / "tiny_kimi_agent" / "target"
 TINY = REPO_ROOT / "model" / "zoo" / "tiny_kimi" / "target"
@@ -197,20 +198,14 @@ def test_draft_tree_masks_under_the_forced_tag_equal_a_fresh_matchers():
         assert all(m.accept_token(t) for t in prefix)
         masks = torch.zeros(budget + 1, backend.words, dtype=torch.int32)
         tree, _ = build_tree_grammar(logq, prefix[-1], budget, backend.walk(m), masks, chain=chain)
-        toks, par, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-        for i in range(1, len(toks)):
-            if not valid[i]:
-                continue
-            path, j = [], i
-            while j > 0:
-                path.append(toks[j])
-                j = par[j]
+        toks, valid = tree.tokens.tolist(), tree.valid.tolist()
+        for i, path in node_paths(tree):
             fresh = backend.matcher(c)
-            assert all(fresh.accept_token(t) for t in prefix + path[::-1])
+            assert all(fresh.accept_token(t) for t in prefix + path)
             want = torch.full((1, backend.words), -1, dtype=torch.int32)
             if not fresh.is_terminated():
                 fresh.fill_next_token_bitmask(want, 0)
-            assert torch.equal(masks[i], want[0]), tok.decode(path[::-1])
+            assert torch.equal(masks[i], want[0]), tok.decode(path)
         placed = {t for t, v in zip(toks[1:], valid[1:], strict=True) if v and t in backend.special}
         assert not placed, tok.decode(sorted(placed))  # the drafter's favourites, none inside the string
 

@@ -29,6 +29,7 @@ from tests.engine.test_engine import run_requests
 from tests.support.layouts import layout
 from tests.support.paths import REPO_ROOT
 from tests.support.sampling import sampling_batch
+from tests.support.trees import node_paths
 
 ZOO = REPO_ROOT / "model" / "zoo" / "tiny_kimi"
 TARGET = ZOO / "target"
@@ -171,16 +172,8 @@ def test_a_grammar_built_tree_holds_only_allowed_paths_with_their_masks(chain):
     masks = torch.zeros(budget + 1 if not chain else 9, gb.words, dtype=torch.int32)
     tree, pruned = build_tree_grammar(logq, 93, budget, walk, masks, chain=chain)
     assert pruned > 0
-    toks, par, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
     want = torch.zeros_like(masks[:1])
-    for i in range(len(toks)):
-        if not valid[i]:
-            continue
-        path, j = [], i
-        while j > 0:
-            path.append(toks[j])
-            j = par[j]
-        path.reverse()
+    for i, path in node_paths(tree, first=0):
         fresh = gb.matcher(c)
         for t in tok.encode('{"name": "') + path:
             assert fresh.accept_token(t), (i, path)

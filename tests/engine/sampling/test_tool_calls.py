@@ -23,6 +23,7 @@ from engine.sampling.grammar import GrammarBackend, unpack_bits
 from engine.sampling.thought_gate import ThoughtGate
 from model.tokenizer import load_tokenizer
 from tests.support.paths import REPO_ROOT
+from tests.support.trees import node_paths
 
 AGENT = REPO_ROOT / "model" / "zoo" / "tiny_kimi_agent" / "target"
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "smg_kimik2_parser.json"
@@ -181,16 +182,8 @@ def test_tree_masks_through_the_gate_equal_a_fresh_matcher_on_each_path(agent):
     budget = 32
     masks = torch.zeros(budget + 1, backend.words, dtype=torch.int32)
     tree, _ = build_tree_grammar(logq, tok.encode("x")[0], budget, backend.walk(g), masks)
-    toks, par, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
     crossed = 0
-    for i in range(1, len(toks)):
-        if not valid[i]:
-            continue
-        path, j = [], i
-        while j > 0:
-            path.append(toks[j])
-            j = par[j]
-        path.reverse()
+    for i, path in node_paths(tree):
         crossed += close in path
         fresh = gated(backend, c, close, 2)
         assert all(fresh.accept_token(t) for t in [tok.encode("ok")[0], *path]), path
