@@ -99,16 +99,7 @@ def gumbel_noise(seed: Tensor, num_generated: Tensor, vocab_size: int) -> Tensor
     depend on the batch); on CUDA ``torch.log`` (one routine per element)."""
     key = mix64(mix64(seed) + num_generated * GAMMA)  # [B]
     ids = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seed.device)
-    return _gumbel(mix64(key[:, None] + ids * GAMMA))  # [B, V]
-
-
-def gumbel_noise_at(seed: Tensor, num_generated: Tensor, token_ids: Tensor) -> Tensor:
-    """:func:`gumbel_noise`'s values at ``token_ids [B, M]`` int64 only: ``[B, M]`` float32, bit for bit."""
-    key = mix64(mix64(seed) + num_generated * GAMMA)  # [B]
-    return _gumbel(mix64(key[:, None] + (token_ids + 1) * GAMMA))
-
-
-def _gumbel(bits: Tensor) -> Tensor:
+    bits = mix64(key[:, None] + ids * GAMMA)  # [B, V]
     u = (_shr(bits, 41) * 2 + 1).float() * 2.0**-24
     log = torch.log if u.is_cuda else fixed_math.log
     return -log(-log(u))

@@ -20,7 +20,6 @@ from engine.sampling.sampler import (
     draw_scores,
     filter_logits,
     gumbel_noise,
-    gumbel_noise_at,
     mix64,
     sample,
 )
@@ -310,12 +309,6 @@ def test_logprobs_of_chosen_and_top_n():
 def test_sampling_rows_reject_ragged_inputs():
     with pytest.raises(ValueError, match="equal lengths"):
         sampling_batch([SamplingParams()] * 2, [0], [0, 0])
-
-
-def test_noise_at_token_ids_is_the_rows_noise():
-    seed, index = torch.tensor([3, -(2**62), 11]), torch.tensor([0, 7, 123])
-    ids = torch.randint(0, 500, (3, 40), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(gumbel_noise_at(seed, index, ids), gumbel_noise(seed, index, 500).gather(1, ids))
 
 
 @pytest.mark.parametrize("candidates", [500, 64])
